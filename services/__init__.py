@@ -1,0 +1,1 @@
+"""Tandem's four services: router, prefill, decode and kvcache (each runs as its own process)."""

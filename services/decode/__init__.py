@@ -1,0 +1,1 @@
+"""The decode service (built in its own issue; see ../../docs/architecture.md)."""

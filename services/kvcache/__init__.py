@@ -1,0 +1,1 @@
+"""The kvcache service (built in its own issue; see ../../docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""The router service (built in its own issue; see ../../docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""Code common to Tandem's services: model runtime, KV layout, engine, wire schemas, planes."""

@@ -1,0 +1,1 @@
+"""The inference engine: sequences, sampling, scheduling and the continuous-batching loop."""

@@ -1,0 +1,346 @@
+"""The engine: one model, one paged KV cache, continuous batching over many sequences.
+
+`step()` runs one forward: a prefill batch when sequences are waiting and fit, otherwise one
+decode step for every running sequence (the colocated schedule: prefill first, as classic
+monolithic servers do). The same engine serves each role of the disaggregated stack:
+`prefill_and_export` for a prefill node (prefill, sample the first token, hand the KV out as
+bytes, free the blocks) and `add_snapshot` + `step` for a decode node (import the KV, join
+the running batch).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.detokenize import IncrementalDetokenizer
+from shared.engine.sampling import SamplingParams, new_seed, sample
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.sequence import Sequence, SequenceSnapshot, SequenceStatus
+from shared.errors import CapacityError, InvalidRequestError, WireFormatError
+from shared.kv.block_pool import BlockPool
+from shared.kv.export import decode_kv, encode_kv
+from shared.kv.paged_cache import PagedKVCache
+from shared.model.loader import LoadedModel
+from shared.model.runner import ModelRunner, PackedItem, kv_layout
+
+_DETOK_CONTEXT = 4  # prompt tokens given to the detokenizer for the first word's spacing
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # default: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True
+    detokenize: bool = True
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    last_batch_size: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Owns the model runner, KV cache, block pool and scheduler."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        self.layout = kv_layout(model, self.config.block_size)
+        num_blocks = self.config.num_blocks or max(
+            1, self.config.kv_cache_bytes // self.layout.bytes_per_block
+        )
+        self.pool = BlockPool(num_blocks)
+        self.cache = PagedKVCache(self.layout, num_blocks, model.device)
+        self.runner = ModelRunner(model, self.cache)
+        hash_extra = f"{model.served_name}/{self.layout.dtype}".encode()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=self.config.block_size,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            ),
+            self.pool,
+            hash_extra,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.vocab_size = int(model.config.vocab_size)
+        self._ids = itertools.count()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (or CapacityError) without touching any state."""
+        params.validate(request_id)
+        limit = self.model.max_model_len
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty", request_id=request_id, param="prompt")
+        if len(prompt_ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}",
+                request_id=request_id,
+                param="prompt",
+            )
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context of {limit}",
+                request_id=request_id,
+                param="max_tokens",
+            )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                "prompt contains token ids outside the vocabulary",
+                request_id=request_id,
+                param="prompt",
+            )
+        if self.scheduler.blocks_for(len(prompt_ids) + params.max_tokens) > self.pool.num_blocks:
+            raise CapacityError(
+                "request needs more KV blocks than this node has in total", request_id=request_id
+            )
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)
+
+    def _new_sequence(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int
+    ) -> Sequence:
+        seq = Sequence(request_id, list(prompt_ids), params, seed)
+        if self.config.detokenize or params.stop:
+            seq.detok = IncrementalDetokenizer(
+                self.model.tokenizer, prompt_ids[-_DETOK_CONTEXT:], params.stop
+            )
+        return seq
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request for prefill; returns its id. Invalid input raises and changes nothing."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.validate(request_id, prompt_ids, params)
+        seed = params.seed if params.seed is not None else new_seed()
+        seq = self._new_sequence(request_id, prompt_ids, params, seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def add_snapshot(self, snapshot: SequenceSnapshot, kv_frame: bytes) -> str:
+        """Continue a sequence computed elsewhere: import its KV, then join the batch."""
+        header, blocks = decode_kv(kv_frame)
+        if header.layout() != self.layout:
+            raise WireFormatError(
+                f"KV layout {header.layout()} does not match this node's {self.layout}",
+                request_id=snapshot.request_id,
+            )
+        if header.first_block != 0 or header.num_tokens != snapshot.num_computed:
+            raise WireFormatError(
+                "KV export must cover the sequence from its first block up to num_computed",
+                request_id=snapshot.request_id,
+            )
+        if self.scheduler.blocks_for(snapshot.num_computed) != header.num_blocks:
+            raise WireFormatError(
+                "KV export block count does not match its token count",
+                request_id=snapshot.request_id,
+            )
+        total = len(snapshot.prompt_ids) + len(snapshot.output_ids)
+        if not total - snapshot.num_computed > 0:
+            raise WireFormatError("snapshot has no pending token", request_id=snapshot.request_id)
+        remaining = snapshot.params.max_tokens - len(snapshot.output_ids)
+        self.validate(
+            snapshot.request_id,
+            snapshot.prompt_ids,
+            snapshot.params,
+        )
+        if remaining <= 0:
+            raise InvalidRequestError(
+                "snapshot has already produced max_tokens", request_id=snapshot.request_id
+            )
+        if not self.pool.can_allocate(header.num_blocks):
+            raise CapacityError(
+                f"no room for {header.num_blocks} KV blocks ({self.pool.num_free} free)",
+                request_id=snapshot.request_id,
+            )
+        block_ids = self.pool.allocate(header.num_blocks)
+        self.cache.write_blocks(block_ids, blocks)
+        seq = self._new_sequence(
+            snapshot.request_id, snapshot.prompt_ids, snapshot.params, snapshot.seed
+        )
+        seq.output_ids = list(snapshot.output_ids)
+        if seq.detok is not None:
+            for tok in seq.output_ids:
+                seq.detok.add(tok)
+            seq.detok.emitted = len(seq.detok.text)  # that text was streamed by the sender
+        seq.block_ids = block_ids
+        seq.num_computed = snapshot.num_computed
+        self.requests[seq.request_id] = seq
+        if len(seq.pending_ids) == 1:
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq, front=True)
+        return seq.request_id
+
+    def export(self, request_id: str) -> tuple[SequenceSnapshot, bytes]:
+        """Snapshot and KV frame of a sequence (its blocks stay allocated)."""
+        seq = self.requests[request_id]
+        nblocks = self.scheduler.blocks_for(seq.num_computed)
+        data = self.cache.read_blocks(seq.block_ids[:nblocks])
+        return seq.snapshot(), encode_kv(self.layout, data, seq.num_computed)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks are freed. False if unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    # ---- execution -------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[StepOutput]:
+        """One forward pass (prefill batch or decode step); outputs of the sequences in it."""
+        batch = self.scheduler.schedule_prefill()
+        if batch:
+            logits = self.runner.forward_packed(
+                [PackedItem(s.pending_ids, s.num_computed, s.block_ids) for s in batch]
+            )
+            self.stats.prefill_steps += 1
+            self.stats.prefill_tokens += sum(len(s.pending_ids) for s in batch)
+            for seq in batch:
+                self.scheduler.add_running(seq)
+        else:
+            batch = self.scheduler.schedule_decode()
+            if not batch:
+                return []
+            logits = self.runner.forward_decode(
+                [s.all_ids[-1] for s in batch],
+                [s.num_tokens - 1 for s in batch],
+                [s.block_ids for s in batch],
+            )
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(batch)
+        self.stats.steps += 1
+        self.stats.last_batch_size = len(batch)
+        return self._after_forward(batch, logits)
+
+    def _after_forward(self, batch: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        positions = [s.num_tokens for s in batch]
+        tokens = sample(logits, [s.params for s in batch], [s.seed for s in batch], positions)
+        outputs = []
+        for seq, tok in zip(batch, tokens, strict=True):
+            seq.num_computed = seq.num_tokens
+            self.scheduler.commit_full_blocks(seq)
+            outputs.append(self._append_token(seq, tok))
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int) -> StepOutput:
+        seq.output_ids.append(tok)
+        reason: str | None = None
+        if tok in self.model.eos_token_ids and not seq.params.ignore_eos:
+            reason = "stop"
+        elif seq.detok is not None:
+            seq.detok.add(tok)
+            if seq.detok.stopped:
+                reason = "stop"
+        if reason is None and (
+            len(seq.output_ids) >= seq.params.max_tokens
+            or seq.num_tokens >= self.model.max_model_len
+        ):
+            reason = "length"
+        text = seq.detok.delta(final=reason is not None) if seq.detok is not None else ""
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[tok],
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.requests.pop(seq.request_id, None)
+        self.stats.cached_prompt_tokens += seq.num_cached_tokens
+
+    # ---- roles -----------------------------------------------------------------------------
+
+    def prefill_and_export(
+        self, requests: list[tuple[str, list[int], SamplingParams]]
+    ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
+        """Prefill node: one packed forward for all, first tokens, KV frames; blocks freed.
+
+        A request finished by its first token (EOS, max_tokens=1) has no snapshot to ship.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("prefill_and_export needs an engine with no other work")
+        for request_id, prompt_ids, params in requests:
+            self.add_request(prompt_ids, params, request_id)
+        results: list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]] = []
+        while self.scheduler.waiting:
+            outs = self.step()
+            if not outs:
+                raise CapacityError("KV blocks exhausted during prefill")
+            for out in outs:
+                if out.finished:
+                    results.append((out, None, None))
+                    continue
+                snapshot, frame = self.export(out.request_id)
+                self.abort(out.request_id)
+                results.append((out, snapshot, frame))
+        return results
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion (a convenience for tools and tests)."""
+        ids = [self.add_request(p, params) for p in prompts]
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[i] for i in ids]
+
+    def cancel_all(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)

@@ -1,0 +1,154 @@
+"""Continuous-batching scheduler: which sequences run in the next forward, and their KV blocks.
+
+Life cycle of a sequence here: WAITING (queued, FIFO) → admitted into a prefill batch when
+its blocks fit → RUNNING (one token per decode step) → FINISHED (blocks freed). When a
+decode step needs a block and none is free, the most recently admitted running sequence is
+preempted: its blocks are freed (full ones stay findable in the prefix cache) and it goes
+back to the head of the queue to be recomputed, so memory stays bounded and nothing is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.engine.sequence import Sequence, SequenceStatus
+from shared.kv.block_hash import ROOT_HASH, BlockHash, block_hashes
+from shared.kv.block_pool import BlockPool
+
+
+@dataclass
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and block allocation for both."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, hash_extra: bytes) -> None:
+        self.config = config
+        self.pool = pool
+        self.hash_extra = hash_extra
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = SequenceStatus.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release_blocks(seq)
+
+    def release_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+
+    def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[BlockHash]]:
+        """Cached blocks covering the longest prefix of the sequence (leaving ≥1 token pending)."""
+        if not self.config.enable_prefix_caching or seq.block_ids:
+            return [], []
+        hashes = block_hashes(
+            seq.all_ids[: seq.num_tokens - 1], self.config.block_size, self.hash_extra
+        )
+        hits: list[int] = []
+        for h in hashes:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, hashes[: len(hits)]
+
+    def schedule_prefill(self) -> list[Sequence]:
+        """Admit waiting sequences, FIFO, while their tokens and blocks fit."""
+        batch: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits, hit_hashes = self._prefix_hits(seq)
+            computed = seq.num_computed if seq.block_ids else len(hits) * self.config.block_size
+            pending = seq.num_tokens - computed
+            if batch and tokens + pending > self.config.max_num_batched_tokens:
+                break
+            held = len(seq.block_ids) + len(hits)
+            need = max(0, self.blocks_for(seq.num_tokens) - held)
+            reclaimed = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+            if not self.pool.can_allocate(need + reclaimed):
+                break
+            self.pool.share(hits)
+            seq.block_ids = seq.block_ids + hits + self.pool.allocate(need)
+            if hits:
+                seq.block_hashes = hit_hashes
+                seq.num_computed = computed
+                seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
+            self.waiting.popleft()
+            batch.append(seq)
+            tokens += pending
+        for seq in batch:
+            seq.status = SequenceStatus.RUNNING
+        return batch
+
+    def schedule_decode(self) -> list[Sequence]:
+        """Every running sequence, each with a slot for its next token (preempting if needed)."""
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below to make room for an earlier sequence
+            if seq.num_computed // self.config.block_size >= len(seq.block_ids):
+                while not self.pool.can_allocate(1) and self._preempt_last(keep=seq):
+                    pass
+                if not self.pool.can_allocate(1):
+                    self._preempt(seq)
+                    continue
+                seq.block_ids.extend(self.pool.allocate(1))
+            scheduled.append(seq)
+        return scheduled
+
+    def _preempt_last(self, keep: Sequence) -> bool:
+        for victim in reversed(self.running):
+            if victim is not keep:
+                self._preempt(victim)
+                return True
+        return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release_blocks(seq)
+        seq.num_computed = 0
+        seq.block_hashes = []
+        self.num_preemptions += 1
+        self.add(seq, front=True)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Name newly filled blocks by their chained hash so later prefixes can reuse them."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        full = seq.num_computed // bs
+        known = len(seq.block_hashes)
+        if full <= known:
+            return
+        ids = seq.all_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        new = block_hashes(ids[known * bs : full * bs], bs, self.hash_extra, parent=parent)
+        for i, h in enumerate(new, start=known):
+            self.pool.commit_hash(seq.block_ids[i], h)
+        seq.block_hashes.extend(new)

@@ -1,0 +1,80 @@
+"""A sequence's state, and the snapshot of it that travels between nodes.
+
+Invariant: `all_ids = prompt_ids + output_ids`; the KV cache holds the first `num_computed`
+of them; the rest (at least one token while running) are pending and go into the next
+forward, which then samples one new token. A fresh request has its whole prompt pending;
+a decode step has exactly one pending token; a sequence imported from another node or
+resumed after a failure has whatever its exported KV does not cover.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import msgspec
+
+from shared.engine.detokenize import IncrementalDetokenizer
+from shared.engine.sampling import SamplingParams
+from shared.kv.block_hash import BlockHash
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SequenceSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What another node needs to continue a sequence, beside its KV blocks."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    seed: int
+    num_computed: int  # KV tokens the accompanying export covers
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    detok: IncrementalDetokenizer | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of its full computed blocks
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_ids(self) -> list[int]:
+        return self.all_ids[self.num_computed :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def snapshot(self) -> SequenceSnapshot:
+        return SequenceSnapshot(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            output_ids=list(self.output_ids),
+            params=self.params,
+            seed=self.seed,
+            num_computed=self.num_computed,
+        )

@@ -1,0 +1,1 @@
+"""Paged KV cache: block hashes, the block pool, the tensor store and the export format."""

@@ -1,0 +1,77 @@
+"""The KV tensor store: one preallocated tensor holding every block of every layer.
+
+Layout `[layers, 2 (key, value), num_blocks, block_size, kv_heads, head_dim]`: a block id
+indexes dim 2, so exporting a sequence is one `index_select` and a token's slot is
+`block_id * block_size + offset` in the flattened `(num_blocks * block_size)` view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a KV cache; two processes exchange blocks only when their layouts match."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+class PagedKVCache:
+    """Preallocated KV storage indexed by block id (allocation lives in BlockPool)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.kv = torch.zeros(
+            (
+                layout.num_layers,
+                2,
+                num_blocks,
+                layout.block_size,
+                layout.num_kv_heads,
+                layout.head_dim,
+            ),
+            dtype=layout.dtype,
+            device=device,
+        )
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys/values `[n, kv_heads, head_dim]` at flat token slots `[n]`."""
+        lay = self.layout
+        flat = self.kv[layer].view(2, -1, lay.num_kv_heads, lay.head_dim)
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks as `[batch, kv_heads, blocks * block_size, head_dim]`."""
+        batch, nblocks = block_tables.shape
+        lay = self.layout
+        shape = (batch, nblocks * lay.block_size, lay.num_kv_heads, lay.head_dim)
+        k = self.kv[layer, 0][block_tables].view(shape).transpose(1, 2)
+        v = self.kv[layer, 1][block_tables].view(shape).transpose(1, 2)
+        return k, v
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy `[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(2, index).contiguous()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of `read_blocks`."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))

@@ -1,0 +1,199 @@
+"""The forward pass over the paged KV cache, for Llama-shaped decoder models.
+
+Two entry points. `forward_packed` runs several sequences' pending tokens in one pass (a
+prefill batch, or a resumed sequence's catch-up): the tokens are concatenated, so linear
+layers see no padding, and attention runs per sequence. `forward_decode` runs exactly one
+token for each of many sequences, with one batched attention call per layer over the
+gathered blocks. Norms, MLPs and rotary tables are the transformers model's own modules, and
+attention is computed with the same `scaled_dot_product_attention` calls transformers makes,
+so float32 greedy tokens equal `model.generate`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shared.kv.paged_cache import KVLayout, PagedKVCache
+from shared.model.loader import LoadedModel
+
+
+@dataclass
+class PackedItem:
+    """One sequence in a packed forward: `token_ids` start at absolute position `start`."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+
+
+def kv_layout(model: LoadedModel, block_size: int) -> KVLayout:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVLayout(
+        num_layers=int(cfg.num_hidden_layers),
+        num_kv_heads=int(cfg.num_key_value_heads),
+        head_dim=int(head_dim),
+        block_size=block_size,
+        dtype=model.dtype,
+    )
+
+
+class ModelRunner:
+    """Runs the model's layers against a PagedKVCache; returns last-position logits."""
+
+    def __init__(self, model: LoadedModel, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.layout = cache.layout
+        self.device = model.device
+        hf: Any = model.hf_model
+        self.embed = hf.model.embed_tokens
+        self.layers = list(hf.model.layers)
+        self.norm = hf.model.norm
+        self.lm_head = hf.lm_head
+        self.rotary = hf.model.rotary_emb
+        cfg = model.config
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = self.layout.num_kv_heads
+        self.head_dim = self.layout.head_dim
+        self.n_rep = self.num_heads // self.num_kv_heads
+        self.scaling = float(self.layers[0].self_attn.scaling)
+
+    def _slots(self, block_ids: list[int], start: int, count: int) -> list[int]:
+        bs = self.layout.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, start + count)]
+
+    def _qkv(
+        self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[n, heads, d]`, k and v `[n, kv_heads, d]` for `n` tokens, rotary applied."""
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(x, positions[None, :])
+        return cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+
+    @torch.inference_mode()
+    def forward_packed(self, items: list[PackedItem]) -> torch.Tensor:
+        """KV for every item's tokens into the cache; logits `[len(items), vocab]` of each last."""
+        ids = [t for it in items for t in it.token_ids]
+        positions = torch.tensor(
+            [it.start + i for it in items for i in range(len(it.token_ids))], device=self.device
+        )
+        slots = torch.tensor(
+            [s for it in items for s in self._slots(it.block_ids, it.start, len(it.token_ids))],
+            device=self.device,
+        )
+        bounds: list[tuple[int, int]] = []
+        offset = 0
+        for it in items:
+            bounds.append((offset, offset + len(it.token_ids)))
+            offset += len(it.token_ids)
+        h = self.embed(torch.tensor(ids, device=self.device))
+        cos, sin = self._rope(h, positions)
+        for layer_idx, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, x, cos, sin)
+            self.cache.write(layer_idx, slots, k, v)
+            outs = [
+                self._attend_prefix(layer_idx, it, q[a:b], k[a:b], v[a:b])
+                for it, (a, b) in zip(items, bounds, strict=True)
+            ]
+            o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+            h = residual + attn.o_proj(o.reshape(len(ids), -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = torch.tensor([b - 1 for _, b in bounds], device=self.device)
+        logits: torch.Tensor = self.lm_head(self.norm(h[last]))
+        return logits.float()
+
+    def _attend_prefix(
+        self, layer_idx: int, item: PackedItem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention of one sequence's new tokens over its cached prefix and themselves."""
+        n = q.shape[0]
+        qh = q.transpose(0, 1)[None]  # [1, heads, n, d]
+        if item.start == 0:
+            out = F.scaled_dot_product_attention(
+                qh,
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=n > 1,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+        else:
+            total = item.start + n
+            nblocks = self.layout.blocks_for_tokens(total)
+            table = torch.tensor([item.block_ids[:nblocks]], device=self.device)
+            kc, vc = self.cache.gather(layer_idx, table)
+            kc, vc = kc[:, :, :total], vc[:, :, :total]
+            qpos = torch.arange(item.start, total, device=self.device)
+            mask = torch.arange(total, device=self.device)[None, :] <= qpos[:, None]
+            out = F.scaled_dot_product_attention(
+                qh, kc, vc, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+        return out[0].transpose(0, 1)  # [n, heads, d]
+
+    @torch.inference_mode()
+    def forward_decode(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """One new token per sequence (at `positions`); logits `[batch, vocab]`."""
+        batch = len(token_ids)
+        bs = self.layout.block_size
+        pos = torch.tensor(positions, device=self.device)
+        slots = torch.tensor(
+            [
+                table[p // bs] * bs + p % bs
+                for table, p in zip(block_tables, positions, strict=True)
+            ],
+            device=self.device,
+        )
+        lengths = [p + 1 for p in positions]
+        max_len = max(lengths)
+        nblocks = -(-max_len // bs)
+        table = torch.tensor(
+            [t[:nblocks] + [0] * (nblocks - len(t[:nblocks])) for t in block_tables],
+            device=self.device,
+        )
+        mask: torch.Tensor | None = None
+        if min(lengths) != max_len:
+            keys = torch.arange(max_len, device=self.device)
+            mask = (keys[None, :] < torch.tensor(lengths, device=self.device)[:, None])[
+                :, None, None, :
+            ]
+        h = self.embed(torch.tensor(token_ids, device=self.device))
+        cos, sin = self._rope(h, pos)
+        for layer_idx, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, x, cos, sin)
+            self.cache.write(layer_idx, slots, k, v)
+            kc, vc = self.cache.gather(layer_idx, table)
+            kc, vc = kc[:, :, :max_len], vc[:, :, :max_len]
+            # One query per sequence: fold the query heads of each KV group into the query
+            # axis, so attention reads each KV head once instead of repeating it n_rep times.
+            qg = q.view(batch, self.num_kv_heads, self.n_rep, self.head_dim)
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
+            h = residual + attn.o_proj(o.reshape(batch, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits: torch.Tensor = self.lm_head(self.norm(h))
+        return logits.float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

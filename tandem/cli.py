@@ -1,0 +1,31 @@
+"""The `tandem` console script: one sub-command per tool or service."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem import __version__, generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: disaggregated LLM inference server"
+    )
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

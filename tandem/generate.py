@@ -7,7 +7,7 @@ import sys
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
-from shared.errors import TandemError
+from shared.errors import InvalidRequestError, TandemError
 from tandem.options import add_model_options, add_option
 from tandem.runtime import configure_threads
 
@@ -31,21 +31,25 @@ def run(args: argparse.Namespace) -> int:
     from shared.model.loader import load_model
 
     configure_threads(args.threads)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
     try:
+        # Check what needs no model first: a typo should not cost a model load.
+        params.validate()
+        if not args.prompt:
+            raise InvalidRequestError("prompt is empty", param="prompt")
         model = load_model(args.model, dtype=args.dtype, device=args.device)
         ids = (
             model.apply_chat_template([{"role": "user", "content": args.prompt}])
             if args.chat
             else model.encode(args.prompt)
-        )
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=tuple(args.stop),
-            ignore_eos=args.ignore_eos,
         )
         engine = Engine(model, EngineConfig(max_num_seqs=1))
         engine.add_request(ids, params)

@@ -120,7 +120,8 @@ class Scheduler:
                     continue
                 seq.block_ids.extend(self.pool.allocate(1))
             scheduled.append(seq)
-        return scheduled
+        # A sequence scheduled early may have been preempted to make room for a later one.
+        return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
 
     def _preempt_last(self, keep: Sequence) -> bool:
         for victim in reversed(self.running):

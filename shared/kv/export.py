@@ -89,7 +89,7 @@ def decode_kv(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, to
         raise WireFormatError("KV frame header length out of range")
     try:
         header = _header_decoder.decode(view[_PREFIX.size : _PREFIX.size + head_len])
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 in a str field
         raise WireFormatError(f"bad KV frame header: {exc}") from exc
     if header.version != EXPORT_VERSION:
         raise WireFormatError(f"unsupported KV frame version {header.version}")

@@ -1,0 +1,188 @@
+"""Engine behaviour on a tiny random Llama: batching, preemption, export, errors, prefix reuse."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.errors import CapacityError, InvalidRequestError
+from shared.model.loader import LoadedModel
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+
+
+def alone(model: LoadedModel, prompt: list[int], params: SamplingParams) -> list[int]:
+    return Engine(model, EngineConfig(num_blocks=64)).generate([prompt], params)[0]
+
+
+def run_to_end(engine: Engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def test_greedy_matches_transformers_generate(tiny_model: LoadedModel) -> None:
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    ps = prompts(4, seed=1)
+    ours = engine.generate(ps, GREEDY)
+    for p, got in zip(ps, ours, strict=True):
+        ref = tiny_model.hf_model.generate(
+            torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, len(p) :].tolist()
+        assert got == ref
+
+
+def test_requests_joining_at_different_steps_match_alone(tiny_model: LoadedModel) -> None:
+    ps = prompts(16, seed=2)
+    params = [
+        SamplingParams(max_tokens=5 + i % 7, temperature=0, ignore_eos=True) for i in range(16)
+    ]
+    engine = Engine(tiny_model, EngineConfig(num_blocks=256))
+    ids: dict[str, int] = {}
+    got: dict[str, list[int]] = {}
+    step = 0
+    widest = 0
+    pending = list(range(16))
+    while pending or engine.has_unfinished():
+        # one or two new requests join every other step while others are mid-decode
+        if pending and step % 2 == 0:
+            for i in pending[:2]:
+                ids[engine.add_request(ps[i], params[i])] = i
+            pending = pending[2:]
+        outs = engine.step()
+        widest = max(widest, len(outs))
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    assert widest >= 6  # the batch really ran many sequences at once
+    for rid, i in ids.items():
+        assert got[rid] == alone(tiny_model, ps[i], params[i]), f"request {i}"
+    assert engine.pool.num_used == 0
+
+
+def test_preemption_under_block_pressure_keeps_tokens(tiny_model: LoadedModel) -> None:
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=24, enable_prefix_caching=False))
+    got = engine.generate(ps, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert got == [alone(tiny_model, p, params) for p in ps]
+    assert engine.pool.num_used == 0
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_model: LoadedModel) -> None:
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    good = prompts(1, seed=4)[0]
+    rid = engine.add_request(good, GREEDY)
+    engine.step()
+    cases: list[tuple[list[int], SamplingParams, str]] = [
+        ([], GREEDY, "prompt"),
+        ([5] * 600, GREEDY, "prompt"),  # tiny context is 512
+        ([5] * 500, SamplingParams(max_tokens=100), "max_tokens"),
+        ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
+        ([5, 6], SamplingParams(max_tokens=-1), "max_tokens"),
+        ([5, 6], SamplingParams(temperature=-1.0), "temperature"),
+        ([5, 10**6], GREEDY, "prompt"),
+    ]
+    for prompt, params, param in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(prompt, params)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([5, 6], GREEDY, request_id=rid)  # duplicate id
+    tiny = Engine(tiny_model, EngineConfig(num_blocks=2))
+    with pytest.raises(CapacityError):
+        tiny.add_request([5] * 40, GREEDY)
+    assert engine.num_waiting + engine.num_running == 1
+    rest = run_to_end(engine)[rid]
+    assert len(rest) == GREEDY.max_tokens - 1
+    assert alone(tiny_model, good, GREEDY)[1:] == rest
+
+
+def test_abort_frees_blocks(tiny_model: LoadedModel) -> None:
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    rids = [engine.add_request(p, GREEDY) for p in prompts(3, seed=5)]
+    engine.step()
+    engine.step()
+    assert engine.pool.num_used > 0
+    for rid in rids:
+        assert engine.abort(rid)
+    assert not engine.abort("unknown")
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_prefix_cache_hit_gives_cold_tokens(tiny_model: LoadedModel) -> None:
+    shared_prefix = prompts(1, seed=6)[0] * 3  # ~ several full blocks
+    a = [*shared_prefix, 11, 12, 13]
+    b = [*shared_prefix, 21, 22]
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    engine.generate([a], GREEDY)
+    rid = engine.add_request(b, GREEDY)
+    seq = engine.requests[rid]
+    got = run_to_end(engine)[rid]
+    assert seq.num_cached_tokens >= 16
+    assert got == alone(tiny_model, b, GREEDY)
+
+
+def test_export_import_continues_exactly(tiny_model: LoadedModel) -> None:
+    ps = prompts(3, seed=7)
+    params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    reference = Engine(tiny_model, EngineConfig(num_blocks=64)).generate(ps, params)
+    prefill = Engine(tiny_model, EngineConfig(num_blocks=64))
+    results = prefill.prefill_and_export([(f"r{i}", p, params) for i, p in enumerate(ps)])
+    assert prefill.pool.num_used == 0
+    decode = Engine(tiny_model, EngineConfig(num_blocks=64))
+    first: dict[str, int] = {}
+    for out, snap, frame in results:
+        assert snap is not None and frame is not None
+        first[out.request_id] = out.new_token_ids[0]
+        decode.add_snapshot(snap, frame)
+    assert decode.num_running == 3  # joined the running batch directly
+    rest = run_to_end(decode)
+    for i in range(3):
+        assert [first[f"r{i}"], *rest[f"r{i}"]] == reference[i]
+
+
+def test_seeded_sampling_resumes_mid_sequence(tiny_model: LoadedModel) -> None:
+    prompt = prompts(1, seed=8)[0]
+    params = SamplingParams(max_tokens=30, temperature=1.0, top_k=50, seed=99, ignore_eos=True)
+    reference = alone(tiny_model, prompt, params)
+    first = Engine(tiny_model, EngineConfig(num_blocks=64))
+    rid = first.add_request(prompt, params)
+    produced: list[int] = []
+    for _ in range(11):
+        produced.extend(first.step()[0].new_token_ids)
+    snapshot, frame = first.export(rid)
+    second = Engine(tiny_model, EngineConfig(num_blocks=64))
+    second.add_snapshot(snapshot, frame)
+    assert produced + run_to_end(second)[rid] == reference
+
+
+def test_stop_strings_and_eos(tiny_model: LoadedModel) -> None:
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    prompt = prompts(1, seed=9)[0]
+    full = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    text = tiny_model.tokenizer.decode(full[0], skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, stop=(stop,)))
+    streamed, reason = "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            streamed += o.text
+            reason = o.finish_reason
+    assert reason == "stop"
+    assert streamed == text[: text.index(stop)]
+    assert rid not in engine.requests

@@ -1,0 +1,74 @@
+"""KV export frames: exact round trip, and clean errors for anything malformed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.errors import WireFormatError
+from shared.kv.export import decode_kv, encode_kv
+from shared.kv.paged_cache import KVLayout, PagedKVCache
+
+pytestmark = pytest.mark.unit
+
+
+def layout(dtype: torch.dtype = torch.float32) -> KVLayout:
+    return KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_between_caches(dtype: torch.dtype) -> None:
+    lay = layout(dtype)
+    src = PagedKVCache(lay, 10, torch.device("cpu"))
+    src.kv.copy_(torch.randn(src.kv.shape).to(dtype))
+    frame = encode_kv(lay, src.read_blocks([7, 2, 5]), num_tokens=10)
+    header, data = decode_kv(frame)
+    assert header.num_blocks == 3 and header.num_tokens == 10 and header.layout() == lay
+    dst = PagedKVCache(lay, 6, torch.device("cpu"))
+    dst.write_blocks([0, 1, 2], data)
+    assert torch.equal(dst.kv[:, :, 0], src.kv[:, :, 7])
+    assert torch.equal(dst.kv[:, :, 1], src.kv[:, :, 2])
+    assert torch.equal(dst.kv[:, :, 2], src.kv[:, :, 5])
+
+
+def good_frame() -> bytes:
+    lay = layout()
+    cache = PagedKVCache(lay, 2, torch.device("cpu"))
+    return encode_kv(lay, cache.read_blocks([0, 1]), num_tokens=8)
+
+
+def test_truncated_frame_is_rejected() -> None:
+    frame = good_frame()
+    for cut in (0, 3, 8, 20, len(frame) - 1):
+        with pytest.raises(WireFormatError):
+            decode_kv(frame[:cut])
+
+
+def test_extra_bytes_and_bad_magic_are_rejected() -> None:
+    frame = good_frame()
+    with pytest.raises(WireFormatError):
+        decode_kv(frame + b"\0")
+    with pytest.raises(WireFormatError):
+        decode_kv(b"XKV1" + frame[4:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_wire_errors(data: bytes) -> None:
+    with pytest.raises(WireFormatError):
+        decode_kv(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0), st.integers(min_value=0, max_value=255))
+def test_mutated_header_bytes_never_crash(pos: int, value: int) -> None:
+    frame = bytearray(good_frame())
+    pos %= 200  # the prefix and header sit at the front
+    frame[pos] = value
+    try:
+        header, data = decode_kv(bytes(frame))
+    except WireFormatError:
+        return
+    assert data.numel() * data.element_size() == header.payload_bytes

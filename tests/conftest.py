@@ -63,3 +63,13 @@ def tiny_model_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def nats_server():  # type: ignore[no-untyped-def]
+    """A real nats-server with JetStream on a free port, removed after the test."""
+    from shared.bus.server import NatsServer
+
+    server = NatsServer().start()
+    yield server
+    server.cleanup()

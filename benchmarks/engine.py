@@ -1,0 +1,147 @@
+"""Engine benchmark: HF `generate` vs Tandem single stream vs continuous batching, and prefill.
+
+Every configuration runs once per round and the order rotates between rounds (A/B
+interleaving), so machine noise spreads over all of them; the table shows medians over rounds
+and ratios to HF `generate` single stream in the same dtype, measured in the same run.
+
+    python benchmarks/engine.py [--dtypes float32,bfloat16] [--rounds 3] [--new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.model.loader import LoadedModel, load_model
+
+PROMPT = (
+    "Once upon a time there was a little robot who wanted to learn how to paint. "
+    "Every morning it rolled to the window and looked at the sky, trying to remember"
+)
+
+
+def hf_single(model: LoadedModel, prompt: list[int], n: int) -> tuple[float, float]:
+    t = time.perf_counter()
+    model.hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+    elapsed = time.perf_counter() - t
+    return n / elapsed, elapsed / n
+
+
+def tandem_batch(
+    model: LoadedModel, prompts: list[list[int]], n: int, max_seqs: int
+) -> tuple[float, float]:
+    engine = Engine(model, EngineConfig(num_blocks=4096, max_num_seqs=max_seqs, detokenize=False))
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    step_times: list[float] = []
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        s = time.perf_counter()
+        is_decode = not engine.scheduler.waiting
+        engine.step()
+        if is_decode:
+            step_times.append(time.perf_counter() - s)
+    elapsed = time.perf_counter() - t
+    return len(prompts) * n / elapsed, statistics.median(step_times)
+
+
+def prefill_rate(model: LoadedModel, engine: Engine, length: int, hf: bool) -> float:
+    ids = (model.encode(PROMPT) * (length // 10 + 1))[:length]
+    if hf:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.hf_model(torch.tensor([ids]), logits_to_keep=1)
+        return length / (time.perf_counter() - t)
+    engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
+    t = time.perf_counter()
+    engine.step()
+    return length / (time.perf_counter() - t)
+
+
+def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    model = load_model(None, dtype=dtype, device="cpu")
+    prefill_engine = Engine(
+        model, EngineConfig(num_blocks=512, detokenize=False, enable_prefix_caching=False)
+    )
+    base = model.encode(PROMPT)
+    prompts = [[*base, 100 + i] for i in range(max(args.concurrency))]
+    n = args.new_tokens
+    cases: dict[str, Callable[[], tuple[float, float]]] = {
+        "HF generate, 1 stream": lambda: hf_single(model, base, n),
+        "Tandem, 1 stream": lambda: tandem_batch(model, prompts[:1], n, 1),
+    }
+    for c in args.concurrency:
+        cases[f"Tandem CB, {c} concurrent"] = lambda c=c: tandem_batch(model, prompts[:c], n, c)
+    for length in args.prefill_lengths:
+        cases[f"prefill {length} tok, HF forward"] = lambda L=length: (
+            prefill_rate(model, prefill_engine, L, True),
+            0.0,
+        )
+        cases[f"prefill {length} tok, Tandem"] = lambda L=length: (
+            prefill_rate(model, prefill_engine, L, False),
+            0.0,
+        )
+    tandem_batch(model, prompts[:4], 4, 4)  # warm-up: first-call allocations
+    hf_single(model, base, 4)
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    names = list(cases)
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            samples[name].append(cases[name]())
+            print(f"  [{dtype} round {r + 1}] {name}: {samples[name][-1][0]:.1f}", flush=True)
+    return {
+        name: {
+            "tokens_per_s": statistics.median(v[0] for v in vals),
+            "step_ms": statistics.median(v[1] for v in vals) * 1000,
+        }
+        for name, vals in samples.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", default="1,4,8,16,32")
+    parser.add_argument("--prefill-lengths", default="128,512,2048")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.prefill_lengths = [int(c) for c in args.prefill_lengths.split(",")]
+    torch.set_num_threads(args.threads)
+    results = {d: run_dtype(d, args) for d in args.dtypes.split(",")}
+    print()
+    print("| dtype | configuration | tokens/s (median) | × HF 1 stream | step ms (median) |")
+    print("|---|---|---:|---:|---:|")
+    for dtype, rows in results.items():
+        hf = rows["HF generate, 1 stream"]["tokens_per_s"]
+        hf_prefill = {
+            k.split(" tok")[0]: v["tokens_per_s"] for k, v in rows.items() if "HF forward" in k
+        }
+        for name, row in rows.items():
+            ref = hf_prefill[name.split(" tok")[0]] if name.startswith("prefill") else hf
+            print(
+                f"| {dtype} | {name} | {row['tokens_per_s']:.1f} | "
+                f"{row['tokens_per_s'] / ref:.2f}× | {row['step_ms']:.1f} |"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Control plane on NATS JetStream: connection, topology, messages, queue, registry, journal."""

@@ -1,0 +1,147 @@
+"""Typed, versioned control messages: every kind that crosses NATS, and their codec.
+
+Each message is a msgspec Struct tagged with its `kind` and carrying a schema version `v`.
+`decode(data, Kind)` validates everything (types, unknown fields, version) and raises
+`WireFormatError` on any mismatch; receivers count and drop such messages instead of
+crashing. Bodies are msgpack; nothing here can execute code on decode.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import SequenceSnapshot
+from shared.errors import WireFormatError
+
+SCHEMA_VERSION = 1
+# NATS' max_payload counts headers too; bodies stay well under the 1 MiB default.
+MAX_MESSAGE_BYTES = 512 * 1024
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+    """Base of all control messages."""
+
+    v: int = SCHEMA_VERSION
+
+
+class PrefillJob(Message, frozen=True, tag="prefill_job"):
+    """Router → prefill work queue: compute this prompt's KV and ship it to `decode_node`."""
+
+    request_id: str = ""
+    prompt_ids: list[int] = []
+    params: SamplingParams = SamplingParams()
+    seed: int = 0
+    decode_node: str = ""
+    transfer_id: str = ""
+    token_subject: str = ""
+    deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
+
+
+class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
+    """Prefill → decode node: a KV transfer `transfer_id` carries this sequence's blocks."""
+
+    transfer_id: str = ""
+    snapshot: SequenceSnapshot | None = None
+    token_subject: str = ""
+    prefill_node: str = ""
+    deadline: float = 0.0
+
+
+class TokenDelta(Message, frozen=True, tag="token_delta"):
+    """Node → router: the next tokens of a request; `seq` counts deltas per request from 0."""
+
+    request_id: str = ""
+    seq: int = 0
+    token_ids: list[int] = []
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    node_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Cancel(Message, frozen=True, tag="cancel"):
+    """Router → all nodes: stop work on a request and free its blocks."""
+
+    request_id: str = ""
+    reason: str = ""
+
+
+class NodeInfo(Message, frozen=True, tag="node_info"):
+    """A node's registry entry, refreshed by heartbeats."""
+
+    node_id: str = ""
+    role: str = ""  # prefill | decode | kvcache | router
+    data_address: str = ""  # where its KV data-plane listener is reached
+    load: int = 0  # queued + running requests
+    running: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    timestamp: float = 0.0
+
+
+class KVEvent(Message, frozen=True, tag="kv_event"):
+    """A node stored or evicted KV blocks (for KV-aware routing)."""
+
+    node_id: str = ""
+    op: str = ""  # stored | evicted
+    block_hashes: list[bytes] = []
+    timestamp: float = 0.0
+
+
+class CheckpointRecord(Message, frozen=True, tag="checkpoint"):
+    """A decode node checkpointed a sequence's KV up to `num_tokens` in the kvcache service."""
+
+    request_id: str = ""
+    node_id: str = ""
+    num_tokens: int = 0
+    block_hashes: list[bytes] = []
+    output_ids: list[int] = []
+    seed: int = 0
+    timestamp: float = 0.0
+
+
+class JournalEntry(Message, frozen=True, tag="journal"):
+    """The request journal's record of one request (outlives any router process)."""
+
+    request_id: str = ""
+    state: str = ""  # queued | prefilling | decoding | finished | failed | cancelled
+    router_id: str = ""
+    prefill_node: str = ""
+    decode_node: str = ""
+    tokens_delivered: int = 0
+    updated_at: float = 0.0
+
+
+M = TypeVar("M", bound=Message)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder[Message]] = {}
+
+
+def encode(msg: Message) -> bytes:
+    data = _encoder.encode(msg)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireFormatError(f"{type(msg).__name__} of {len(data)} bytes exceeds the limit")
+    return data
+
+
+def decode(data: bytes, kind: type[M]) -> M:
+    """Decode and validate one message of the expected kind, or raise WireFormatError."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireFormatError(f"message of {len(data)} bytes exceeds the limit")
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        msg = decoder.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise WireFormatError(f"bad {kind.__name__}: {exc}") from exc
+    if msg.v != SCHEMA_VERSION:
+        raise WireFormatError(f"unsupported {kind.__name__} version {msg.v}")
+    return msg  # type: ignore[return-value]

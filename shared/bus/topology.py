@@ -1,0 +1,114 @@
+"""The control plane's JetStream objects, created or updated idempotently at start-up.
+
+- `TANDEM_PREFILL`: work-queue stream of prefill jobs, one durable pull consumer shared by
+  all prefill nodes (explicit ack, `ack_wait`, `max_deliver`), de-duplicated by Nats-Msg-Id.
+- `TANDEM_KV_EVENTS`: stream of KV block stored/evicted events for KV-aware routing.
+- `tandem-nodes`: KV bucket, the node registry; entries expire by per-message TTL unless
+  refreshed by heartbeats, and expiry leaves a marker watchers see as a leave.
+- `tandem-journal`: KV bucket, request id → JournalEntry, file storage (survives routers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+PREFILL_STREAM = "TANDEM_PREFILL"
+PREFILL_SUBJECT = "tandem.prefill.jobs"
+PREFILL_CONSUMER = "prefill-workers"
+KV_EVENTS_STREAM = "TANDEM_KV_EVENTS"
+KV_EVENTS_SUBJECT = "tandem.kv.events"
+NODES_BUCKET = "tandem-nodes"
+JOURNAL_BUCKET = "tandem-journal"
+
+
+def token_subject(request_id: str) -> str:
+    return f"tandem.tokens.{request_id}"
+
+
+def cancel_subject() -> str:
+    return "tandem.cancel"
+
+
+def assign_subject(node_id: str) -> str:
+    return f"tandem.decode.{node_id}.assign"
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    ack_wait: float = 30.0  # seconds a prefill job may run before it is redelivered
+    max_deliver: int = 5  # attempts before a job is given up
+    duplicate_window: float = 120.0
+    kv_events_max_age: float = 600.0
+    node_ttl: float = 6.0  # registry entries vanish this long after the last heartbeat
+    journal_ttl: float = 3600.0
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.stream_info(config.name or "")
+    except NotFoundError:
+        await js.add_stream(config)
+        return
+    await js.update_stream(config)
+
+
+async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = None) -> None:
+    """Create or update every stream, consumer and bucket; safe to call from every node."""
+    cfg = cfg or TopologyConfig()
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=PREFILL_STREAM,
+            subjects=[PREFILL_SUBJECT],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=cfg.duplicate_window,
+            max_msgs=100_000,
+        ),
+    )
+    consumer = ConsumerConfig(
+        durable_name=PREFILL_CONSUMER,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=cfg.ack_wait,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=1000,
+    )
+    try:
+        await js.add_consumer(PREFILL_STREAM, consumer)
+    except BadRequestError:
+        await js.add_consumer(PREFILL_STREAM, consumer)  # update of an existing durable
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=KV_EVENTS_STREAM,
+            subjects=[f"{KV_EVENTS_SUBJECT}.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=cfg.kv_events_max_age,
+            max_msgs=1_000_000,
+        ),
+    )
+    await js.create_key_value(
+        KeyValueConfig(
+            bucket=NODES_BUCKET,
+            history=1,
+            storage=StorageType.MEMORY,
+            limit_marker_ttl=cfg.node_ttl,
+        )
+    )
+    await js.create_key_value(
+        KeyValueConfig(
+            bucket=JOURNAL_BUCKET, history=1, storage=StorageType.FILE, ttl=cfg.journal_ttl
+        )
+    )

@@ -1,0 +1,83 @@
+"""The prefill job queue: JetStream work queue with a durable pull consumer.
+
+Delivery contract: a job is acked only when its work is done (for prefill: the decode node
+confirmed receipt of the KV). A worker that dies before acking lets `ack_wait` lapse and
+the job goes to another worker; `nak(delay)` asks for a retry later; a malformed job is
+`term()`ed (never redelivered) and counted. Jobs are published with `Nats-Msg-Id` = request
+id, so a router that retries a publish stores the job once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from shared.bus.client import Bus
+from shared.bus.messages import PrefillJob, decode
+from shared.bus.topology import PREFILL_CONSUMER, PREFILL_STREAM, PREFILL_SUBJECT
+from shared.errors import WireFormatError
+
+
+async def submit_job(bus: Bus, job: PrefillJob) -> None:
+    await bus.js_publish(PREFILL_SUBJECT, job, msg_id=job.request_id)
+
+
+@dataclass
+class ReceivedJob:
+    job: PrefillJob
+    msg: Msg
+
+    @property
+    def num_delivered(self) -> int:
+        return int(self.msg.metadata.num_delivered)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return dict(self.msg.headers or {})
+
+    async def ack(self) -> None:
+        await self.msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self.msg.nak(delay=delay)
+
+    async def term(self) -> None:
+        await self.msg.term()
+
+    async def in_progress(self) -> None:
+        """Reset the ack timer for a job that is still being worked on."""
+        await self.msg.in_progress()
+
+
+class JobConsumer:
+    """A prefill node's handle on the shared durable consumer."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.sub: JetStreamContext.PullSubscription | None = None
+
+    async def start(self) -> JobConsumer:
+        assert self.bus.js is not None
+        self.sub = await self.bus.js.pull_subscribe(
+            PREFILL_SUBJECT, durable=PREFILL_CONSUMER, stream=PREFILL_STREAM
+        )
+        return self
+
+    async def fetch(self, batch: int = 8, timeout: float = 1.0) -> list[ReceivedJob]:
+        """Up to `batch` valid jobs (waits at most `timeout`); malformed ones are terminated."""
+        assert self.sub is not None, "start() first"
+        try:
+            msgs = await self.sub.fetch(batch=batch, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []
+        jobs: list[ReceivedJob] = []
+        for msg in msgs:
+            try:
+                jobs.append(ReceivedJob(decode(msg.data, PrefillJob), msg))
+            except WireFormatError as exc:
+                self.bus.count_drop(msg.subject, str(exc))
+                await msg.term()
+        return jobs

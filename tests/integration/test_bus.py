@@ -1,0 +1,213 @@
+"""Control plane against a real nats-server: work queue, registry, journal, restarts, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from shared.bus.client import Bus
+from shared.bus.journal import RequestJournal
+from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode
+from shared.bus.registry import NodeRegistry, RegistryEvent, node_info
+from shared.bus.server import NatsServer
+from shared.bus.topology import (
+    PREFILL_STREAM,
+    PREFILL_SUBJECT,
+    TopologyConfig,
+    ensure_topology,
+)
+from shared.bus.tracing import extract_context
+from shared.bus.workqueue import JobConsumer, submit_job
+from shared.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = TopologyConfig(ack_wait=2.0, max_deliver=3, node_ttl=1.0)
+
+
+async def connect(server: NatsServer, name: str) -> Bus:
+    bus = await Bus(server.url, name).connect()
+    assert bus.js is not None
+    await ensure_topology(bus.js, FAST)
+    return bus
+
+
+def job(request_id: str) -> PrefillJob:
+    return PrefillJob(
+        request_id=request_id, prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=4)
+    )
+
+
+async def test_topology_setup_is_idempotent(nats_server: NatsServer) -> None:
+    bus = await connect(nats_server, "a")
+    assert bus.js is not None
+    await ensure_topology(bus.js, FAST)
+    await ensure_topology(bus.js, TopologyConfig(ack_wait=3.0, node_ttl=1.0))
+    info = await bus.js.consumer_info(PREFILL_STREAM, "prefill-workers")
+    assert info.config.ack_wait == 3.0
+    await bus.close()
+
+
+async def test_killed_consumer_job_is_redelivered_and_duplicates_stored_once(
+    nats_server: NatsServer,
+) -> None:
+    bus = await connect(nats_server, "router")
+    await submit_job(bus, job("r-1"))
+    await submit_job(bus, job("r-1"))  # a retried publish with the same Nats-Msg-Id
+    assert bus.js is not None
+    assert (await bus.js.stream_info(PREFILL_STREAM)).state.messages == 1
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.bus_worker", nats_server.url],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+        assert line.strip() == "got r-1"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout:
+            child.stdout.close()
+    consumer = await JobConsumer(bus).start()
+    deadline = time.monotonic() + FAST.ack_wait + 5
+    received = []
+    while not received and time.monotonic() < deadline:
+        received = await consumer.fetch(batch=1, timeout=1.0)
+    assert [r.job.request_id for r in received] == ["r-1"]
+    assert received[0].num_delivered == 2
+    await received[0].ack()
+    assert await consumer.fetch(batch=1, timeout=0.5) == []
+    await bus.close()
+
+
+async def test_nak_retries_and_malformed_jobs_are_terminated(nats_server: NatsServer) -> None:
+    bus = await connect(nats_server, "router")
+    assert bus.nc is not None and bus.js is not None
+    await bus.js.publish(PREFILL_SUBJECT, b"\x93garbage")
+    await submit_job(bus, job("good"))
+    consumer = await JobConsumer(bus).start()
+    jobs = await consumer.fetch(batch=2, timeout=2.0)
+    assert [j.job.request_id for j in jobs] == ["good"]
+    assert bus.dropped[PREFILL_SUBJECT] == 1
+    await jobs[0].nak(delay=0.2)
+    again = await consumer.fetch(batch=1, timeout=3.0)
+    assert [j.job.request_id for j in again] == ["good"] and again[0].num_delivered == 2
+    await again[0].term()
+    assert await consumer.fetch(batch=1, timeout=1.0) == []  # neither comes back
+    await bus.close()
+
+
+async def test_registry_join_update_and_leave_by_ttl(nats_server: NatsServer) -> None:
+    bus = await connect(nats_server, "watcher")
+    registry = await NodeRegistry(bus, ttl=FAST.node_ttl).start()
+    events: list[RegistryEvent] = []
+    seen_leave = asyncio.Event()
+
+    async def watch() -> None:
+        async for ev in registry.watch():
+            events.append(ev)
+            if ev.kind == "leave":
+                seen_leave.set()
+
+    watcher = asyncio.create_task(watch())
+    node_bus = await connect(nats_server, "decode-1")
+    node_registry = await NodeRegistry(node_bus, ttl=FAST.node_ttl).start()
+    beats = asyncio.create_task(
+        node_registry.run_heartbeats(
+            lambda: node_info("decode-1", "decode", free_kv_blocks=10), interval=0.3
+        )
+    )
+    await asyncio.sleep(1.5)
+    assert "decode-1" in await registry.nodes()
+    beats.cancel()
+    stopped = time.monotonic()
+    await asyncio.wait_for(seen_leave.wait(), timeout=2 * FAST.node_ttl + 3)
+    gone_after = time.monotonic() - stopped
+    assert "decode-1" not in await registry.nodes()
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "join" and "update" in kinds and kinds[-1] == "leave"
+    assert gone_after <= 2 * FAST.node_ttl + 1.0  # heartbeat period + TTL + marker delivery
+    watcher.cancel()
+    await node_bus.close()
+    await bus.close()
+
+
+async def test_journal_survives_clients(nats_server: NatsServer) -> None:
+    bus = await connect(nats_server, "router-1")
+    journal = await RequestJournal(bus).start()
+    await journal.put(JournalEntry(request_id="r9", state="decoding", decode_node="d1"))
+    await bus.close()
+    other = await connect(nats_server, "router-2")
+    journal2 = await RequestJournal(other).start()
+    entry = await journal2.get("r9")
+    assert entry is not None and entry.state == "decoding" and entry.updated_at > 0
+    assert [e.request_id for e in await journal2.entries()] == ["r9"]
+    await journal2.delete("r9")
+    assert await journal2.get("r9") is None
+    await other.close()
+
+
+async def test_clients_reconnect_after_server_restart(nats_server: NatsServer) -> None:
+    bus = await connect(nats_server, "svc")
+    await submit_job(bus, job("before"))
+    nats_server.stop()
+    for _ in range(100):
+        if not bus.is_connected:
+            break
+        await asyncio.sleep(0.05)
+    assert not bus.connected.is_set()
+    await asyncio.to_thread(nats_server.start)
+    await asyncio.wait_for(bus.connected.wait(), timeout=10)
+    await submit_job(bus, job("after"))
+    assert bus.js is not None
+    assert (await bus.js.stream_info(PREFILL_STREAM)).state.messages == 2  # file storage kept
+    assert bus.reconnects >= 1
+    await bus.close()
+
+
+async def test_trace_context_travels_in_headers(nats_server: NatsServer) -> None:
+    trace.set_tracer_provider(TracerProvider())
+    tracer = trace.get_tracer("test")
+    bus = await connect(nats_server, "svc")
+    assert bus.nc is not None
+    got: asyncio.Future[tuple[dict[str, str], bytes]] = asyncio.get_running_loop().create_future()
+
+    async def handler(msg) -> None:  # type: ignore[no-untyped-def]
+        if not got.done():
+            got.set_result((dict(msg.headers or {}), msg.data))
+
+    await bus.nc.subscribe("tandem.tokens.x", cb=handler)
+    with tracer.start_as_current_span("router") as span:
+        await bus.publish("tandem.tokens.x", TokenDelta(request_id="x", seq=0, token_ids=[5]))
+        trace_id = span.get_span_context().trace_id
+    headers, data = await asyncio.wait_for(got, 5)
+    assert "traceparent" in headers
+    remote = trace.get_current_span(extract_context(headers)).get_span_context()
+    assert remote.trace_id == trace_id
+    assert decode(data, TokenDelta).token_ids == [5]
+    await bus.close()
+
+
+async def test_oversize_body_is_refused_before_it_breaks_the_connection(
+    nats_server: NatsServer,
+) -> None:
+    bus = await connect(nats_server, "svc")
+    with pytest.raises(Exception, match="exceed"):
+        await bus.publish("x", TokenDelta(request_id="x", text="a" * (600 * 1024)))
+    await bus.publish("x", TokenDelta(request_id="x", text="ok"))  # still connected
+    assert bus.is_connected
+    await bus.close()

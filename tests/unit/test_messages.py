@@ -1,0 +1,76 @@
+"""Control messages: round trips, version and kind checks, and fuzzed bytes → clean errors."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.bus import messages as m
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import SequenceSnapshot
+from shared.errors import WireFormatError
+
+pytestmark = pytest.mark.unit
+
+SAMPLES: list[m.Message] = [
+    m.PrefillJob(request_id="r", prompt_ids=[1, 2], params=SamplingParams(max_tokens=3)),
+    m.DecodeAssignment(
+        transfer_id="t",
+        snapshot=SequenceSnapshot("r", [1, 2], [3], SamplingParams(), 5, 2),
+    ),
+    m.TokenDelta(request_id="r", seq=3, token_ids=[7], text="x", finished=True),
+    m.Cancel(request_id="r", reason="client gone"),
+    m.NodeInfo(node_id="d1", role="decode", free_kv_blocks=9),
+    m.KVEvent(node_id="k1", op="stored", block_hashes=[b"\x01" * 16]),
+    m.CheckpointRecord(request_id="r", num_tokens=32, block_hashes=[b"\x02" * 16]),
+    m.JournalEntry(request_id="r", state="decoding"),
+]
+KINDS = [type(s) for s in SAMPLES]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip(msg: m.Message) -> None:
+    assert m.decode(m.encode(msg), type(msg)) == msg
+
+
+def test_wrong_kind_unknown_field_and_version_are_rejected() -> None:
+    data = m.encode(SAMPLES[0])
+    with pytest.raises(WireFormatError):
+        m.decode(data, m.TokenDelta)
+    as_dict = msgspec.msgpack.decode(data)
+    with pytest.raises(WireFormatError, match="version"):
+        m.decode(msgspec.msgpack.encode({**as_dict, "v": 2}), m.PrefillJob)
+    with pytest.raises(WireFormatError):
+        m.decode(msgspec.msgpack.encode({**as_dict, "surprise": 1}), m.PrefillJob)
+    with pytest.raises(WireFormatError):
+        m.decode(msgspec.msgpack.encode({**as_dict, "prompt_ids": "nope"}), m.PrefillJob)
+
+
+def test_oversize_is_rejected() -> None:
+    with pytest.raises(WireFormatError):
+        m.decode(b"\0" * (m.MAX_MESSAGE_BYTES + 1), m.Cancel)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(KINDS), st.binary(max_size=300))
+def test_random_bytes_raise_only_wire_errors(kind: type[m.Message], data: bytes) -> None:
+    with contextlib.suppress(WireFormatError):
+        m.decode(data, kind)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, len(SAMPLES) - 1), st.data())
+def test_mutated_messages_raise_only_wire_errors(i: int, data: st.DataObject) -> None:
+    raw = bytearray(m.encode(SAMPLES[i]))
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        raw[pos] = data.draw(st.integers(0, 255))
+    try:
+        out = m.decode(bytes(raw), KINDS[i])
+    except WireFormatError:
+        return
+    assert isinstance(out, KINDS[i])

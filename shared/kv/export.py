@@ -1,8 +1,8 @@
 """KV export format: a typed header plus raw block bytes, so a sequence's KV can leave the process.
 
 Frame: `b"TKV1"`, header length (u32 little-endian), msgpack header, raw payload. The payload
-is `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` in the header's dtype, exactly
-the paged cache's block layout, so import is one copy into freshly allocated blocks. No
+is block-major `[num_blocks, layers, 2, block_size, kv_heads, head_dim]` in the header's
+dtype (each block contiguous), so import is one copy into freshly allocated blocks. No
 pickle: the header is a msgspec Struct decoded with validation, the payload plain bytes.
 """
 
@@ -67,7 +67,7 @@ def encode_kv(
         dtype=DTYPE_NAMES[layout.dtype],
         num_tokens=num_tokens,
         first_block=first_block,
-        num_blocks=int(blocks.shape[2]),
+        num_blocks=int(blocks.shape[0]),
         payload_bytes=len(raw),
     )
     head = msgspec.msgpack.encode(header)
@@ -96,9 +96,9 @@ def decode_kv(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, to
     if header.dtype not in DTYPES_BY_NAME:
         raise WireFormatError(f"unknown KV dtype {header.dtype!r}")
     dims = (
+        header.num_blocks,
         header.num_layers,
         2,
-        header.num_blocks,
         header.block_size,
         header.num_kv_heads,
         header.head_dim,

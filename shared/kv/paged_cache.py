@@ -1,8 +1,11 @@
 """The KV tensor store: one preallocated tensor holding every block of every layer.
 
 Layout `[layers, 2 (key, value), num_blocks, block_size, kv_heads, head_dim]`: a block id
-indexes dim 2, so exporting a sequence is one `index_select` and a token's slot is
-`block_id * block_size + offset` in the flattened `(num_blocks * block_size)` view.
+indexes dim 2, and a token's slot is `block_id * block_size + offset` in the flattened
+`(num_blocks * block_size)` view, which keeps per-layer writes and gathers simple. Blocks
+leave the cache *block-major* (`[n, layers, 2, block_size, kv_heads, head_dim]`), so each
+block is one contiguous run of bytes: the unit the data plane checksums and the kvcache
+service stores by hash.
 """
 
 from __future__ import annotations
@@ -67,11 +70,12 @@ class PagedKVCache:
         return k, v
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy `[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`."""
+        """A block-major copy `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(2, index).contiguous()
+        return self.kv.index_select(2, index).movedim(2, 0).contiguous()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of `read_blocks`."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
+        src = data.to(device=self.kv.device, dtype=self.kv.dtype).movedim(0, 2)
+        self.kv.index_copy_(2, index, src)

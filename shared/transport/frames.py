@@ -1,0 +1,157 @@
+"""The framing of one KV transfer: a typed header, then raw bytes checked per block.
+
+On the wire: `b"TKX1"`, header length (u32 LE), msgpack `TransferHeader`, then `nbytes` of
+payload; the receiver answers with an `Ack`. The payload is cut into `chunk_bytes` chunks
+(one KV block each for KV transfers) and every chunk carries an xxh3-64 checksum in the
+header, so a receiver verifies what it got and rejects a bad transfer whole.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import xxhash
+
+from shared.errors import WireFormatError
+
+MAGIC = b"TKX1"
+VERSION = 1
+PREFIX = struct.Struct("<4sI")
+MAX_HEADER_BYTES = 256 * 1024
+MAX_TRANSFER_BYTES = 4 << 30
+ACK_PREFIX = struct.Struct("<4sI")
+ACK_MAGIC = b"TKA1"
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
+
+
+class TransferHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    v: int
+    request_id: str
+    transfer_id: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    chunk_bytes: int
+    checksums: list[int]
+    first_block: int = 0
+    num_blocks: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    traceparent: str = ""
+
+
+class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+
+
+def checksums(payload: memoryview, chunk_bytes: int) -> list[int]:
+    return [
+        xxhash.xxh3_64_intdigest(payload[i : i + chunk_bytes])
+        for i in range(0, len(payload), chunk_bytes)
+    ]
+
+
+def make_header(
+    request_id: str,
+    transfer_id: str,
+    payload: memoryview,
+    *,
+    dtype: str = "uint8",
+    shape: list[int] | None = None,
+    chunk_bytes: int = 1 << 20,
+    **fields: int | str,
+) -> TransferHeader:
+    """A header for `payload` with its per-chunk checksums computed."""
+    view = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+    return TransferHeader(
+        v=VERSION,
+        request_id=request_id,
+        transfer_id=transfer_id,
+        dtype=dtype,
+        shape=shape if shape is not None else [len(view) // DTYPE_SIZES[dtype]],
+        nbytes=len(view),
+        chunk_bytes=chunk_bytes,
+        checksums=checksums(view, chunk_bytes),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def encode_header(header: TransferHeader) -> bytes:
+    body = msgspec.msgpack.encode(header)
+    return PREFIX.pack(MAGIC, len(body)) + body
+
+
+_decoder = msgspec.msgpack.Decoder(TransferHeader)
+_ack_decoder = msgspec.msgpack.Decoder(Ack)
+
+
+def parse_prefix(data: bytes | memoryview) -> int:
+    """Header length from the fixed prefix, or WireFormatError."""
+    if len(data) != PREFIX.size:
+        raise WireFormatError("truncated transfer prefix")
+    magic, length = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise WireFormatError(f"not a transfer frame (magic {bytes(magic)!r})")
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise WireFormatError(f"transfer header length {length} out of range")
+    return int(length)
+
+
+def decode_header(data: bytes | memoryview, max_bytes: int = MAX_TRANSFER_BYTES) -> TransferHeader:
+    """Validate a header: types, version, and that shape, size and checksums agree."""
+    try:
+        header = _decoder.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireFormatError(f"bad transfer header: {exc}") from exc
+    if header.v != VERSION:
+        raise WireFormatError(f"unsupported transfer version {header.v}")
+    size = DTYPE_SIZES.get(header.dtype)
+    if size is None:
+        raise WireFormatError(f"unknown dtype {header.dtype!r}")
+    if not 0 < header.nbytes <= max_bytes:
+        raise WireFormatError(f"transfer of {header.nbytes} bytes out of range")
+    if any(d <= 0 for d in header.shape) or not header.shape:
+        raise WireFormatError("transfer shape must be positive")
+    numel = 1
+    for d in header.shape:
+        numel *= d
+    if numel * size != header.nbytes:
+        raise WireFormatError("transfer shape, dtype and byte count disagree")
+    if header.chunk_bytes <= 0:
+        raise WireFormatError("chunk size must be positive")
+    if len(header.checksums) != -(-header.nbytes // header.chunk_bytes):
+        raise WireFormatError("checksum count does not match the chunks")
+    return header
+
+
+def verify(header: TransferHeader, payload: memoryview) -> int | None:
+    """Index of the first chunk whose checksum fails, or None when all match."""
+    for i, (got, want) in enumerate(
+        zip(checksums(payload, header.chunk_bytes), header.checksums, strict=True)
+    ):
+        if got != want:
+            return i
+    return None
+
+
+def encode_ack(ack: Ack) -> bytes:
+    body = msgspec.msgpack.encode(ack)
+    return ACK_PREFIX.pack(ACK_MAGIC, len(body)) + body
+
+
+def parse_ack_prefix(data: bytes | memoryview) -> int:
+    magic, length = ACK_PREFIX.unpack(data)
+    if magic != ACK_MAGIC or not 0 < length <= 64 * 1024:
+        raise WireFormatError("bad transfer acknowledgement")
+    return int(length)
+
+
+def decode_ack(data: bytes | memoryview) -> Ack:
+    try:
+        return _ack_decoder.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireFormatError(f"bad transfer acknowledgement: {exc}") from exc

@@ -1,0 +1,242 @@
+"""Plain asyncio TCP transport: the fallback data plane and the baseline UCX must beat.
+
+Per transfer, on one pooled connection: header → receiver answers READY (or a refusal,
+before any bulk byte moves) → payload, received with `sock_recv_into` straight into the
+handler's buffer → receiver verifies and answers ACK or NACK. A connection whose stream
+position is in doubt (error, cancel, deadline) is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
+
+from shared.errors import WireFormatError
+from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
+from shared.transport.frames import (
+    ACK_PREFIX,
+    PREFIX,
+    Ack,
+    TransferHeader,
+    decode_ack,
+    decode_header,
+    encode_ack,
+    encode_header,
+    parse_ack_prefix,
+    parse_prefix,
+    verify,
+)
+
+SOCKET_BUFFER = 4 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+class PeerClosed(ConnectionError):
+    def __init__(self, got: int, want: int) -> None:
+        super().__init__(f"peer closed after {got} of {want} bytes")
+        self.got = got
+
+
+async def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    loop = asyncio.get_running_loop()
+    got = 0
+    while got < len(view):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise PeerClosed(got, len(view))
+        got += n
+
+
+async def _read_ack(sock: socket.socket) -> Ack:
+    prefix = memoryview(bytearray(ACK_PREFIX.size))
+    await _recv_exact(sock, prefix)
+    body = memoryview(bytearray(parse_ack_prefix(prefix)))
+    await _recv_exact(sock, body)
+    return decode_ack(body)
+
+
+class TcpTransport:
+    name = "tcp"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_conns_per_peer: int = 4,
+        frame_timeout: float = 30.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_conns_per_peer = max_conns_per_peer
+        self.frame_timeout = frame_timeout
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._idle: dict[str, list[socket.socket]] = defaultdict(list)
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._handler: ReceiveHandler | None = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    async def start(self, handler: ReceiveHandler) -> None:
+        self._handler = handler
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        self._listener = sock
+        self._spawn(self._accept_loop())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            _tune(conn)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        assert self._handler is not None
+        handler = self._handler
+        try:
+            while True:
+                prefix = memoryview(bytearray(PREFIX.size))
+                try:
+                    await _recv_exact(conn, prefix)  # idle connections may wait here
+                except PeerClosed as exc:
+                    if exc.got:
+                        handler.failed(None, f"truncated: {exc}")
+                    return
+                except OSError:
+                    return
+                if not await self._serve_frame(conn, prefix, handler):
+                    return
+        finally:
+            conn.close()
+
+    async def _serve_frame(
+        self, conn: socket.socket, prefix: memoryview, handler: ReceiveHandler
+    ) -> bool:
+        """One transfer after its prefix; False when the connection must be dropped."""
+        loop = asyncio.get_running_loop()
+        header: TransferHeader | None = None
+
+        async def answer(ok: bool, reason: str = "") -> None:
+            assert header is not None
+            await loop.sock_sendall(conn, encode_ack(Ack(header.transfer_id, ok, reason)))
+
+        try:
+            async with asyncio.timeout(self.frame_timeout):
+                raw = memoryview(bytearray(parse_prefix(prefix)))
+                await _recv_exact(conn, raw)
+                header = decode_header(raw)
+                try:
+                    buf = handler.allocate(header)
+                except TransferRejected as exc:
+                    handler.failed(header, f"refused: {exc.message}")
+                    await answer(False, exc.message)
+                    return True
+                if len(buf) != header.nbytes:
+                    raise WireFormatError("handler buffer size mismatch")
+                await answer(True)
+                await _recv_exact(conn, buf)
+                bad = verify(header, buf)
+                if bad is not None:
+                    reason = f"checksum: chunk {bad} corrupt"
+                    handler.failed(header, reason)
+                    await answer(False, reason)
+                    return True
+                try:
+                    await handler.complete(header, buf)
+                except TransferRejected as exc:
+                    handler.failed(header, f"refused: {exc.message}")
+                    await answer(False, exc.message)
+                    return True
+                await answer(True)
+                return True
+        except WireFormatError as exc:
+            handler.failed(header, f"malformed: {exc.message}")
+        except TimeoutError:
+            handler.failed(header, "timeout: frame not received within deadline")
+        except OSError as exc:  # includes the peer closing mid-frame
+            handler.failed(header, f"truncated: {exc}")
+        return False
+
+    async def _checkout(self, peer: str) -> socket.socket:
+        idle = self._idle[peer]
+        if idle:
+            return idle.pop()
+        host, _, port = peer.removeprefix("tcp://").rpartition(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _tune(sock)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def send(
+        self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_conns_per_peer))
+        ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
+        try:
+            async with asyncio.timeout(timeout), slots:
+                sock = await self._checkout(peer)
+                reusable = False
+                try:
+                    await loop.sock_sendall(sock, encode_header(header))
+                    ready = await _read_ack(sock)
+                    if not ready.ok:
+                        reusable = True
+                        raise TransferRejected(f"{peer} refused: {ready.reason}", **ids)
+                    await loop.sock_sendall(sock, payload.cast("B"))
+                    done = await _read_ack(sock)
+                    reusable = True
+                    if not done.ok:
+                        raise TransferRejected(f"{peer} rejected: {done.reason}", **ids)
+                finally:
+                    if reusable:
+                        self._idle[peer].append(sock)
+                    else:
+                        sock.close()
+        except TimeoutError as exc:
+            raise TransferError(
+                f"transfer to {peer} missed its {timeout}s deadline", **ids
+            ) from exc
+        except (ConnectionError, OSError, WireFormatError) as exc:
+            raise TransferError(f"transfer to {peer} failed: {exc}", **ids) from exc
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._listener is not None:
+            self._listener.close()
+        for socks in self._idle.values():
+            for s in socks:
+                s.close()
+        self._idle.clear()

@@ -1,0 +1,195 @@
+"""Data plane between real processes: exact bytes, concurrency, dead peers, bad frames."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+from shared.transport.base import BufferHandler, TransferError, TransferRejected, Transport
+from shared.transport.factory import TRANSPORTS, make_transport
+from shared.transport.frames import TransferHeader, make_header
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+class Peer:
+    """A child process running transport_peer, with its JSON lines as an asyncio queue."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.transport_peer", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                loop.call_soon_threadsafe(self.lines.put_nowait, json.loads(line))
+
+        self.reader = loop.run_in_executor(None, pump)
+
+    async def next(self, key: str, timeout: float = 60) -> dict[str, Any]:
+        async with asyncio.timeout(timeout):
+            while True:
+                line = await self.lines.get()
+                if key in line:
+                    return line
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    async def close(self) -> None:
+        self.kill()
+        await self.reader
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def receiver(kind: str) -> AsyncIterator[tuple[Peer, str]]:
+    peer = Peer("receive", kind)
+    address = (await peer.next("address"))["address"]
+    yield peer, address
+    await peer.close()
+
+
+@pytest.fixture
+async def sender(kind: str) -> AsyncIterator[Transport]:
+    transport = make_transport(kind)
+    await transport.start(BufferHandler())
+    yield transport
+    await transport.close()
+
+
+def tensor_payload(dtype: torch.dtype, nbytes: int, seed: int) -> tuple[memoryview, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    numel = nbytes // torch.empty((), dtype=dtype).element_size()
+    t = torch.randn(numel, generator=gen).to(dtype)
+    return memoryview(t.view(torch.uint8).numpy()), [numel]
+
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+async def test_exact_bytes_for_dtypes_and_sizes(
+    receiver: tuple[Peer, str], sender: Transport
+) -> None:
+    peer, address = receiver
+    cases = [
+        (torch.float32, 64 * 1024),
+        (torch.bfloat16, 1 * MiB),
+        (torch.float16, 16 * MiB),
+        (torch.float32, 128 * MiB),
+    ]
+    for i, (dtype, nbytes) in enumerate(cases):
+        payload, shape = tensor_payload(dtype, nbytes, seed=i)
+        header = make_header(
+            "req", f"x{i}", payload, dtype=DTYPE_NAMES[dtype], shape=shape, chunk_bytes=MiB
+        )
+        await sender.send(address, header, payload, timeout=60)
+        done = await peer.next("digest")
+        assert done["transfer_id"] == f"x{i}" and done["nbytes"] == nbytes
+        assert done["digest"] == xxhash.xxh3_128_hexdigest(payload)
+
+
+async def test_eight_concurrent_transfers_do_not_interleave(
+    receiver: tuple[Peer, str], sender: Transport
+) -> None:
+    peer, address = receiver
+    payloads = [memoryview(bytearray(os.urandom(4 * MiB + i))) for i in range(8)]
+    headers = [make_header("req", f"c{i}", p) for i, p in enumerate(payloads)]
+    await asyncio.gather(
+        *(sender.send(address, h, p, timeout=60) for h, p in zip(headers, payloads, strict=True))
+    )
+    got = {}
+    for _ in range(8):
+        line = await peer.next("digest")
+        got[line["transfer_id"]] = line["digest"]
+    assert got == {f"c{i}": xxhash.xxh3_128_hexdigest(p) for i, p in enumerate(payloads)}
+
+
+async def test_receiver_killed_mid_transfer_fails_within_deadline(
+    receiver: tuple[Peer, str], sender: Transport
+) -> None:
+    peer, address = receiver
+    payload = memoryview(bytearray(128 * MiB))
+    header = make_header("stall", "s1", payload)
+    deadline = 20.0
+    task = asyncio.create_task(sender.send(address, header, payload, timeout=deadline))
+    await peer.next("stalling")
+    await asyncio.sleep(0.3)  # the sender is now blocked mid-payload
+    assert not task.done()
+    killed = time.monotonic()
+    peer.kill()
+    with pytest.raises(TransferError):
+        await task
+    assert time.monotonic() - killed < deadline / 2  # a dead peer is noticed, not waited out
+
+
+async def test_sender_killed_mid_transfer_receiver_keeps_serving(
+    kind: str, receiver: tuple[Peer, str], sender: Transport
+) -> None:
+    peer, address = receiver
+    doomed = Peer("send", kind, address, str(256 * MiB))
+    try:
+        await doomed.next("sent")
+        assert (await peer.next("allocating"))["allocating"] == "doomed-1"
+        doomed.kill()  # the payload is on its way
+    finally:
+        await doomed.close()
+    failed = await peer.next("failed", timeout=30)
+    assert failed["failed"]
+    payload = memoryview(bytearray(os.urandom(MiB)))
+    await sender.send(address, make_header("req", "after", payload), payload, timeout=30)
+    assert (await peer.next("digest"))["transfer_id"] == "after"
+
+
+async def test_corrupt_and_truncated_frames_are_rejected(
+    receiver: tuple[Peer, str], sender: Transport
+) -> None:
+    peer, address = receiver
+    payload = memoryview(bytearray(os.urandom(2 * MiB)))
+    header = make_header("req", "bad", payload, chunk_bytes=256 * 1024)
+    corrupt = bytearray(payload)
+    corrupt[700_000] ^= 0xFF
+    with pytest.raises(TransferRejected, match="checksum"):
+        await sender.send(address, header, memoryview(corrupt), timeout=30)
+    assert "checksum" in (await peer.next("failed"))["failed"]
+    lying = TransferHeader(**{**_fields(header), "transfer_id": "lie", "nbytes": 3 * MiB})
+    with pytest.raises((TransferError, ValueError)):
+        await sender.send(address, lying, payload, timeout=5)
+    big = memoryview(bytearray(64 * MiB))
+    with pytest.raises(TransferError):  # cancelled mid-payload by its deadline
+        await sender.send(address, make_header("req", "cut", big), big, timeout=0.02)
+    await sender.send(address, make_header("req", "good", payload), payload, timeout=30)
+    assert (await peer.next("digest"))["transfer_id"] == "good"
+
+
+def _fields(header: TransferHeader) -> dict[str, Any]:
+    return {f: getattr(header, f) for f in header.__struct_fields__}

@@ -1,0 +1,69 @@
+"""Child process for data-plane tests: a receiver or a sender on a chosen transport.
+
+`python -m tests.integration.transport_peer receive KIND` prints `{"address": ...}` and then
+one JSON line per completed (`digest` of the payload) or failed transfer. A transfer whose
+request id is `stall` blocks the receiver's event loop in `allocate`, so the payload is
+never read (the parent kills it mid-transfer). `send KIND ADDRESS NBYTES` sends one transfer
+of random bytes and prints `{"sent": ...}` when it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import xxhash
+
+from shared.transport.base import BufferHandler
+from shared.transport.factory import make_transport
+from shared.transport.frames import TransferHeader, make_header
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+class ReportingHandler(BufferHandler):
+    def allocate(self, header: TransferHeader) -> memoryview:
+        emit(allocating=header.transfer_id)
+        if header.request_id == "stall":
+            emit(stalling=header.transfer_id)
+            time.sleep(3600)  # blocks the loop: the payload is never read
+        return super().allocate(header)
+
+    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
+        emit(
+            transfer_id=header.transfer_id,
+            digest=xxhash.xxh3_128_hexdigest(payload),
+            nbytes=header.nbytes,
+            dtype=header.dtype,
+        )
+
+    def failed(self, header: TransferHeader | None, reason: str) -> None:
+        emit(failed=reason, transfer_id=header.transfer_id if header else None)
+
+
+async def receive(kind: str) -> None:
+    transport = make_transport(kind)
+    await transport.start(ReportingHandler())
+    emit(address=transport.address)
+    await asyncio.Event().wait()
+
+
+async def send(kind: str, address: str, nbytes: int) -> None:
+    transport = make_transport(kind)
+    await transport.start(BufferHandler())
+    payload = memoryview(bytearray(os.urandom(nbytes)))
+    header = make_header("doomed", "doomed-1", payload)
+    emit(sent=header.transfer_id)
+    await transport.send(address, header, payload, timeout=60)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "receive":
+        asyncio.run(receive(sys.argv[2]))
+    else:
+        asyncio.run(send(sys.argv[2], sys.argv[3], int(sys.argv[4])))

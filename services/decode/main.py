@@ -1,0 +1,77 @@
+"""`tandem decode`: run one decode node until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+from services.decode.worker import DecodeWorker
+from shared.bus.registry import NodeRegistry
+from shared.engine.engine import Engine, EngineConfig
+from shared.errors import TandemError
+from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.transport.factory import make_transport
+from tandem.runtime import configure_threads
+from tandem.service_options import add_data_plane_options, add_engine_options, add_node_options
+
+log = logging.getLogger("tandem.decode")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("decode", help="run a decode node")
+    add_node_options(p)
+    add_data_plane_options(p)
+    add_engine_options(p)
+    p.set_defaults(func=run)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from shared.model.loader import load_model
+
+    node_id = make_node_id("decode", args.node_id)
+    setup_logging("decode", node_id, args.log_level)
+    configure_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    engine = Engine(
+        model,
+        EngineConfig(
+            kv_cache_bytes=args.kv_cache_mb << 20,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+        ),
+    )
+    stop = stop_on_signals()
+    bus = await connect_bus(args.nats, node_id)
+    transport = make_transport(args.transport, args.data_host, args.data_port)
+    worker = DecodeWorker(engine, bus, node_id)
+    await transport.start(worker)
+    worker.data_address = transport.address
+    await worker.subscribe()
+    registry = await NodeRegistry(bus, ttl=args.heartbeat_ttl).start()
+    beats = asyncio.create_task(registry.run_heartbeats(worker.info))
+    log.info(
+        "decode node %s ready: %d KV blocks, data plane %s",
+        node_id,
+        engine.pool.num_blocks,
+        transport.address,
+    )
+    try:
+        await worker.run(stop)
+    finally:
+        beats.cancel()
+        with contextlib.suppress(Exception):
+            await registry.remove(node_id)
+        await transport.close()
+        await bus.close()
+        worker.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(serve(args))
+    except TandemError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0

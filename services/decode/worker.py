@@ -1,0 +1,189 @@
+"""A decode node: receives KV transfers into its paged pool and runs the continuous batch.
+
+Engine calls (import, step, abort) all run on one dedicated thread, in order, so the
+engine needs no locks and the event loop stays free for NATS and the data plane while a
+step computes. A transfer is accepted only if it was announced by a DecodeAssignment first
+(the node reserves room then), within its deadline and of the announced size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from shared.bus.client import Bus
+from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode
+from shared.bus.registry import node_info
+from shared.bus.topology import assign_subject, cancel_subject
+from shared.engine.engine import Engine, StepOutput
+from shared.engine.sequence import SequenceSnapshot
+from shared.errors import TandemError, WireFormatError
+from shared.transport.base import TransferRejected
+from shared.transport.frames import TransferHeader
+
+log = logging.getLogger("tandem.decode")
+
+
+@dataclass
+class Expected:
+    snapshot: SequenceSnapshot
+    token_subject: str
+    deadline: float
+    blocks: int
+
+
+class DecodeWorker:
+    def __init__(self, engine: Engine, bus: Bus, node_id: str, data_address: str = "") -> None:
+        self.engine = engine
+        self.data_address = data_address
+        self.bus = bus
+        self.node_id = node_id
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.expected: dict[str, Expected] = {}
+        self.subjects: dict[str, str] = {}  # request id → token subject
+        self.wake = asyncio.Event()
+        self.failures = 0
+        self.steps = 0
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+
+    # ---- control plane ------------------------------------------------------------------
+
+    def reserved_blocks(self) -> int:
+        return sum(e.blocks for e in self.expected.values())
+
+    async def on_assign(self, msg: Msg) -> None:
+        try:
+            assignment = decode(msg.data, DecodeAssignment)
+            snap = assignment.snapshot
+            if snap is None:
+                raise WireFormatError("assignment without a snapshot")
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(b"refused: malformed assignment")
+            return
+        need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
+        now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
+        if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
+            await msg.respond(b"refused: not enough free KV blocks")
+            return
+        if need > self.engine.pool.num_blocks:
+            await msg.respond(b"refused: request larger than this node's KV pool")
+            return
+        self.expected[assignment.transfer_id] = Expected(
+            snap, assignment.token_subject, assignment.deadline or time.time() + 30, now_blocks
+        )
+        await msg.respond(b"ok")
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            return
+        self.expected.pop(cancel.request_id, None)
+        if cancel.request_id in self.subjects:
+            self.subjects.pop(cancel.request_id, None)
+            await self._run(self.engine.abort, cancel.request_id)
+            log.info("cancelled %s: %s", cancel.request_id, cancel.reason)
+
+    # ---- data plane (ReceiveHandler) ------------------------------------------------------
+
+    def allocate(self, header: TransferHeader) -> memoryview:
+        exp = self.expected.get(header.transfer_id)
+        if exp is None:
+            raise TransferRejected("transfer was not announced", transfer_id=header.transfer_id)
+        if time.time() > exp.deadline:
+            self.expected.pop(header.transfer_id, None)
+            raise TransferRejected("announcement expired", transfer_id=header.transfer_id)
+        limit = exp.blocks * self.engine.layout.bytes_per_block + 64 * 1024
+        if header.nbytes > limit:
+            raise TransferRejected("transfer larger than announced", transfer_id=header.transfer_id)
+        return memoryview(bytearray(header.nbytes))
+
+    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
+        exp = self.expected.pop(header.transfer_id, None)
+        if exp is None:
+            raise TransferRejected("transfer cancelled", transfer_id=header.transfer_id)
+        try:
+            await self._run(self.engine.add_snapshot, exp.snapshot, bytes(payload))
+        except TandemError as exc:
+            raise TransferRejected(exc.message, request_id=exp.snapshot.request_id) from exc
+        self.subjects[exp.snapshot.request_id] = exp.token_subject
+        self.wake.set()
+
+    def failed(self, header: TransferHeader | None, reason: str) -> None:
+        self.failures += 1
+        log.warning("transfer %s failed: %s", header.transfer_id if header else "?", reason)
+
+    # ---- the batch loop -----------------------------------------------------------------
+
+    async def _publish(self, out: StepOutput) -> None:
+        subject = self.subjects.get(out.request_id)
+        if subject is None:
+            return
+        if out.finished:
+            self.subjects.pop(out.request_id, None)
+        delta = TokenDelta(
+            request_id=out.request_id,
+            seq=out.num_output_tokens - 1,
+            token_ids=out.new_token_ids,
+            text=out.text,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            node_id=self.node_id,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+        )
+        try:
+            await self.bus.publish(subject, delta)
+        except Exception as exc:  # a lost delta ends as a stalled stream at the router
+            log.warning("delta for %s not published: %s", out.request_id, exc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if not self.engine.has_unfinished():
+                self.wake.clear()
+                waiter = asyncio.create_task(self.wake.wait())
+                stopper = asyncio.create_task(stop.wait())
+                await asyncio.wait(
+                    {waiter, stopper}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiter.cancel()
+                stopper.cancel()
+                self._expire()
+                continue
+            outs = await self._run(self.engine.step)
+            self.steps += 1
+            for out in outs:
+                await self._publish(out)
+
+    def _expire(self) -> None:
+        now = time.time()
+        for tid in [t for t, e in self.expected.items() if e.deadline < now]:
+            self.expected.pop(tid, None)
+
+    def info(self) -> NodeInfo:
+        return node_info(
+            self.node_id,
+            "decode",
+            data_address=self.data_address,
+            load=self.engine.num_running + self.engine.num_waiting,
+            running=self.engine.num_running,
+            free_kv_blocks=max(0, self.engine.pool.num_free - self.reserved_blocks()),
+            total_kv_blocks=self.engine.pool.num_blocks,
+        )
+
+    async def subscribe(self) -> None:
+        assert self.bus.nc is not None
+        await self.bus.nc.subscribe(assign_subject(self.node_id), cb=self.on_assign)
+        await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)

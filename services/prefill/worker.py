@@ -1,0 +1,218 @@
+"""A prefill node: pulls jobs, prefills them in batches, hands the KV to decode nodes.
+
+Per job: drop it if cancelled or past its deadline; prefill (batched with the jobs that
+arrived together) on the engine thread; publish the first token as delta 0; ask the chosen
+decode node to expect the transfer (it may refuse: try the next decode node); send the KV
+over the data plane; ack the job only after the decode node confirmed receipt. A failed
+hand-off is nak'ed for a retry (delta 0 is then re-sent and the router drops the duplicate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+
+from shared.bus.client import Bus
+from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode, encode
+from shared.bus.registry import NodeRegistry, node_info
+from shared.bus.topology import assign_subject, cancel_subject
+from shared.bus.workqueue import JobConsumer, ReceivedJob
+from shared.engine.engine import Engine, StepOutput
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import SequenceSnapshot
+from shared.errors import TandemError, WireFormatError
+from shared.transport.base import TransferError, Transport
+from shared.transport.frames import make_header
+
+log = logging.getLogger("tandem.prefill")
+
+ASSIGN_TIMEOUT = 5.0
+TRANSFER_TIMEOUT = 30.0
+RETRY_DELAY = 0.5
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        bus: Bus,
+        transport: Transport,
+        registry: NodeRegistry,
+        node_id: str,
+        max_batch: int = 8,
+    ) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.transport = transport
+        self.registry = registry
+        self.node_id = node_id
+        self.max_batch = max_batch
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.cancelled: dict[str, float] = {}  # request id → when (kept a while)
+        self.queue_depth = 0
+        self.jobs_done = 0
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            return
+        self.cancelled[cancel.request_id] = time.time()
+        cutoff = time.time() - 600
+        for rid in [r for r, t in self.cancelled.items() if t < cutoff]:
+            del self.cancelled[rid]
+
+    def info(self) -> NodeInfo:
+        return node_info(
+            self.node_id, "prefill", load=self.queue_depth, data_address=self.transport.address
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.bus.nc is not None
+        await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
+        consumer = await JobConsumer(self.bus).start()
+        while not stop.is_set():
+            try:
+                jobs = await consumer.fetch(batch=self.max_batch, timeout=0.5)
+            except Exception as exc:  # disconnected: the client reconnects on its own
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            live = []
+            for job in jobs:
+                if job.job.request_id in self.cancelled:
+                    await job.term()
+                elif job.job.deadline and time.time() > job.job.deadline:
+                    await self._fail(job, "request expired before prefill")
+                    await job.term()
+                else:
+                    live.append(job)
+            if live:
+                self.queue_depth = len(live)
+                await self._prefill_batch(live)
+                self.queue_depth = 0
+
+    async def _prefill_batch(self, jobs: list[ReceivedJob]) -> None:
+        requests: list[tuple[str, list[int], SamplingParams]] = []
+        for j in jobs:
+            params = j.job.params
+            if params.seed is None:  # the router fixed a seed so every retry samples alike
+                params = msgspec.structs.replace(params, seed=j.job.seed)
+            requests.append((j.job.request_id, j.job.prompt_ids, params))
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(
+                self.thread, self.engine.prefill_and_export, requests
+            )
+        except TandemError as exc:
+            for j in jobs:
+                await self._fail(j, exc.message)
+                await j.term()
+            return
+        by_id = {j.job.request_id: j for j in jobs}
+        await asyncio.gather(
+            *(
+                self._hand_off(by_id[out.request_id], out, snap, frame)
+                for out, snap, frame in results
+            )
+        )
+
+    async def _hand_off(
+        self, job: ReceivedJob, out: StepOutput, snap: SequenceSnapshot | None, frame: bytes | None
+    ) -> None:
+        await self._publish_first(job, out)
+        if snap is None or frame is None:  # finished on its first token
+            await job.ack()
+            self.jobs_done += 1
+            return
+        tried: set[str] = set()
+        candidates = await self._decode_candidates(job.job.decode_node)
+        for node in candidates:
+            if job.job.request_id in self.cancelled:
+                await job.term()
+                return
+            tried.add(node.node_id)
+            if await self._send_to(node, job, snap, frame):
+                await job.ack()
+                self.jobs_done += 1
+                return
+        log.warning("no decode node took %s (tried %s)", job.job.request_id, sorted(tried))
+        if job.num_delivered >= 3:
+            await self._fail(job, "no decode node accepted the request")
+            await job.term()
+        else:
+            await job.nak(delay=RETRY_DELAY)
+
+    async def _decode_candidates(self, preferred: str) -> list[NodeInfo]:
+        nodes = [n for n in (await self.registry.nodes()).values() if n.role == "decode"]
+        nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))
+        return nodes
+
+    async def _send_to(
+        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
+    ) -> bool:
+        assert self.bus.nc is not None
+        rid = job.job.request_id
+        assignment = DecodeAssignment(
+            transfer_id=job.job.transfer_id or rid,
+            snapshot=snap,
+            token_subject=job.job.token_subject,
+            prefill_node=self.node_id,
+            deadline=time.time() + TRANSFER_TIMEOUT,
+        )
+        try:
+            reply = await self.bus.nc.request(
+                assign_subject(node.node_id), encode(assignment), timeout=ASSIGN_TIMEOUT
+            )
+        except Exception as exc:
+            log.warning("assign %s to %s failed: %s", rid, node.node_id, exc)
+            return False
+        if reply.data != b"ok":
+            log.info("%s refused %s: %s", node.node_id, rid, reply.data.decode(errors="replace"))
+            return False
+        payload = memoryview(frame)
+        header = make_header(
+            rid,
+            assignment.transfer_id,
+            payload,
+            chunk_bytes=self.engine.layout.bytes_per_block,
+            num_blocks=len(snap.prompt_ids) // self.engine.layout.block_size + 1,
+        )
+        try:
+            await self.transport.send(node.data_address, header, payload, timeout=TRANSFER_TIMEOUT)
+        except TransferError as exc:
+            log.warning("KV transfer of %s to %s failed: %s", rid, node.node_id, exc)
+            return False
+        return True
+
+    async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
+        await self.bus.publish(
+            job.job.token_subject,
+            TokenDelta(
+                request_id=out.request_id,
+                seq=0,
+                token_ids=out.new_token_ids,
+                text=out.text,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                node_id=self.node_id,
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+            ),
+        )
+
+    async def _fail(self, job: ReceivedJob, reason: str) -> None:
+        if job.job.token_subject:
+            await self.bus.publish(
+                job.job.token_subject,
+                TokenDelta(request_id=job.job.request_id, error=reason, node_id=self.node_id),
+            )
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)

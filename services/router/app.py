@@ -1,0 +1,326 @@
+"""The router's HTTP API: OpenAI-compatible completions and chat, health, metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.router.errors import ApiError
+from services.router.metrics import RouterMetrics
+from services.router.nodes import NodeTable
+from services.router.streams import RequestStream, StreamTimeout
+from services.router.validation import Limits, ParsedRequest, parse_request
+from shared.bus.client import Bus
+from shared.bus.journal import RequestJournal
+from shared.bus.messages import Cancel, JournalEntry, PrefillJob
+from shared.bus.topology import cancel_subject, token_subject
+from shared.bus.workqueue import submit_job
+from shared.engine.sampling import new_seed
+from shared.model.tokenizer import TokenizerInfo
+
+log = logging.getLogger("tandem.router")
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class RouterConfig:
+    node_id: str = "router"
+    max_inflight: int = 256
+    max_body_bytes: int = 1 << 20
+    first_token_timeout: float = 120.0
+    stall_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        bus: Bus,
+        tokenizer: TokenizerInfo,
+        nodes: NodeTable,
+        journal: RequestJournal,
+    ) -> None:
+        self.config = config
+        self.bus = bus
+        self.tok = tokenizer
+        self.nodes = nodes
+        self.journal = journal
+        self.metrics = RouterMetrics()
+        self.inflight = 0
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> Any:
+        if (
+            request.content_length is not None
+            and request.content_length > self.config.max_body_bytes
+        ):
+            raise ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes") from exc
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"invalid JSON body: {exc}") from exc
+
+    def _chunk(
+        self,
+        parsed: ParsedRequest,
+        rid: str,
+        created: int,
+        text: str,
+        reason: str | None,
+        first: bool,
+    ) -> dict[str, Any]:
+        if parsed.chat:
+            delta: dict[str, Any] = {"content": text} if text or not first else {}
+            if first:
+                delta = {"role": "assistant", "content": text}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": parsed.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+            }
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": parsed.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
+        }
+
+    # ---- endpoints --------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await self._body(request)
+            parsed = parse_request(body, chat, self.tok, {self.tok.served_name}, self.config.limits)
+            if self.inflight >= self.config.max_inflight:
+                raise ApiError(
+                    429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"}
+                )
+            if not self.nodes.ready():
+                raise ApiError(
+                    503, "no prefill or decode node is available", headers={"Retry-After": "2"}
+                )
+        except ApiError as exc:
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            self.metrics.errors.labels(str(exc.status)).inc()
+            return exc.response()
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        try:
+            return await self._serve(request, parsed, endpoint)
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+
+    async def _serve(
+        self, request: web.Request, parsed: ParsedRequest, endpoint: str
+    ) -> web.StreamResponse:
+        rid = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        start = time.monotonic()
+        blocks = -(-(len(parsed.prompt_ids) + parsed.params.max_tokens) // BLOCK_SIZE)
+        decode_node = self.nodes.pick_decode(blocks)
+        if decode_node is None:
+            self.metrics.requests.labels(endpoint, "503").inc()
+            return ApiError(
+                503, "no decode node has room for this request", headers={"Retry-After": "2"}
+            ).response()
+        stream = await RequestStream(self.bus, rid).open()
+        response: web.StreamResponse | None = None
+        finished = False
+        try:
+            seed = parsed.params.seed if parsed.params.seed is not None else new_seed()
+            job = PrefillJob(
+                request_id=rid,
+                prompt_ids=parsed.prompt_ids,
+                params=parsed.params,
+                seed=seed,
+                decode_node=decode_node.node_id,
+                transfer_id=rid,
+                token_subject=token_subject(rid),
+                deadline=time.time() + self.config.first_token_timeout,
+            )
+            await self.journal.put(
+                JournalEntry(
+                    request_id=rid,
+                    state="queued",
+                    router_id=self.config.node_id,
+                    decode_node=decode_node.node_id,
+                )
+            )
+            await submit_job(self.bus, job)
+            if parsed.stream:
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await response.prepare(request)
+            texts: list[str] = []
+            reason: str | None = None
+            completion_tokens = 0
+            first = True
+            last_t = start
+            async for delta in stream.deltas(
+                self.config.first_token_timeout, self.config.stall_timeout
+            ):
+                if delta.error is not None:
+                    raise ApiError(503, f"generation failed: {delta.error}")
+                now = time.monotonic()
+                if first:
+                    self.metrics.ttft.observe(now - start)
+                else:
+                    self.metrics.itl.observe(now - last_t)
+                last_t = now
+                completion_tokens = max(completion_tokens, delta.completion_tokens)
+                reason = delta.finish_reason if delta.finished else None
+                if response is not None and (delta.text or delta.finished or first):
+                    chunk = self._chunk(parsed, rid, created, delta.text, reason, first)
+                    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                texts.append(delta.text)
+                first = False
+            finished = True
+            usage = {
+                "prompt_tokens": len(parsed.prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(parsed.prompt_ids) + completion_tokens,
+            }
+            elapsed = time.monotonic() - start
+            self.metrics.e2e.observe(elapsed)
+            self.metrics.prompt_tokens.inc(len(parsed.prompt_ids))
+            self.metrics.output_tokens.inc(completion_tokens)
+            if completion_tokens > 1:
+                self.metrics.tpot.observe((last_t - start) / completion_tokens)
+            self.metrics.requests.labels(endpoint, "200").inc()
+            await self.journal.delete(rid)
+            if response is not None:
+                if parsed.include_usage:
+                    tail = self._chunk(parsed, rid, created, "", None, False)
+                    tail["choices"] = []
+                    tail["usage"] = usage
+                    await response.write(f"data: {json.dumps(tail)}\n\n".encode())
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            text = "".join(texts)
+            if parsed.chat:
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                }
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+                obj = "text_completion"
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": parsed.model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        except (ApiError, StreamTimeout) as exc:
+            err = exc if isinstance(exc, ApiError) else ApiError(504, str(exc))
+            self.metrics.requests.labels(endpoint, str(err.status)).inc()
+            self.metrics.errors.labels(str(err.status)).inc()
+            if response is None:
+                return err.response()
+            await response.write(f"data: {json.dumps(err.body())}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            await stream.close()
+            if not finished:
+                # client gone, error or timeout: every node drops the request, blocks freed
+                await self._cancel(rid, "client disconnected or request failed")
+
+    async def _cancel(self, rid: str, reason: str) -> None:
+        try:
+            await self.bus.publish(cancel_subject(), Cancel(request_id=rid, reason=reason))
+            await self.journal.delete(rid)
+        except Exception as exc:  # best effort: nodes also expire work past its deadline
+            log.warning("cancel of %s failed: %s", rid, exc)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.tok.served_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "tandem",
+                    }
+                ],
+            }
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ok = self.bus.is_connected and self.nodes.ready()
+        body = {
+            "ready": ok,
+            "nats": self.bus.is_connected,
+            "prefill": len(self.nodes.by_role("prefill")),
+            "decode": len(self.nodes.by_role("decode")),
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+def build_app(router: Router) -> web.Application:
+    @web.middleware
+    async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            resp: web.StreamResponse = await handler(request)
+            return resp
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPRequestEntityTooLarge:
+            return ApiError(413, "request body too large").response()
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return ApiError(exc.status, exc.reason or "error").response()
+            raise
+
+    app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[errors])
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat_completions)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/healthz", router.healthz)
+    app.router.add_get("/readyz", router.readyz)
+    app.router.add_get("/metrics", router.metrics_endpoint)
+    return app

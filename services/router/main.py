@@ -1,0 +1,78 @@
+"""`tandem router`: the HTTP front end, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from aiohttp import web
+
+from services.router.app import Router, RouterConfig, build_app
+from services.router.nodes import NodeTable
+from services.router.validation import Limits
+from shared.bus.journal import RequestJournal
+from shared.bus.registry import NodeRegistry
+from shared.errors import TandemError
+from shared.model.tokenizer import load_tokenizer
+from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from tandem.options import add_option
+from tandem.service_options import add_node_options
+
+log = logging.getLogger("tandem.router")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("router", help="run the HTTP router (OpenAI-compatible API)")
+    add_node_options(p, model=False)
+    add_option(p, "--model", default="smollm2-135m-instruct", help="served model (tokenizer)")
+    add_option(p, "--host", default="127.0.0.1")
+    add_option(p, "--port", type=int, default=8000)
+    add_option(p, "--max-inflight", type=int, default=256, help="admitted requests; then 429")
+    add_option(p, "--max-body-bytes", type=int, default=1 << 20)
+    add_option(p, "--max-tokens-limit", type=int, default=4096)
+    add_option(p, "--first-token-timeout", type=float, default=120.0)
+    add_option(p, "--stall-timeout", type=float, default=30.0)
+    p.set_defaults(func=run)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    node_id = make_node_id("router", args.node_id)
+    setup_logging("router", node_id, args.log_level)
+    tokenizer = load_tokenizer(args.model)
+    stop = stop_on_signals()
+    bus = await connect_bus(args.nats, node_id)
+    registry = await NodeRegistry(bus).start()
+    nodes = await NodeTable(registry).start()
+    journal = await RequestJournal(bus).start()
+    config = RouterConfig(
+        node_id=node_id,
+        max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes,
+        first_token_timeout=args.first_token_timeout,
+        stall_timeout=args.stall_timeout,
+        limits=Limits(max_tokens=args.max_tokens_limit),
+    )
+    router = Router(config, bus, tokenizer, nodes, journal)
+    # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
+    # then cancels the request on every node.
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    log.info("router %s listening on http://%s:%d", node_id, args.host, args.port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await nodes.close()
+        await bus.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(serve(args))
+    except TandemError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0

@@ -1,0 +1,47 @@
+"""The router's Prometheus metrics (one registry per process, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tandem_requests_total",
+            "Requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.errors = Counter("tandem_errors_total", "Errors by type", ["type"], registry=r)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tandem_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "Gap between tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "End-to-end latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.output_tokens = Counter("tandem_output_tokens_total", "Output tokens", registry=r)

@@ -1,0 +1,75 @@
+"""The router's view of the cluster: nodes from the registry, and the choice of decode node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from shared.bus.messages import NodeInfo
+from shared.bus.registry import NodeRegistry
+
+log = logging.getLogger("tandem.router.nodes")
+
+
+class NodeTable:
+    def __init__(self, registry: NodeRegistry) -> None:
+        self.registry = registry
+        self.nodes: dict[str, NodeInfo] = {}
+        self._task: asyncio.Task[None] | None = None
+        # Requests sent to a decode node since its last heartbeat: keeps a burst from all
+        # landing on the node that looked emptiest a moment ago.
+        self.inflight: dict[str, int] = {}
+
+    async def start(self) -> NodeTable:
+        self.nodes = await self.registry.nodes()
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for ev in self.registry.watch():
+                    if ev.kind == "leave":
+                        self.nodes.pop(ev.node_id, None)
+                        log.warning("node left: %s", ev.node_id)
+                    elif ev.info is not None:
+                        if ev.kind == "join":
+                            log.info("node joined: %s (%s)", ev.node_id, ev.info.role)
+                        self.nodes[ev.node_id] = ev.info
+                        self.inflight[ev.node_id] = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the connection dropped: watch again once it is back
+                log.warning("registry watch failed: %s", exc)
+                await asyncio.sleep(0.5)
+
+    def by_role(self, role: str) -> list[NodeInfo]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def ready(self) -> bool:
+        return bool(self.by_role("prefill")) and bool(self.by_role("decode"))
+
+    def pick_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
+        """The decode node with the most free blocks per running sequence that fits the request."""
+        best: tuple[float, str] | None = None
+        choice = None
+        for node in self.by_role("decode"):
+            if exclude and node.node_id in exclude:
+                continue
+            sent = self.inflight.get(node.node_id, 0)
+            free = node.free_kv_blocks - sent * blocks_needed
+            if free < blocks_needed:
+                continue
+            score = (free / max(1, node.total_kv_blocks)) - 0.05 * (node.running + sent)
+            if best is None or (score, node.node_id) > best:
+                best, choice = (score, node.node_id), node
+        if choice is not None:
+            self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
+        return choice
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

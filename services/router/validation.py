@@ -1,0 +1,185 @@
+"""Parse and validate OpenAI-style request bodies into a prompt and sampling parameters.
+
+Every failure raises ApiError with the HTTP status, message and offending parameter; nothing
+is queued or touched before a body passes. Unknown fields are ignored (as OpenAI does), but
+known fields must have the right type and range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from services.router.errors import ApiError
+from shared.engine.sampling import SamplingParams
+from shared.model.tokenizer import TokenizerInfo
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int = 4096  # upper bound for one request's max_tokens
+    default_max_tokens: int = 16  # completions default, as OpenAI
+    max_stop: int = 4
+    max_stop_len: int = 256
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def _bad(message: str, param: str | None = None, status: int = 400) -> ApiError:
+    return ApiError(status, message, param=param)
+
+
+def _int(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{key}' must be an integer", key)
+    return value
+
+
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"'{key}' must be a number", key)
+    return float(value)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(f"'{key}' must be a boolean", key)
+    return value
+
+
+def _stop(body: dict[str, Any], limits: Limits) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise _bad("'stop' must be a non-empty string or a list of them", "stop")
+    if len(items) > limits.max_stop or any(len(s) > limits.max_stop_len for s in items):
+        raise _bad(
+            f"'stop' allows at most {limits.max_stop} strings of {limits.max_stop_len} chars",
+            "stop",
+        )
+    return tuple(items)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise _bad("each message needs a role of system, user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise _bad("only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise _bad("message content must be a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("'prompt' must not be empty", "prompt")
+        return tok.encode(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        if not prompt:
+            raise _bad("'prompt' must not be empty", "prompt")
+        return list(prompt)
+    raise _bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
+
+
+def parse_request(
+    body: Any, chat: bool, tok: TokenizerInfo, served: set[str], limits: Limits
+) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("'model' is required and must be a string", "model")
+    if model not in served:
+        raise ApiError(404, f"model '{model}' not found", param="model", code="model_not_found")
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise _bad("only n=1 is supported", "n")
+    if chat:
+        messages = _messages(body)
+        prompt_ids = tok.chat(messages)
+        default_max = None
+    else:
+        prompt_ids = _prompt(body, tok)
+        default_max = limits.default_max_tokens
+    if not prompt_ids:
+        raise _bad("the prompt is empty after tokenisation", "prompt")
+    if len(prompt_ids) >= tok.max_model_len:
+        raise _bad(
+            f"prompt has {len(prompt_ids)} tokens; the model's context is {tok.max_model_len}",
+            "messages" if chat else "prompt",
+        )
+    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int(body, key, default_max)
+    room = tok.max_model_len - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = min(room, limits.max_tokens)
+    if max_tokens <= 0 or max_tokens > limits.max_tokens:
+        raise _bad(f"'{key}' must be between 1 and {limits.max_tokens}", key)
+    if max_tokens > room:
+        raise _bad(
+            f"prompt ({len(prompt_ids)} tokens) plus {key} ({max_tokens}) exceeds the "
+            f"model's context of {tok.max_model_len}",
+            key,
+        )
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= 2:
+        raise _bad("'temperature' must be between 0 and 2", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise _bad("'top_p' must be in (0, 1]", "top_p")
+    top_k = _int(body, "top_k", 0) or 0
+    if top_k < -1:
+        raise _bad("'top_k' must be -1, 0 or positive", "top_k")
+    seed = _int(body, "seed", None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise _bad("'seed' must be a non-negative 63-bit integer", "seed")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage") is True)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=_stop(body, limits),
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+    return ParsedRequest(chat, model, prompt_ids, params, stream, include_usage)

@@ -1,0 +1,260 @@
+"""UCX transport (ucxx): the fast data plane; RDMA and GPU memory on clusters, TCP here.
+
+Configuration, measured on these 2-core machines (docs/benchmarks.md has the table):
+endpoints have peer-failure error handling ON, so a SIGKILLed peer surfaces as an
+exception within ~5-15 ms instead of a hang. With error handling on UCX cannot use shared
+memory (sm/cma lack peer-failure support), so data moves over TCP; the TCP segment size of
+1 MiB switches large messages to UCX's zero-copy rendezvous, and the `blocking` progress
+mode (the worker's event fd in the asyncio loop, no polling thread) gives another 2-3x:
+together ~2-3.8 GB/s for 16 MiB against ~0.6 with defaults. Error handling OFF with `cma`
+is faster (5-7 GB/s) but not safe: a sender dying mid-transfer makes UCX abort the
+*receiving* process. Every UCX_* environment variable set by an operator (e.g. UCX_TLS=rc
+on InfiniBand) overrides these defaults.
+
+Frames are the same as the TCP transport's: prefix, header, READY/refusal, payload
+(received straight into the handler's buffer), ACK/NACK. Each message is a separate tagged
+UCX message on a listener endpoint, one transfer per endpoint at a time; a small pool of
+endpoints per peer gives concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
+
+from shared.errors import WireFormatError
+from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
+from shared.transport.frames import (
+    ACK_PREFIX,
+    PREFIX,
+    Ack,
+    TransferHeader,
+    decode_ack,
+    decode_header,
+    encode_ack,
+    encode_header,
+    parse_ack_prefix,
+    parse_prefix,
+    verify,
+)
+
+DEFAULT_OPTIONS = {"TLS": "tcp", "TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
+_initialised = False
+
+
+def _ucxx() -> Any:
+    """Import and initialise ucxx once per process (it has one context and worker)."""
+    global _initialised
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx  # ~0.6 s: only processes that use UCX pay it
+
+    if not _initialised:
+        mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+        ucxx.init(options=dict(DEFAULT_OPTIONS), env_takes_precedence=True, progress_mode=mode)
+        _initialised = True
+    return ucxx
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from ucxx.exceptions import UCXError
+
+    return (UCXError, OSError, ConnectionError, WireFormatError)
+
+
+def _buf(n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+async def _send_bytes(ep: Any, data: bytes | memoryview) -> None:
+    await ep.send(memoryview(data).cast("B"))
+
+
+async def _recv_ack(ep: Any) -> Ack:
+    prefix = _buf(ACK_PREFIX.size)
+    await ep.recv(prefix)
+    body = _buf(parse_ack_prefix(prefix))
+    await ep.recv(body)
+    return decode_ack(body)
+
+
+class UcxTransport:
+    name = "ucx"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_conns_per_peer: int = 4,
+        frame_timeout: float = 30.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_conns_per_peer = max_conns_per_peer
+        self.frame_timeout = frame_timeout
+        self._listener: Any = None
+        self._handler: ReceiveHandler | None = None
+        self._idle: dict[str, list[Any]] = defaultdict(list)
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return f"ucx://{self.host}:{self.port}"
+
+    async def start(self, handler: ReceiveHandler) -> None:
+        ucxx = _ucxx()
+        self._handler = handler
+
+        async def on_connect(ep: Any) -> None:
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.add(task)
+            try:
+                await self._serve(ep)
+            finally:
+                if task is not None:
+                    self._tasks.discard(task)
+
+        self._listener = ucxx.create_listener(on_connect, port=self.port or None)
+        self.port = int(self._listener.port)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, ep: Any) -> None:
+        assert self._handler is not None
+        errors = _errors()
+        try:
+            while True:
+                prefix = _buf(PREFIX.size)
+                try:
+                    await ep.recv(prefix)  # an idle endpoint waits here
+                except errors:
+                    return  # the peer closed or died between transfers
+                if not await self._serve_frame(ep, prefix, self._handler, errors):
+                    return
+        finally:
+            with contextlib.suppress(*errors):
+                ep.abort()
+
+    async def _serve_frame(
+        self,
+        ep: Any,
+        prefix: memoryview,
+        handler: ReceiveHandler,
+        errors: tuple[type[BaseException], ...],
+    ) -> bool:
+        header: TransferHeader | None = None
+
+        async def answer(ok: bool, reason: str = "") -> None:
+            assert header is not None
+            # prefix and body are separate UCX messages: a receive must know its size
+            ack = encode_ack(Ack(header.transfer_id, ok, reason))
+            await _send_bytes(ep, ack[: ACK_PREFIX.size])
+            await _send_bytes(ep, ack[ACK_PREFIX.size :])
+
+        try:
+            async with asyncio.timeout(self.frame_timeout):
+                raw = _buf(parse_prefix(prefix))
+                await ep.recv(raw)
+                header = decode_header(raw)
+                try:
+                    buf = handler.allocate(header)
+                except TransferRejected as exc:
+                    handler.failed(header, f"refused: {exc.message}")
+                    await answer(False, exc.message)
+                    return True
+                if len(buf) != header.nbytes:
+                    raise WireFormatError("handler buffer size mismatch")
+                await answer(True)
+                await ep.recv(buf)
+                bad = verify(header, buf)
+                if bad is not None:
+                    reason = f"checksum: chunk {bad} corrupt"
+                    handler.failed(header, reason)
+                    await answer(False, reason)
+                    return True
+                try:
+                    await handler.complete(header, buf)
+                except TransferRejected as exc:
+                    handler.failed(header, f"refused: {exc.message}")
+                    await answer(False, exc.message)
+                    return True
+                await answer(True)
+                return True
+        except WireFormatError as exc:
+            handler.failed(header, f"malformed: {exc.message}")
+        except TimeoutError:
+            handler.failed(header, "timeout: frame not received within deadline")
+        except errors as exc:
+            handler.failed(header, f"truncated: peer lost mid-transfer ({type(exc).__name__})")
+        return False
+
+    async def _checkout(self, peer: str) -> Any:
+        idle = self._idle[peer]
+        if idle:
+            return idle.pop()
+        host, _, port = peer.removeprefix("ucx://").rpartition(":")
+        return await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+
+    async def send(
+        self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
+    ) -> None:
+        ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
+        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_conns_per_peer))
+        errors = _errors()
+        try:
+            async with asyncio.timeout(timeout), slots:
+                ep = await self._checkout(peer)
+                reusable = False
+                try:
+                    head = encode_header(header)
+                    await _send_bytes(ep, head[: PREFIX.size])
+                    await _send_bytes(ep, head[PREFIX.size :])
+                    ready = await _recv_ack(ep)
+                    if not ready.ok:
+                        reusable = True
+                        raise TransferRejected(f"{peer} refused: {ready.reason}", **ids)
+                    await _send_bytes(ep, payload)
+                    done = await _recv_ack(ep)
+                    reusable = True
+                    if not done.ok:
+                        raise TransferRejected(f"{peer} rejected: {done.reason}", **ids)
+                finally:
+                    if reusable:
+                        self._idle[peer].append(ep)
+                    else:
+                        with contextlib.suppress(*errors):
+                            ep.abort()
+        except TimeoutError as exc:
+            reason = f"transfer to {peer} missed its {timeout}s deadline"
+            raise TransferError(reason, **ids) from exc
+        except TransferError:
+            raise
+        except errors as exc:
+            reason = f"transfer to {peer} failed: {type(exc).__name__}: {exc}"
+            raise TransferError(reason, **ids) from exc
+
+    async def close(self) -> None:
+        errors = _errors()
+        for eps in self._idle.values():
+            for ep in eps:
+                with contextlib.suppress(*errors):
+                    ep.abort()
+        self._idle.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for _ in range(3):  # ucxx retires its handler records a loop turn after they end
+            await asyncio.sleep(0)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

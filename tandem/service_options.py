@@ -1,0 +1,28 @@
+"""Options shared by the service commands (`tandem router|prefill|decode|kvcache`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.options import add_model_options, add_option
+
+
+def add_node_options(p: argparse.ArgumentParser, model: bool = True) -> None:
+    add_option(p, "--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    add_option(p, "--node-id", default=None, help="unique node name (default: role-host-random)")
+    add_option(p, "--log-level", default="INFO")
+    if model:
+        add_model_options(p)
+
+
+def add_data_plane_options(p: argparse.ArgumentParser) -> None:
+    add_option(p, "--transport", default="tcp", choices=["ucx", "tcp"], help="KV data plane")
+    add_option(p, "--data-host", default="127.0.0.1", help="address peers reach this node at")
+    add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
+    add_option(p, "--max-num-seqs", type=int, default=64)
+    add_option(p, "--max-batched-tokens", type=int, default=4096)
+    add_option(p, "--heartbeat-ttl", type=float, default=6.0)

@@ -8,7 +8,7 @@ import sys
 from services.decode import main as decode_main
 from services.prefill import main as prefill_main
 from services.router import main as router_main
-from tandem import __version__, generate
+from tandem import __version__, generate, launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
+    launcher.add_parser(sub)
     router_main.add_parser(sub)
     prefill_main.add_parser(sub)
     decode_main.add_parser(sub)

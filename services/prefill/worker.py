@@ -77,6 +77,12 @@ class PrefillWorker:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         consumer = await JobConsumer(self.bus).start()
+        try:
+            await self._loop(consumer, stop)
+        finally:
+            await consumer.stop()
+
+    async def _loop(self, consumer: JobConsumer, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 jobs = await consumer.fetch(batch=self.max_batch, timeout=0.5)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from shared.errors import TandemError
+from shared.procs import die_with_parent
 
 # Bulk KV never travels over NATS, but raising max_payload keeps a 1 MiB body plus headers
 # from closing the client connection (the limit counts headers). Above 8 MB the server warns.
@@ -61,10 +62,14 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
+        # Own session: a Ctrl-C meant for `tandem up` must not stop NATS before the
+        # services have drained; it still dies with its parent.
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(self.config_path)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -9,6 +9,7 @@ id, so a router that retries a publish stores the job once.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import nats.errors
@@ -65,6 +66,13 @@ class JobConsumer:
             PREFILL_SUBJECT, durable=PREFILL_CONSUMER, stream=PREFILL_STREAM
         )
         return self
+
+    async def stop(self) -> None:
+        """Stop pulling; jobs fetched but not acked are redelivered to other workers."""
+        if self.sub is not None:
+            with contextlib.suppress(Exception):  # already gone with the connection
+                await self.sub.unsubscribe()
+            self.sub = None
 
     async def fetch(self, batch: int = 8, timeout: float = 1.0) -> list[ReceivedJob]:
         """Up to `batch` valid jobs (waits at most `timeout`); malformed ones are terminated."""

@@ -1,0 +1,281 @@
+"""`tandem up`: the whole stack on one machine, as child processes of this one.
+
+Starts `nats-server -js` (unless `--nats URL`), then prefill ×N, decode ×M and the router;
+returns control (prints the URL) once the router answers /readyz; prefixes every child's log
+lines with its name; reports loudly a child that dies; on SIGINT/SIGTERM stops every child
+(SIGTERM, then SIGKILL after a grace period) and the NATS server, leaving no process behind.
+Children also get PR_SET_PDEATHSIG, so even a SIGKILLed launcher takes them down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from shared.bus.server import NatsServer, free_port
+from shared.procs import die_with_parent
+from tandem.options import add_model_options, add_option
+
+READY_TIMEOUT = 300.0
+GRACE = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[str] | None = None
+    pump: threading.Thread | None = None
+    reported: bool = field(default=False)
+
+
+class Stack:
+    """The launched processes; usable from tests as well as from the command."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.nats: NatsServer | None = None
+        self.nats_url: str = args.nats or ""
+        self.children: list[Child] = []
+        self.out = sys.stdout
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.args.port}"
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def _common(self) -> list[str]:
+        a = self.args
+        return ["--nats", self.nats_url, "--log-level", a.log_level]
+
+    def _model(self, threads: int) -> list[str]:
+        a = self.args
+        return [
+            "--model",
+            a.model,
+            "--dtype",
+            a.dtype,
+            "--device",
+            a.device,
+            "--threads",
+            str(threads),
+        ]
+
+    def plan(self) -> list[Child]:
+        a = self.args
+        workers = a.prefill + a.decode
+        threads = a.threads or max(1, len(os.sched_getaffinity(0)) // workers)
+        data = [
+            "--transport",
+            a.transport,
+            "--kv-cache-mb",
+            str(a.kv_cache_mb),
+            "--heartbeat-ttl",
+            str(a.heartbeat_ttl),
+        ]
+        out = []
+        for i in range(a.prefill):
+            out.append(
+                Child(
+                    f"prefill-{i + 1}",
+                    [
+                        "prefill",
+                        *self._common(),
+                        "--node-id",
+                        f"prefill-{i + 1}",
+                        *self._model(threads),
+                        *data,
+                    ],
+                )
+            )
+        for i in range(a.decode):
+            out.append(
+                Child(
+                    f"decode-{i + 1}",
+                    [
+                        "decode",
+                        *self._common(),
+                        "--node-id",
+                        f"decode-{i + 1}",
+                        *self._model(threads),
+                        *data,
+                    ],
+                )
+            )
+        out.append(
+            Child(
+                "router",
+                [
+                    "router",
+                    *self._common(),
+                    "--node-id",
+                    "router-1",
+                    "--model",
+                    a.model,
+                    "--host",
+                    a.host,
+                    "--port",
+                    str(a.port),
+                ],
+            )
+        )
+        return out
+
+    def start(self) -> None:
+        if not self.nats_url:
+            self.nats = NatsServer(port=self.args.nats_port or free_port()).start()
+            self.nats_url = self.nats.url
+            self.say(f"[up] nats-server -js at {self.nats_url}")
+        for child in self.plan():
+            self._spawn(child)
+            self.children.append(child)
+
+    def _spawn(self, child: Child) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        child.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *child.argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            # Own session: terminal signals reach only this launcher, which stops the
+            # services first and NATS last; PDEATHSIG covers a launcher that is killed.
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+        def pump() -> None:
+            assert child.proc is not None and child.proc.stdout is not None
+            for line in child.proc.stdout:
+                self.say(f"[{child.name}] {line.rstrip()}")
+
+        child.pump = threading.Thread(target=pump, daemon=True)
+        child.pump.start()
+
+    def dead_children(self) -> list[Child]:
+        dead = []
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None and not c.reported:
+                c.reported = True
+                dead.append(c)
+        return dead
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for c in self.dead_children():
+                raise RuntimeError(f"{c.name} exited with code {_code(c)} during start-up")
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as resp:  # noqa: S310 - our own URL
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"stack not ready within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.terminate()
+        deadline = time.monotonic() + GRACE
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"[up] {c.name} did not stop in {GRACE:.0f}s: killing it")
+                c.proc.kill()
+                c.proc.wait()
+        for c in self.children:
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+            if c.proc is not None and c.proc.stdout is not None:
+                c.proc.stdout.close()
+        if self.nats is not None:
+            self.nats.cleanup()
+            self.nats = None
+
+
+def _code(child: Child) -> str:
+    return str(child.proc.returncode) if child.proc is not None else "?"
+
+
+def add_up_options(p: argparse.ArgumentParser) -> None:
+    add_option(p, "--prefill", type=int, default=1, help="prefill nodes")
+    add_option(p, "--decode", type=int, default=1, help="decode nodes")
+    add_option(p, "--host", default="127.0.0.1")
+    add_option(p, "--port", type=int, default=8000)
+    add_option(p, "--nats", default=None, help="use this NATS server instead of starting one")
+    add_option(p, "--nats-port", type=int, default=None, help="port of the embedded nats-server")
+    add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
+    add_option(p, "--kv-cache-mb", type=int, default=1024)
+    add_option(p, "--heartbeat-ttl", type=float, default=6.0)
+    add_option(p, "--log-level", default="INFO")
+    add_model_options(p)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="run the whole stack on this machine")
+    add_up_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if value < 1:
+            print(f"error: {flag} must be at least 1", file=sys.stderr)
+            return 2
+    stack = Stack(args)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        stack.start()
+        stack.say(
+            f"[up] starting {args.prefill} prefill and {args.decode} decode node(s); "
+            f"waiting for {stack.url}/readyz"
+        )
+        while not stopping.is_set():
+            try:
+                stack.wait_ready(timeout=1.0)
+                break
+            except RuntimeError as exc:
+                if "exited" in str(exc):
+                    raise
+        if not stopping.is_set():
+            stack.say(
+                f"[up] Tandem is ready: {stack.url}  (OpenAI API at {stack.url}/v1; Ctrl-C stops)"
+            )
+        while not stopping.is_set():
+            for c in stack.dead_children():
+                code = 1
+                stack.say(f"[up] !!! {c.name} DIED with exit code {_code(c)} !!!")
+            stopping.wait(0.5)
+    except RuntimeError as exc:
+        stack.say(f"[up] error: {exc}")
+        code = 1
+    finally:
+        stack.say("[up] stopping all services")
+        stack.stop()
+        stack.say("[up] stopped")
+    return code

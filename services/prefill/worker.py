@@ -34,6 +34,7 @@ log = logging.getLogger("tandem.prefill")
 ASSIGN_TIMEOUT = 5.0
 TRANSFER_TIMEOUT = 30.0
 RETRY_DELAY = 0.5
+HANDOFF_PATIENCE = 60.0  # seconds to keep retrying full decode nodes before giving up
 
 
 class PrefillWorker:
@@ -56,6 +57,7 @@ class PrefillWorker:
         self.cancelled: dict[str, float] = {}  # request id → when (kept a while)
         self.queue_depth = 0
         self.jobs_done = 0
+        self.stopping = asyncio.Event()
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -77,6 +79,7 @@ class PrefillWorker:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         consumer = await JobConsumer(self.bus).start()
+        self.stopping = stop
         try:
             await self._loop(consumer, stop)
         finally:
@@ -87,7 +90,7 @@ class PrefillWorker:
             try:
                 jobs = await consumer.fetch(batch=self.max_batch, timeout=0.5)
             except Exception as exc:  # disconnected: the client reconnects on its own
-                log.warning("fetch failed: %s", exc)
+                log.warning("fetch failed: %r", exc)
                 await asyncio.sleep(0.5)
                 continue
             live = []
@@ -138,16 +141,23 @@ class PrefillWorker:
             self.jobs_done += 1
             return
         tried: set[str] = set()
-        candidates = await self._decode_candidates(job.job.decode_node)
-        for node in candidates:
-            if job.job.request_id in self.cancelled:
-                await job.term()
-                return
-            tried.add(node.node_id)
-            if await self._send_to(node, job, snap, frame):
-                await job.ack()
-                self.jobs_done += 1
-                return
+        deadline = min(time.time() + HANDOFF_PATIENCE, job.job.deadline or float("inf"))
+        delay = 0.05
+        # Decode nodes refuse while full; keep the computed KV and retry them (with backoff)
+        # rather than recomputing later, until the request's deadline.
+        while time.time() < deadline and not self.stopping.is_set():
+            for node in await self._decode_candidates(job.job.decode_node):
+                if job.job.request_id in self.cancelled:
+                    await job.term()
+                    return
+                tried.add(node.node_id)
+                if await self._send_to(node, job, snap, frame):
+                    await job.ack()
+                    self.jobs_done += 1
+                    return
+            await job.in_progress()  # still ours: do not let ack_wait redeliver it
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
         log.warning("no decode node took %s (tried %s)", job.job.request_id, sorted(tried))
         if job.num_delivered >= 3:
             await self._fail(job, "no decode node accepted the request")

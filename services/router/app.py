@@ -182,6 +182,7 @@ class Router:
             completion_tokens = 0
             first = True
             last_t = start
+            decode_by = ""
             async for delta in stream.deltas(
                 self.config.first_token_timeout, self.config.stall_timeout
             ):
@@ -190,9 +191,12 @@ class Router:
                 now = time.monotonic()
                 if first:
                     self.metrics.ttft.observe(now - start)
+                    self.metrics.node_requests.labels("prefill", delta.node_id).inc()
                 else:
                     self.metrics.itl.observe(now - last_t)
                 last_t = now
+                if delta.seq > 0:
+                    decode_by = delta.node_id
                 completion_tokens = max(completion_tokens, delta.completion_tokens)
                 reason = delta.finish_reason if delta.finished else None
                 if response is not None and (delta.text or delta.finished or first):
@@ -201,6 +205,8 @@ class Router:
                 texts.append(delta.text)
                 first = False
             finished = True
+            if completion_tokens > 1 and decode_by:
+                self.metrics.node_requests.labels("decode", decode_by).inc()
             usage = {
                 "prompt_tokens": len(parsed.prompt_ids),
                 "completion_tokens": completion_tokens,

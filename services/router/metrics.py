@@ -42,6 +42,12 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.node_requests = Counter(
+            "tandem_node_requests_total",
+            "Requests served, by the node of each role that served them",
+            ["role", "node"],
+            registry=r,
+        )
         self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens_total", "Prompt tokens", registry=r)
         self.output_tokens = Counter("tandem_output_tokens_total", "Output tokens", registry=r)

@@ -51,17 +51,22 @@ class NodeTable:
         return bool(self.by_role("prefill")) and bool(self.by_role("decode"))
 
     def pick_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
-        """The decode node with the most free blocks per running sequence that fits the request."""
+        """The decode node with the most free blocks per running sequence.
+
+        Free blocks are estimated from the last heartbeat less what this router sent since;
+        a node short of room now is still chosen (it queues or refuses, and the prefill
+        node then tries another), but never one whose whole pool could not hold the request.
+        """
         best: tuple[float, str] | None = None
         choice = None
         for node in self.by_role("decode"):
             if exclude and node.node_id in exclude:
                 continue
+            if node.total_kv_blocks and node.total_kv_blocks < blocks_needed:
+                continue
             sent = self.inflight.get(node.node_id, 0)
             free = node.free_kv_blocks - sent * blocks_needed
-            if free < blocks_needed:
-                continue
-            score = (free / max(1, node.total_kv_blocks)) - 0.05 * (node.running + sent)
+            score = free / max(1, node.total_kv_blocks) - 0.05 * (node.running + sent)
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node
         if choice is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -79,7 +78,7 @@ class JobConsumer:
         assert self.sub is not None, "start() first"
         try:
             msgs = await self.sub.fetch(batch=batch, timeout=timeout)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats' own TimeoutError, or asyncio's from inside fetch
             return []
         jobs: list[ReceivedJob] = []
         for msg in msgs:

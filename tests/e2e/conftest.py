@@ -1,0 +1,39 @@
+"""The real stack for e2e tests: `tandem up`'s own launcher code, 2 prefill + 2 decode nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.bus.server import free_port
+from tandem.cli import build_parser
+from tandem.launcher import Stack
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--prefill", "2",
+            "--decode", "2",
+            "--port", str(free_port()),
+            "--transport", "ucx",
+            "--kv-cache-mb", "256",
+            "--heartbeat-ttl", "2",
+        ]
+    )  # fmt: skip
+    log: Path = tmp_path_factory.mktemp("stack") / "stack.log"
+    s = Stack(args)
+    with log.open("w") as out:
+        s.out = out
+        s.start()
+        try:
+            s.wait_ready(timeout=300)
+            yield s
+        finally:
+            s.stop()
+            if any(c.proc is not None and c.proc.returncode not in (0, -15) for c in s.children):
+                print(log.read_text()[-5000:])

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible API over the real disaggregated stack, with the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry
+from shared.model.loader import LoadedModel
+from tandem.launcher import Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+
+
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reference(model: LoadedModel, ids: list[int], n: int) -> list[int]:
+    out = model.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def text_of(model: LoadedModel, tokens: list[int]) -> str:
+    return str(model.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+def test_completions_match_generate(stack: Stack, real_model: LoadedModel) -> None:
+    with client(stack) as c:
+        check_completions(c, real_model)
+
+
+def check_completions(c: openai.OpenAI, real_model: LoadedModel) -> None:
+    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time"]:
+        ids = real_model.encode(prompt)
+        ref = reference(real_model, ids, 24)
+        resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert resp.choices[0].text == text_of(real_model, ref)
+        assert resp.usage is not None
+        assert resp.usage.prompt_tokens == len(ids)
+        assert resp.usage.completion_tokens == len(ref)
+        stream = c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == resp.choices[0].text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in (
+            "stop",
+            "length",
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(ref)
+
+
+def test_chat_matches_generate(stack: Stack, real_model: LoadedModel) -> None:
+    with client(stack) as c:
+        check_chat(c, real_model)
+
+
+def check_chat(c: openai.OpenAI, real_model: LoadedModel) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = real_model.apply_chat_template(messages)
+    ref = reference(real_model, ids, 32)
+    resp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)  # type: ignore[arg-type]
+    assert resp.choices[0].message.content == text_of(real_model, ref)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage is not None and resp.usage.completion_tokens == len(ref)
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=32,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == resp.choices[0].message.content
+
+
+def test_models_health_ready_metrics(stack: Stack) -> None:
+    with client(stack) as c:
+        assert [m.id for m in c.models.list().data] == [MODEL]
+    for path in ("/healthz", "/readyz"):
+        with urllib.request.urlopen(stack.url + path) as r:
+            assert r.status == 200
+    with urllib.request.urlopen(stack.url + "/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    ttft = families["tandem_time_to_first_token_seconds"]
+    count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
+    assert count > 0  # earlier tests' traffic moved the histogram
+
+
+async def test_32_concurrent_streams_complete_on_both_nodes_of_each_role(stack: Stack) -> None:
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+    async def one(i: int) -> tuple[int, int]:
+        prompt = " ".join(words[j % len(words)] for j in range(3 + (i * 37) % 300))
+        want = 8 + (i * 7) % 40
+        stream = await c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=want,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = None
+        async for ch in stream:
+            if ch.usage is not None:
+                usage = ch.usage.completion_tokens
+        assert usage is not None
+        return want, usage
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(32)))
+    finally:
+        await c.close()
+    assert all(want == got for want, got in results)
+    with urllib.request.urlopen(stack.url + "/metrics") as r:
+        text = r.read().decode()
+    served = {
+        (s.labels["role"], s.labels["node"])
+        for f in text_string_to_metric_families(text)
+        if f.name == "tandem_node_requests"
+        for s in f.samples
+        if s.value > 0
+    }
+    assert {n for role, n in served if role == "prefill"} == {"prefill-1", "prefill-2"}
+    assert {n for role, n in served if role == "decode"} == {"decode-1", "decode-2"}
+
+
+async def decode_nodes(stack: Stack) -> dict[str, tuple[int, int, int]]:
+    bus = await Bus(stack.nats_url, "e2e-probe").connect()
+    try:
+        nodes = await (await NodeRegistry(bus).start()).nodes()
+        return {
+            n.node_id: (n.running, n.free_kv_blocks, n.total_kv_blocks)
+            for n in nodes.values()
+            if n.role == "decode"
+        }
+    finally:
+        await bus.close()
+
+
+async def test_client_disconnect_frees_blocks_everywhere(stack: Stack) -> None:
+    before = await decode_nodes(stack)
+    async with aiohttp.ClientSession() as session:
+        body = {
+            "model": MODEL,
+            "prompt": "Tell me a very long story about a robot. " * 20,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with session.post(stack.url + "/v1/completions", json=body) as resp:
+            got = 0
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    got += 1
+                if got >= 5:
+                    break
+        busy = await decode_nodes(stack)
+        assert any(running > 0 for running, _, _ in busy.values())
+    disconnected = time.monotonic()
+    while time.monotonic() - disconnected < 2.0:
+        now = await decode_nodes(stack)
+        if all(r == 0 and free == total for r, free, total in now.values()):
+            break
+        await asyncio.sleep(0.1)
+    now = await decode_nodes(stack)
+    assert all(r == 0 and free == total for r, free, total in now.values()), (before, now)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": 42}).encode(), 400, "prompt"),
+    (json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(), 404, "model"),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hello " * 9000}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (
+        json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 100000}).encode(),
+        400,
+        "max_tokens",
+    ),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
+    (b'{"model": "x", "prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+]
+
+
+async def test_bad_input_gets_openai_errors_while_good_request_completes(stack: Stack) -> None:
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    good = asyncio.create_task(
+        c.completions.create(
+            model=MODEL,
+            prompt="Count to ten:",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    async with aiohttp.ClientSession() as session:
+        for body, status, param in BAD:
+            async with session.post(
+                stack.url + "/v1/completions",
+                data=io.BytesIO(body),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                assert resp.status == status, body[:80]
+                err = (await resp.json())["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"]
+                if param is not None:
+                    assert err["param"] == param
+    try:
+        done = await good
+    finally:
+        await c.close()
+    assert done.usage is not None and done.usage.completion_tokens == 40

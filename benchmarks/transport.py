@@ -29,7 +29,6 @@ from shared.transport.factory import TRANSPORTS, make_transport
 from shared.transport.frames import TransferHeader, make_header
 
 MiB = 1 << 20
-UCX_TLS = "tcp,cma"
 
 
 def ucx_env() -> dict[str, str]:
@@ -38,18 +37,33 @@ def ucx_env() -> dict[str, str]:
     root = Path(libucx.__file__).parent
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = f"{root / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
-    env.setdefault("UCX_TLS", UCX_TLS)
     env["UCX_WARN_UNUSED_ENV_VARS"] = "n"
     env["PERFTEST"] = str(root / "bin" / "ucx_perftest")
     return env
 
 
-def perftest(nbytes: int, iters: int) -> float:
+# (UCX_* settings, extra perftest flags): Tandem's own configuration (error handling on, so
+# TCP only, with 1 MiB segments), and UCX's fastest here (shared memory, no error handling).
+PERFTEST_CONFIGS = {
+    "tandem": (
+        {"UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M"},
+        ["-e"],
+    ),
+    "fastest": ({"UCX_TLS": "tcp,cma"}, []),
+}
+
+
+def perftest(nbytes: int, iters: int, config: str) -> float:
     """GB/s of `ucx_perftest -t tag_bw` between two processes."""
     env = ucx_env()
+    settings, flags = PERFTEST_CONFIGS[config]
+    env.update(settings)
     port = str(free_port())
     server = subprocess.Popen(
-        [env["PERFTEST"], "-p", port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [env["PERFTEST"], "-p", port, *flags],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         time.sleep(0.3)
@@ -65,6 +79,7 @@ def perftest(nbytes: int, iters: int) -> float:
                 str(nbytes),
                 "-n",
                 str(iters),
+                *flags,
             ],
             env=env,
             capture_output=True,
@@ -200,7 +215,8 @@ def main() -> None:
     cases: dict[str, object] = {
         **{f"Tandem {kind}": kind for kind in TRANSPORTS},
         "NATS, ≤1 MiB chunks": "nats",
-        f"ucx_perftest tag_bw ({UCX_TLS})": "perftest",
+        "ucx_perftest, Tandem's UCX config (tcp, error handling, 1M segments)": "perftest:tandem",
+        "ucx_perftest, tcp,cma without error handling": "perftest:fastest",
         "memcpy, one process": "memcpy",
     }
     results: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -211,8 +227,8 @@ def main() -> None:
                 for size in sizes:
                     kind = cases[name]
                     iters = args.iters if size < 64 * MiB else 2
-                    if kind == "perftest":
-                        rate = perftest(size, max(iters, 10))
+                    if str(kind).startswith("perftest"):
+                        rate = perftest(size, max(iters, 10), str(kind).split(":")[1])
                     elif kind == "memcpy":
                         rate = memcpy(size)
                     elif kind == "nats":
@@ -229,7 +245,8 @@ def main() -> None:
         nats_server.cleanup()
     med = {k: statistics.median(v) for k, v in results.items()}
     tcp = {s: med[("Tandem tcp", s)] for s in sizes}
-    perf = {s: med[(f"ucx_perftest tag_bw ({UCX_TLS})", s)] for s in sizes}
+    same = "ucx_perftest, Tandem's UCX config (tcp, error handling, 1M segments)"
+    perf = {s: med[(same, s)] for s in sizes}
     print()
     header = " | ".join(f"{s // MiB} MiB GB/s | ×TCP | ×perftest" for s in sizes)
     print(f"| path | {header} |")

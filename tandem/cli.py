@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from services.decode import main as decode_main
+from services.kvcache import main as kvcache_main
 from services.prefill import main as prefill_main
 from services.router import main as router_main
 from tandem import __version__, generate, launcher
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_main.add_parser(sub)
     prefill_main.add_parser(sub)
     decode_main.add_parser(sub)
+    kvcache_main.add_parser(sub)
     return parser
 
 

@@ -1,6 +1,7 @@
 """`tandem up`: the whole stack on one machine, as child processes of this one.
 
-Starts `nats-server -js` (unless `--nats URL`), then prefill ×N, decode ×M and the router;
+Starts `nats-server -js` (unless `--nats URL`), then kvcache ×K, prefill ×N, decode ×M and
+the router;
 returns control (prints the URL) once the router answers /readyz; prefixes every child's log
 lines with its name; reports loudly a child that dies; on SIGINT/SIGTERM stops every child
 (SIGTERM, then SIGKILL after a grace period) and the NATS server, leaving no process behind.
@@ -87,6 +88,24 @@ class Stack:
             str(a.heartbeat_ttl),
         ]
         out = []
+        for i in range(a.kvcache):
+            out.append(
+                Child(
+                    f"kvcache-{i + 1}",
+                    [
+                        "kvcache",
+                        *self._common(),
+                        "--node-id",
+                        f"kvcache-{i + 1}",
+                        "--transport",
+                        a.transport,
+                        "--capacity-mb",
+                        str(a.kvcache_mb),
+                        "--heartbeat-ttl",
+                        str(a.heartbeat_ttl),
+                    ],
+                )
+            )
         for i in range(a.prefill):
             out.append(
                 Child(
@@ -218,6 +237,8 @@ def _code(child: Child) -> str:
 def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--prefill", type=int, default=1, help="prefill nodes")
     add_option(p, "--decode", type=int, default=1, help="decode nodes")
+    add_option(p, "--kvcache", type=int, default=1, help="KV-cache nodes")
+    add_option(p, "--kvcache-mb", type=int, default=1024, help="memory per KV-cache node")
     add_option(p, "--host", default="127.0.0.1")
     add_option(p, "--port", type=int, default=8000)
     add_option(p, "--nats", default=None, help="use this NATS server instead of starting one")
@@ -252,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack.start()
         stack.say(
-            f"[up] starting {args.prefill} prefill and {args.decode} decode node(s); "
+            f"[up] starting {args.kvcache} kvcache, {args.prefill} prefill and "
+            f"{args.decode} decode node(s); "
             f"waiting for {stack.url}/readyz"
         )
         while not stopping.is_set():

@@ -118,6 +118,30 @@ class JournalEntry(Message, frozen=True, tag="journal"):
     updated_at: float = 0.0
 
 
+class KVPut(Message, frozen=True, tag="kv_put"):
+    """→ kvcache node: expect transfer `transfer_id` holding these blocks, in this order."""
+
+    transfer_id: str = ""
+    block_hashes: list[bytes] = []
+    block_bytes: int = 0
+
+
+class KVGet(Message, frozen=True, tag="kv_get"):
+    """→ kvcache node: send the longest stored prefix of these blocks to `reply_address`."""
+
+    transfer_id: str = ""
+    block_hashes: list[bytes] = []
+    reply_address: str = ""
+
+
+class KVGetReply(Message, frozen=True, tag="kv_get_reply"):
+    """← kvcache node: how many leading blocks it has and will send (0: nothing follows)."""
+
+    hits: int = 0
+    block_bytes: int = 0
+    error: str = ""
+
+
 M = TypeVar("M", bound=Message)
 
 _encoder = msgspec.msgpack.Encoder()

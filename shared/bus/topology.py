@@ -40,6 +40,10 @@ def cancel_subject() -> str:
     return "tandem.cancel"
 
 
+def kvcache_subject(node_id: str, op: str) -> str:
+    return f"tandem.kvcache.{node_id}.{op}"
+
+
 def assign_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.assign"
 

@@ -1,0 +1,59 @@
+"""A ReceiveHandler for transfers a node asked for: each expected id resolves a future."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from shared.transport.base import TransferRejected
+from shared.transport.frames import TransferHeader
+
+
+@dataclass
+class _Expected:
+    max_bytes: int
+    deadline: float
+    future: asyncio.Future[bytes]
+
+
+class PendingTransfers:
+    """Accepts only announced transfer ids, within their deadline and size."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, _Expected] = {}
+        self.refused = 0
+
+    def expect(self, transfer_id: str, max_bytes: int, timeout: float) -> asyncio.Future[bytes]:
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.expected[transfer_id] = _Expected(max_bytes, time.monotonic() + timeout, future)
+        return future
+
+    def forget(self, transfer_id: str) -> None:
+        exp = self.expected.pop(transfer_id, None)
+        if exp is not None and not exp.future.done():
+            exp.future.cancel()
+
+    def allocate(self, header: TransferHeader) -> memoryview:
+        exp = self.expected.get(header.transfer_id)
+        if exp is None or time.monotonic() > exp.deadline:
+            self.refused += 1
+            raise TransferRejected("unexpected transfer", transfer_id=header.transfer_id)
+        if header.nbytes > exp.max_bytes:
+            self.refused += 1
+            raise TransferRejected("transfer larger than expected", transfer_id=header.transfer_id)
+        return memoryview(bytearray(header.nbytes))
+
+    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
+        exp = self.expected.pop(header.transfer_id, None)
+        if exp is None:
+            raise TransferRejected("transfer no longer expected", transfer_id=header.transfer_id)
+        if not exp.future.done():
+            exp.future.set_result(bytes(payload))
+
+    def failed(self, header: TransferHeader | None, reason: str) -> None:
+        if header is not None and reason.startswith("refused"):
+            return  # counted in allocate
+        exp = self.expected.pop(header.transfer_id, None) if header is not None else None
+        if exp is not None and not exp.future.done():
+            exp.future.set_exception(ConnectionError(reason))

@@ -1,0 +1,72 @@
+"""The kvcache service as a real process: put blocks by hash, get the longest stored prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry
+from shared.bus.server import NatsServer
+from shared.bus.topology import ensure_topology
+from shared.kvclient import KVCacheClient
+from shared.transport.factory import make_transport
+from shared.transport.pending import PendingTransfers
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 64 * 1024
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("kind", ["ucx", "tcp"])
+async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) -> None:
+    capacity_blocks = 16
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
+         "--node-id", "kv-1", "--transport", kind, "--capacity-mb", "1",
+         "--heartbeat-ttl", "2"],
+        cwd=ROOT,
+    )  # fmt: skip
+    bus = await Bus(nats_server.url, "client").connect()
+    assert bus.js is not None
+    await ensure_topology(bus.js)
+    transport = make_transport(kind)
+    pending = PendingTransfers()
+    await transport.start(pending)
+    try:
+        registry = await NodeRegistry(bus).start()
+        for _ in range(200):
+            nodes = await registry.nodes()
+            if "kv-1" in nodes:
+                break
+            await asyncio.sleep(0.1)
+        address = nodes["kv-1"].data_address
+        client = KVCacheClient(bus, transport, pending)
+        blocks = [os.urandom(BLOCK) for _ in range(4)]
+        await client.put("kv-1", address, [h(i) for i in range(4)], b"".join(blocks))
+        got = await client.get("kv-1", [h(0), h(1), h(2), h(3), h(99)], max_bytes=8 * BLOCK)
+        assert got == blocks
+        assert await client.get("kv-1", [h(2), h(3)], max_bytes=8 * BLOCK) == blocks[2:]
+        assert await client.get("kv-1", [h(50), h(0)], max_bytes=8 * BLOCK) == []
+        # 1 MiB holds 16 blocks of 64 KiB: 20 more push the first ones out
+        more = [os.urandom(BLOCK) for _ in range(20)]
+        await client.put("kv-1", address, [h(100 + i) for i in range(20)], b"".join(more))
+        assert await client.get("kv-1", [h(0)], max_bytes=BLOCK) == []
+        tail = [h(100 + i) for i in range(20 - capacity_blocks, 20)]
+        assert await client.get("kv-1", tail, max_bytes=20 * BLOCK) == more[-capacity_blocks:]
+        assert pending.refused == 0
+    finally:
+        await transport.close()
+        await bus.close()
+        proc.terminate()
+        proc.wait(10)

@@ -144,6 +144,8 @@ def encode_ack(ack: Ack) -> bytes:
 
 
 def parse_ack_prefix(data: bytes | memoryview) -> int:
+    if len(data) != ACK_PREFIX.size:
+        raise WireFormatError("truncated transfer acknowledgement")
     magic, length = ACK_PREFIX.unpack(data)
     if magic != ACK_MAGIC or not 0 < length <= 64 * 1024:
         raise WireFormatError("bad transfer acknowledgement")

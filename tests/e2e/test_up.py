@@ -1,0 +1,72 @@
+"""`tandem up` as users run it (what `make up` runs): ready, streams to curl, Ctrl-C cleans up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.bus.server import free_port
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "up.log").open("w+")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while "Tandem is ready" not in (tmp_path / "up.log").read_text():
+            assert up.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "stack not ready in time"
+            time.sleep(0.5)
+        kids = children_of(up.pid)
+        assert len(kids) >= 5  # nats-server, kvcache, prefill, decode, router
+        body = (
+            '{"model": "smollm2-135m-instruct", "prompt": "The capital of France is",'
+            ' "max_tokens": 8, "temperature": 0, "stream": true}'
+        )
+        curl = subprocess.run(
+            ["curl", "-sN", f"http://127.0.0.1:{port}/v1/completions",
+             "-H", "Content-Type: application/json", "-d", body],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        events = [line for line in curl.stdout.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert len(events) >= 3 and "Paris" in curl.stdout
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        time.sleep(0.5)
+        assert [k for k in kids if alive(k)] == []
+        assert "[up] stopped" in (tmp_path / "up.log").read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()

@@ -1,0 +1,91 @@
+"""Transfer frames: header validation, checksums, and fuzzed bytes → only clean errors."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.errors import WireFormatError
+from shared.transport import frames as f
+
+pytestmark = pytest.mark.unit
+
+PAYLOAD = memoryview(bytearray(os.urandom(10_000)))
+
+
+def good() -> f.TransferHeader:
+    return f.make_header("r", "t", PAYLOAD, chunk_bytes=4096)
+
+
+def test_round_trip_and_checksums() -> None:
+    header = good()
+    raw = f.encode_header(header)
+    length = f.parse_prefix(raw[: f.PREFIX.size])
+    assert f.decode_header(raw[f.PREFIX.size : f.PREFIX.size + length]) == header
+    assert len(header.checksums) == 3
+    assert f.verify(header, PAYLOAD) is None
+    bad = bytearray(PAYLOAD)
+    bad[5000] ^= 1
+    assert f.verify(header, memoryview(bad)) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"v": 2},
+        {"dtype": "complex128"},
+        {"nbytes": 0},
+        {"nbytes": 10_001},
+        {"shape": [0]},
+        {"shape": []},
+        {"chunk_bytes": 0},
+        {"checksums": [1]},
+        {"nbytes": f.MAX_TRANSFER_BYTES + 1, "shape": [f.MAX_TRANSFER_BYTES + 1]},
+    ],
+)
+def test_inconsistent_headers_are_rejected(change: dict[str, object]) -> None:
+    fields = {k: getattr(good(), k) for k in good().__struct_fields__}
+    with pytest.raises(WireFormatError):
+        f.decode_header(msgspec.msgpack.encode({**fields, **change}))
+
+
+def test_prefix_and_ack_checks() -> None:
+    with pytest.raises(WireFormatError):
+        f.parse_prefix(b"XXXX\x01\x00\x00\x00")
+    with pytest.raises(WireFormatError):
+        f.parse_prefix(f.PREFIX.pack(f.MAGIC, f.MAX_HEADER_BYTES + 1))
+    with pytest.raises(WireFormatError):
+        f.parse_prefix(b"TKX")
+    ack = f.encode_ack(f.Ack("t", False, "nope"))
+    assert f.decode_ack(ack[f.ACK_PREFIX.size :]) == f.Ack("t", False, "nope")
+    with pytest.raises(WireFormatError):
+        f.parse_ack_prefix(b"TKX1\x05\x00\x00\x00")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=400))
+def test_random_bytes_only_raise_wire_errors(data: bytes) -> None:
+    for decoder in (f.decode_header, f.decode_ack):
+        with contextlib.suppress(WireFormatError):
+            decoder(data)
+    for parse in (f.parse_prefix, f.parse_ack_prefix):
+        with contextlib.suppress(WireFormatError):
+            parse(data[: f.PREFIX.size])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_mutated_headers_only_raise_wire_errors(data: st.DataObject) -> None:
+    raw = bytearray(msgspec.msgpack.encode(good()))
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        header = f.decode_header(bytes(raw))
+    except WireFormatError:
+        return
+    assert header.nbytes > 0 and len(header.checksums) * header.chunk_bytes >= header.nbytes

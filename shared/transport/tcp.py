@@ -1,9 +1,8 @@
 """Plain asyncio TCP transport: the fallback data plane and the baseline UCX must beat.
 
-Per transfer, on one pooled connection: header → receiver answers READY (or a refusal,
-before any bulk byte moves) → payload, received with `sock_recv_into` straight into the
-handler's buffer → receiver verifies and answers ACK or NACK. A connection whose stream
-position is in doubt (error, cancel, deadline) is closed, never reused.
+The protocol is `shared/transport/session.py`'s; here it runs on pooled TCP connections,
+with payloads received by `sock_recv_into` straight into the handler's buffer. A connection
+whose stream position is in doubt (error, cancel, deadline) is closed, never reused.
 """
 
 from __future__ import annotations
@@ -17,19 +16,8 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
-from shared.transport.frames import (
-    ACK_PREFIX,
-    PREFIX,
-    Ack,
-    TransferHeader,
-    decode_ack,
-    decode_header,
-    encode_ack,
-    encode_header,
-    parse_ack_prefix,
-    parse_prefix,
-    verify,
-)
+from shared.transport.frames import PREFIX, TransferHeader
+from shared.transport.session import receive_transfer, send_transfer
 
 SOCKET_BUFFER = 4 << 20
 
@@ -58,12 +46,17 @@ async def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-async def _read_ack(sock: socket.socket) -> Ack:
-    prefix = memoryview(bytearray(ACK_PREFIX.size))
-    await _recv_exact(sock, prefix)
-    body = memoryview(bytearray(parse_ack_prefix(prefix)))
-    await _recv_exact(sock, body)
-    return decode_ack(body)
+class SocketChannel:
+    """A Channel over a non-blocking socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def recv_into(self, buf: memoryview) -> None:
+        await _recv_exact(self.sock, buf)
+
+    async def send(self, data: bytes | memoryview) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
 
 
 class TcpTransport:
@@ -137,41 +130,10 @@ class TcpTransport:
         self, conn: socket.socket, prefix: memoryview, handler: ReceiveHandler
     ) -> bool:
         """One transfer after its prefix; False when the connection must be dropped."""
-        loop = asyncio.get_running_loop()
         header: TransferHeader | None = None
-
-        async def answer(ok: bool, reason: str = "") -> None:
-            assert header is not None
-            await loop.sock_sendall(conn, encode_ack(Ack(header.transfer_id, ok, reason)))
-
         try:
             async with asyncio.timeout(self.frame_timeout):
-                raw = memoryview(bytearray(parse_prefix(prefix)))
-                await _recv_exact(conn, raw)
-                header = decode_header(raw)
-                try:
-                    buf = handler.allocate(header)
-                except TransferRejected as exc:
-                    handler.failed(header, f"refused: {exc.message}")
-                    await answer(False, exc.message)
-                    return True
-                if len(buf) != header.nbytes:
-                    raise WireFormatError("handler buffer size mismatch")
-                await answer(True)
-                await _recv_exact(conn, buf)
-                bad = verify(header, buf)
-                if bad is not None:
-                    reason = f"checksum: chunk {bad} corrupt"
-                    handler.failed(header, reason)
-                    await answer(False, reason)
-                    return True
-                try:
-                    await handler.complete(header, buf)
-                except TransferRejected as exc:
-                    handler.failed(header, f"refused: {exc.message}")
-                    await answer(False, exc.message)
-                    return True
-                await answer(True)
+                header = await receive_transfer(SocketChannel(conn), prefix, handler)
                 return True
         except WireFormatError as exc:
             handler.failed(header, f"malformed: {exc.message}")
@@ -198,7 +160,6 @@ class TcpTransport:
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:
-        loop = asyncio.get_running_loop()
         slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_conns_per_peer))
         ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
         try:
@@ -206,27 +167,20 @@ class TcpTransport:
                 sock = await self._checkout(peer)
                 reusable = False
                 try:
-                    await loop.sock_sendall(sock, encode_header(header))
-                    ready = await _read_ack(sock)
-                    if not ready.ok:
-                        reusable = True
-                        raise TransferRejected(f"{peer} refused: {ready.reason}", **ids)
-                    await loop.sock_sendall(sock, payload.cast("B"))
-                    done = await _read_ack(sock)
+                    ok, reason = await send_transfer(SocketChannel(sock), header, payload, peer)
                     reusable = True
-                    if not done.ok:
-                        raise TransferRejected(f"{peer} rejected: {done.reason}", **ids)
                 finally:
                     if reusable:
                         self._idle[peer].append(sock)
                     else:
                         sock.close()
         except TimeoutError as exc:
-            raise TransferError(
-                f"transfer to {peer} missed its {timeout}s deadline", **ids
-            ) from exc
+            reason = f"transfer to {peer} missed its {timeout}s deadline"
+            raise TransferError(reason, **ids) from exc
         except (ConnectionError, OSError, WireFormatError) as exc:
             raise TransferError(f"transfer to {peer} failed: {exc}", **ids) from exc
+        if not ok:
+            raise TransferRejected(reason, **ids)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -11,10 +11,9 @@ is faster (5-7 GB/s) but not safe: a sender dying mid-transfer makes UCX abort t
 *receiving* process. Every UCX_* environment variable set by an operator (e.g. UCX_TLS=rc
 on InfiniBand) overrides these defaults.
 
-Frames are the same as the TCP transport's: prefix, header, READY/refusal, payload
-(received straight into the handler's buffer), ACK/NACK. Each message is a separate tagged
-UCX message on a listener endpoint, one transfer per endpoint at a time; a small pool of
-endpoints per peer gives concurrency.
+The protocol is `shared/transport/session.py`'s; each of its sends is one tagged UCX
+message on a listener endpoint (payloads land straight in the handler's buffer), one
+transfer per endpoint at a time; a small pool of endpoints per peer gives concurrency.
 """
 
 from __future__ import annotations
@@ -28,19 +27,8 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
-from shared.transport.frames import (
-    ACK_PREFIX,
-    PREFIX,
-    Ack,
-    TransferHeader,
-    decode_ack,
-    decode_header,
-    encode_ack,
-    encode_header,
-    parse_ack_prefix,
-    parse_prefix,
-    verify,
-)
+from shared.transport.frames import PREFIX, TransferHeader
+from shared.transport.session import receive_transfer, send_transfer
 
 DEFAULT_OPTIONS = {"TLS": "tcp", "TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 _initialised = False
@@ -65,20 +53,17 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (UCXError, OSError, ConnectionError, WireFormatError)
 
 
-def _buf(n: int) -> memoryview:
-    return memoryview(bytearray(n))
+class EndpointChannel:
+    """A Channel over a ucxx endpoint: each send is one tagged message."""
 
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
 
-async def _send_bytes(ep: Any, data: bytes | memoryview) -> None:
-    await ep.send(memoryview(data).cast("B"))
+    async def recv_into(self, buf: memoryview) -> None:
+        await self.ep.recv(buf)
 
-
-async def _recv_ack(ep: Any) -> Ack:
-    prefix = _buf(ACK_PREFIX.size)
-    await ep.recv(prefix)
-    body = _buf(parse_ack_prefix(prefix))
-    await ep.recv(body)
-    return decode_ack(body)
+    async def send(self, data: bytes | memoryview) -> None:
+        await self.ep.send(memoryview(data).cast("B"))
 
 
 class UcxTransport:
@@ -132,7 +117,7 @@ class UcxTransport:
         errors = _errors()
         try:
             while True:
-                prefix = _buf(PREFIX.size)
+                prefix = memoryview(bytearray(PREFIX.size))
                 try:
                     await ep.recv(prefix)  # an idle endpoint waits here
                 except errors:
@@ -151,42 +136,9 @@ class UcxTransport:
         errors: tuple[type[BaseException], ...],
     ) -> bool:
         header: TransferHeader | None = None
-
-        async def answer(ok: bool, reason: str = "") -> None:
-            assert header is not None
-            # prefix and body are separate UCX messages: a receive must know its size
-            ack = encode_ack(Ack(header.transfer_id, ok, reason))
-            await _send_bytes(ep, ack[: ACK_PREFIX.size])
-            await _send_bytes(ep, ack[ACK_PREFIX.size :])
-
         try:
             async with asyncio.timeout(self.frame_timeout):
-                raw = _buf(parse_prefix(prefix))
-                await ep.recv(raw)
-                header = decode_header(raw)
-                try:
-                    buf = handler.allocate(header)
-                except TransferRejected as exc:
-                    handler.failed(header, f"refused: {exc.message}")
-                    await answer(False, exc.message)
-                    return True
-                if len(buf) != header.nbytes:
-                    raise WireFormatError("handler buffer size mismatch")
-                await answer(True)
-                await ep.recv(buf)
-                bad = verify(header, buf)
-                if bad is not None:
-                    reason = f"checksum: chunk {bad} corrupt"
-                    handler.failed(header, reason)
-                    await answer(False, reason)
-                    return True
-                try:
-                    await handler.complete(header, buf)
-                except TransferRejected as exc:
-                    handler.failed(header, f"refused: {exc.message}")
-                    await answer(False, exc.message)
-                    return True
-                await answer(True)
+                header = await receive_transfer(EndpointChannel(ep), prefix, handler)
                 return True
         except WireFormatError as exc:
             handler.failed(header, f"malformed: {exc.message}")
@@ -214,18 +166,8 @@ class UcxTransport:
                 ep = await self._checkout(peer)
                 reusable = False
                 try:
-                    head = encode_header(header)
-                    await _send_bytes(ep, head[: PREFIX.size])
-                    await _send_bytes(ep, head[PREFIX.size :])
-                    ready = await _recv_ack(ep)
-                    if not ready.ok:
-                        reusable = True
-                        raise TransferRejected(f"{peer} refused: {ready.reason}", **ids)
-                    await _send_bytes(ep, payload)
-                    done = await _recv_ack(ep)
+                    ok, reason = await send_transfer(EndpointChannel(ep), header, payload, peer)
                     reusable = True
-                    if not done.ok:
-                        raise TransferRejected(f"{peer} rejected: {done.reason}", **ids)
                 finally:
                     if reusable:
                         self._idle[peer].append(ep)
@@ -235,11 +177,11 @@ class UcxTransport:
         except TimeoutError as exc:
             reason = f"transfer to {peer} missed its {timeout}s deadline"
             raise TransferError(reason, **ids) from exc
-        except TransferError:
-            raise
         except errors as exc:
             reason = f"transfer to {peer} failed: {type(exc).__name__}: {exc}"
             raise TransferError(reason, **ids) from exc
+        if not ok:
+            raise TransferRejected(reason, **ids)
 
     async def close(self) -> None:
         errors = _errors()

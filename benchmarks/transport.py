@@ -29,6 +29,7 @@ from shared.transport.factory import TRANSPORTS, make_transport
 from shared.transport.frames import TransferHeader, make_header
 
 MiB = 1 << 20
+WINDOW = 16  # chunks in flight before the NATS baseline waits for its receiver
 
 
 def ucx_env() -> dict[str, str]:
@@ -140,6 +141,8 @@ async def serve_nats(url: str) -> None:
         if int(msg.headers["last"]):
             bytes(b"".join(parts.pop(tid)))  # reassemble, as a receiver must
             await nc.publish(msg.headers["reply"], b"ok")
+        elif msg.reply:  # window credit: without it the server drops us as a slow consumer
+            await nc.publish(msg.reply, b"more")
 
     await nc.subscribe("bench.kv", cb=on_chunk, pending_bytes_limit=1 << 30)
     print(json.dumps({"address": url}), flush=True)
@@ -188,13 +191,14 @@ async def nats_rate(url: str, nbytes: int, iters: int) -> float:
         reply = nc.new_inbox()
         sub = await nc.subscribe(reply, max_msgs=1)
         t = time.perf_counter()
-        for off in range(0, nbytes, chunk):
+        for n, off in enumerate(range(0, nbytes, chunk)):
             last = "1" if off + chunk >= nbytes else "0"
-            await nc.publish(
-                "bench.kv",
-                payload[off : off + chunk],
-                headers={"tid": f"n{i}", "last": last, "reply": reply},
-            )
+            headers = {"tid": f"n{i}", "last": last, "reply": reply}
+            data = payload[off : off + chunk]
+            if last == "0" and n % WINDOW == WINDOW - 1:
+                await nc.request("bench.kv", data, headers=headers, timeout=60)
+            else:
+                await nc.publish("bench.kv", data, headers=headers)
         await sub.next_msg(timeout=120)
         if i:
             times.append(time.perf_counter() - t)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+from shared.engine.engine import Engine, EngineConfig
+from shared.errors import TandemError
 from tandem.options import add_model_options, add_option
 
 
@@ -26,3 +32,32 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--max-num-seqs", type=int, default=64)
     add_option(p, "--max-batched-tokens", type=int, default=4096)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """Load the model and build the engine a prefill or decode node runs."""
+    from shared.model.loader import load_model
+    from tandem.runtime import configure_threads
+
+    configure_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    return Engine(
+        model,
+        EngineConfig(
+            kv_cache_bytes=args.kv_cache_mb << 20,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+        ),
+    )
+
+
+def run_service(
+    serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], args: argparse.Namespace
+) -> int:
+    """Run a service's coroutine; a TandemError (bad model, bad option) is one line, exit 2."""
+    try:
+        asyncio.run(serve(args))
+    except TandemError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from shared.bus.client import Bus
-from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode
+from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
 from shared.bus.registry import node_info
 from shared.bus.topology import assign_subject, cancel_subject
+from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
@@ -130,17 +131,7 @@ class DecodeWorker:
             return
         if out.finished:
             self.subjects.pop(out.request_id, None)
-        delta = TokenDelta(
-            request_id=out.request_id,
-            seq=out.num_output_tokens - 1,
-            token_ids=out.new_token_ids,
-            text=out.text,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            node_id=self.node_id,
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-        )
+        delta = delta_from_output(out, self.node_id)
         try:
             await self.bus.publish(subject, delta)
         except Exception as exc:  # a lost delta ends as a stalled stream at the router

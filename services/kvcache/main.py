@@ -10,11 +10,10 @@ import logging
 from services.kvcache.store import BlockStore
 from services.kvcache.worker import KVCacheWorker
 from shared.bus.registry import NodeRegistry
-from shared.errors import TandemError
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from shared.transport.factory import make_transport
 from tandem.options import add_option
-from tandem.service_options import add_data_plane_options, add_node_options
+from tandem.service_options import add_data_plane_options, add_node_options, run_service
 
 log = logging.getLogger("tandem.kvcache")
 
@@ -53,9 +52,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        asyncio.run(serve(args))
-    except TandemError as exc:
-        print(f"error: {exc}")
-        return 2
-    return 0
+    return run_service(serve, args)

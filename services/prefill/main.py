@@ -9,13 +9,16 @@ import logging
 
 from services.prefill.worker import PrefillWorker
 from shared.bus.registry import NodeRegistry
-from shared.engine.engine import Engine, EngineConfig
-from shared.errors import TandemError
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from shared.transport.base import BufferHandler
 from shared.transport.factory import make_transport
-from tandem.runtime import configure_threads
-from tandem.service_options import add_data_plane_options, add_engine_options, add_node_options
+from tandem.service_options import (
+    add_data_plane_options,
+    add_engine_options,
+    add_node_options,
+    engine_from_args,
+    run_service,
+)
 
 log = logging.getLogger("tandem.prefill")
 
@@ -29,20 +32,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from shared.model.loader import load_model
-
     node_id = make_node_id("prefill", args.node_id)
     setup_logging("prefill", node_id, args.log_level)
-    configure_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    engine = Engine(
-        model,
-        EngineConfig(
-            kv_cache_bytes=args.kv_cache_mb << 20,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_batched_tokens,
-        ),
-    )
+    engine = engine_from_args(args)
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id)
     transport = make_transport(args.transport, args.data_host, args.data_port)
@@ -63,9 +55,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        asyncio.run(serve(args))
-    except TandemError as exc:
-        print(f"error: {exc}")
-        return 2
-    return 0
+    return run_service(serve, args)

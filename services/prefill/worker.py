@@ -22,6 +22,7 @@ from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, 
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import assign_subject, cancel_subject
 from shared.bus.workqueue import JobConsumer, ReceivedJob
+from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
@@ -208,20 +209,7 @@ class PrefillWorker:
         return True
 
     async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
-        await self.bus.publish(
-            job.job.token_subject,
-            TokenDelta(
-                request_id=out.request_id,
-                seq=0,
-                token_ids=out.new_token_ids,
-                text=out.text,
-                finished=out.finished,
-                finish_reason=out.finish_reason,
-                node_id=self.node_id,
-                prompt_tokens=out.num_prompt_tokens,
-                completion_tokens=out.num_output_tokens,
-            ),
-        )
+        await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
 
     async def _fail(self, job: ReceivedJob, reason: str) -> None:
         if job.job.token_subject:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from aiohttp import web
@@ -13,11 +12,10 @@ from services.router.nodes import NodeTable
 from services.router.validation import Limits
 from shared.bus.journal import RequestJournal
 from shared.bus.registry import NodeRegistry
-from shared.errors import TandemError
 from shared.model.tokenizer import load_tokenizer
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from tandem.options import add_option
-from tandem.service_options import add_node_options
+from tandem.service_options import add_node_options, run_service
 
 log = logging.getLogger("tandem.router")
 
@@ -70,9 +68,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        asyncio.run(serve(args))
-    except TandemError as exc:
-        print(f"error: {exc}")
-        return 2
-    return 0
+    return run_service(serve, args)

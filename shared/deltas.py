@@ -1,0 +1,21 @@
+"""Token deltas from engine outputs: the one place a StepOutput becomes a wire message."""
+
+from __future__ import annotations
+
+from shared.bus.messages import TokenDelta
+from shared.engine.engine import StepOutput
+
+
+def delta_from_output(out: StepOutput, node_id: str) -> TokenDelta:
+    """`seq` is the index of the token the delta brings, so any node numbers alike."""
+    return TokenDelta(
+        request_id=out.request_id,
+        seq=out.num_output_tokens - 1,
+        token_ids=out.new_token_ids,
+        text=out.text,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        node_id=node_id,
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+    )

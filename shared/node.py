@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import socket
-import sys
 import uuid
 
 from shared.bus.client import Bus
 from shared.bus.topology import TopologyConfig, ensure_topology
+from shared.telemetry.logs import setup_logs
 
 
 def make_node_id(role: str, given: str | None = None) -> str:
@@ -23,15 +22,8 @@ def make_node_id(role: str, given: str | None = None) -> str:
 
 
 def setup_logging(service: str, node_id: str, level: str = "INFO") -> None:
-    """One line per record, prefixed by service and node (structured logs: observability issue)."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {service} {node_id} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    for noisy in ("nats", "asyncio", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """Structured logs for a service process (JSON lines unless on a terminal)."""
+    setup_logs(service, node_id, level)
 
 
 async def connect_bus(url: str, node_id: str, topology: TopologyConfig | None = None) -> Bus:

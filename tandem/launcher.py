@@ -164,6 +164,8 @@ class Stack:
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.args.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.args.otlp_endpoint
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *child.argv],
             stdout=subprocess.PIPE,
@@ -247,6 +249,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--kv-cache-mb", type=int, default=1024)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     add_option(p, "--log-level", default="INFO")
+    add_option(p, "--otlp-endpoint", default=None, help="export traces over OTLP (e.g. Jaeger)")
     add_model_options(p)
 
 

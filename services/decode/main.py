@@ -10,6 +10,7 @@ import logging
 from services.decode.worker import DecodeWorker
 from shared.bus.registry import NodeRegistry
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.telemetry.tracing import setup_tracing
 from shared.transport.factory import make_transport
 from tandem.service_options import (
     add_data_plane_options,
@@ -33,11 +34,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 async def serve(args: argparse.Namespace) -> None:
     node_id = make_node_id("decode", args.node_id)
     setup_logging("decode", node_id, args.log_level)
+    setup_tracing("decode", node_id)
     engine = engine_from_args(args)
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id)
     transport = make_transport(args.transport, args.data_host, args.data_port)
-    worker = DecodeWorker(engine, bus, node_id)
+    worker = DecodeWorker(engine, bus, node_id, transport_name=args.transport)
     await transport.start(worker)
     worker.data_address = transport.address
     await worker.subscribe()

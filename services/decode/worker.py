@@ -15,19 +15,25 @@ import time
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
 from shared.bus.registry import node_info
 from shared.bus.topology import assign_subject, cancel_subject
+from shared.bus.tracing import extract_context
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
+from shared.telemetry.logs import bind
+from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferRejected
 from shared.transport.frames import TransferHeader
 
 log = logging.getLogger("tandem.decode")
+TRACER = tracer("decode")
 
 
 @dataclass
@@ -39,8 +45,16 @@ class Expected:
 
 
 class DecodeWorker:
-    def __init__(self, engine: Engine, bus: Bus, node_id: str, data_address: str = "") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        bus: Bus,
+        node_id: str,
+        data_address: str = "",
+        transport_name: str = "",
+    ) -> None:
         self.engine = engine
+        self.transport_name = transport_name
         self.data_address = data_address
         self.bus = bus
         self.node_id = node_id
@@ -50,6 +64,8 @@ class DecodeWorker:
         self.wake = asyncio.Event()
         self.failures = 0
         self.steps = 0
+        self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
+        self.stream_spans: dict[str, trace.Span] = {}
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
@@ -91,6 +107,7 @@ class DecodeWorker:
         self.expected.pop(cancel.request_id, None)
         if cancel.request_id in self.subjects:
             self.subjects.pop(cancel.request_id, None)
+            self._end_stream(cancel.request_id, -1, "cancelled")
             await self._run(self.engine.abort, cancel.request_id)
             log.info("cancelled %s: %s", cancel.request_id, cancel.reason)
 
@@ -106,17 +123,47 @@ class DecodeWorker:
         limit = exp.blocks * self.engine.layout.bytes_per_block + 64 * 1024
         if header.nbytes > limit:
             raise TransferRejected("transfer larger than announced", transfer_id=header.transfer_id)
+        self.receive_started[header.transfer_id] = time.time_ns()
         return memoryview(bytearray(header.nbytes))
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
+        now = time.time_ns()
+        started = self.receive_started.pop(header.transfer_id, now)
+        ctx = extract_context({"traceparent": header.traceparent} if header.traceparent else None)
+        received = TRACER.start_span(
+            "kv.transfer.receive",
+            context=ctx,
+            start_time=started,
+            attributes={
+                "tandem.bytes": header.nbytes,
+                "tandem.blocks": header.num_blocks,
+                "tandem.transport": self.transport_name,
+                "tandem.gbps": header.nbytes / max(now - started, 1),
+                "tandem.node_id": self.node_id,
+            },
+        )
+        received.end(end_time=now)
         exp = self.expected.pop(header.transfer_id, None)
         if exp is None:
             raise TransferRejected("transfer cancelled", transfer_id=header.transfer_id)
-        try:
-            await self._run(self.engine.add_snapshot, exp.snapshot, bytes(payload))
-        except TandemError as exc:
-            raise TransferRejected(exc.message, request_id=exp.snapshot.request_id) from exc
-        self.subjects[exp.snapshot.request_id] = exp.token_subject
+        rid = exp.snapshot.request_id
+        bind(request_id=rid)
+        with TRACER.start_as_current_span("decode.admission", context=ctx) as admission:
+            try:
+                await self._run(self.engine.add_snapshot, exp.snapshot, bytes(payload))
+            except TandemError as exc:
+                admission.set_status(Status(StatusCode.ERROR, exc.message))
+                raise TransferRejected(exc.message, request_id=rid) from exc
+            admission.set_attribute("tandem.running", self.engine.num_running)
+            log.info(
+                "admitted: %d KV tokens, %d running",
+                exp.snapshot.num_computed,
+                self.engine.num_running,
+            )
+        self.stream_spans[rid] = TRACER.start_span(
+            "decode.stream", context=ctx, attributes={"tandem.node_id": self.node_id}
+        )
+        self.subjects[rid] = exp.token_subject
         self.wake.set()
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
@@ -131,6 +178,7 @@ class DecodeWorker:
             return
         if out.finished:
             self.subjects.pop(out.request_id, None)
+            self._end_stream(out.request_id, out.num_output_tokens, out.finish_reason or "")
         delta = delta_from_output(out, self.node_id)
         try:
             await self.bus.publish(subject, delta)
@@ -154,6 +202,16 @@ class DecodeWorker:
             self.steps += 1
             for out in outs:
                 await self._publish(out)
+
+    def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
+        span = self.stream_spans.pop(request_id, None)
+        if span is None:
+            return
+        if tokens >= 0:
+            span.set_attribute("tandem.completion_tokens", tokens)
+        span.set_attribute("tandem.finish_reason", reason)
+        span.set_attribute("tandem.engine_steps_total", self.steps)
+        span.end()
 
     def _expire(self) -> None:
         now = time.time()

@@ -11,6 +11,7 @@ from services.kvcache.store import BlockStore
 from services.kvcache.worker import KVCacheWorker
 from shared.bus.registry import NodeRegistry
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.telemetry.tracing import setup_tracing
 from shared.transport.factory import make_transport
 from tandem.options import add_option
 from tandem.service_options import add_data_plane_options, add_node_options, run_service
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 async def serve(args: argparse.Namespace) -> None:
     node_id = make_node_id("kvcache", args.node_id)
     setup_logging("kvcache", node_id, args.log_level)
+    setup_tracing("kvcache", node_id)
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id)
     transport = make_transport(args.transport, args.data_host, args.data_port)

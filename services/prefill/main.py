@@ -10,6 +10,7 @@ import logging
 from services.prefill.worker import PrefillWorker
 from shared.bus.registry import NodeRegistry
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.telemetry.tracing import setup_tracing
 from shared.transport.base import BufferHandler
 from shared.transport.factory import make_transport
 from tandem.service_options import (
@@ -34,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 async def serve(args: argparse.Namespace) -> None:
     node_id = make_node_id("prefill", args.node_id)
     setup_logging("prefill", node_id, args.log_level)
+    setup_tracing("prefill", node_id)
     engine = engine_from_args(args)
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id)

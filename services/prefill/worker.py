@@ -16,21 +16,28 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import assign_subject, cancel_subject
+from shared.bus.tracing import extract_context, inject_headers
 from shared.bus.workqueue import JobConsumer, ReceivedJob
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
+from shared.telemetry.logs import bind
+from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, Transport
 from shared.transport.frames import make_header
 
 log = logging.getLogger("tandem.prefill")
+TRACER = tracer("prefill")
 
 ASSIGN_TIMEOUT = 5.0
 TRANSFER_TIMEOUT = 30.0
@@ -116,22 +123,65 @@ class PrefillWorker:
                 params = msgspec.structs.replace(params, seed=j.job.seed)
             requests.append((j.job.request_id, j.job.prompt_ids, params))
         loop = asyncio.get_running_loop()
+        fetched = time.time_ns()
+        contexts = {j.job.request_id: extract_context(j.headers) for j in jobs}
+        for j in jobs:  # queue wait: from the job's JetStream timestamp to this fetch
+            published = int(j.msg.metadata.timestamp.timestamp() * 1e9)
+            wait = TRACER.start_span(
+                "prefill.queue_wait",
+                context=contexts[j.job.request_id],
+                start_time=min(published, fetched),
+                attributes={"tandem.node_id": self.node_id, "tandem.attempt": j.num_delivered},
+            )
+            wait.end(end_time=fetched)
+        compute = {
+            j.job.request_id: TRACER.start_span(
+                "prefill.compute",
+                context=contexts[j.job.request_id],
+                attributes={
+                    "tandem.prompt_tokens": len(j.job.prompt_ids),
+                    "tandem.batch_size": len(jobs),
+                    "tandem.batch_tokens": sum(len(x.job.prompt_ids) for x in jobs),
+                    "tandem.node_id": self.node_id,
+                },
+            )
+            for j in jobs
+        }
         try:
             results = await loop.run_in_executor(
                 self.thread, self.engine.prefill_and_export, requests
             )
         except TandemError as exc:
             for j in jobs:
+                compute[j.job.request_id].set_status(Status(StatusCode.ERROR, exc.message))
+                compute[j.job.request_id].end()
                 await self._fail(j, exc.message)
                 await j.term()
             return
+        for span in compute.values():
+            span.end()
         by_id = {j.job.request_id: j for j in jobs}
         await asyncio.gather(
             *(
-                self._hand_off(by_id[out.request_id], out, snap, frame)
+                self._traced_hand_off(
+                    by_id[out.request_id], out, snap, frame, contexts[out.request_id]
+                )
                 for out, snap, frame in results
             )
         )
+
+    async def _traced_hand_off(
+        self,
+        job: ReceivedJob,
+        out: StepOutput,
+        snap: SequenceSnapshot | None,
+        frame: bytes | None,
+        ctx: otel_context.Context,
+    ) -> None:
+        bind(request_id=job.job.request_id)  # this task's log lines carry the request id
+        with TRACER.start_as_current_span("prefill.handoff", context=ctx):
+            log.info("prefilled: %d prompt tokens", out.num_prompt_tokens)
+            await self._hand_off(job, out, snap, frame)
 
     async def _hand_off(
         self, job: ReceivedJob, out: StepOutput, snap: SequenceSnapshot | None, frame: bytes | None
@@ -174,6 +224,27 @@ class PrefillWorker:
     async def _send_to(
         self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
     ) -> bool:
+        with TRACER.start_as_current_span(
+            "kv.transfer.send",
+            attributes={
+                "tandem.decode_node": node.node_id,
+                "tandem.transport": self.transport.name,
+                "tandem.bytes": len(frame),
+            },
+        ) as span:
+            started = time.perf_counter()
+            ok = await self._assign_and_send(node, job, snap, frame)
+            elapsed = time.perf_counter() - started
+            span.set_attribute("tandem.accepted", ok)
+            if ok:
+                span.set_attribute("tandem.gbps", len(frame) / max(elapsed, 1e-9) / 1e9)
+            else:
+                span.set_status(Status(StatusCode.ERROR, "decode node refused or transfer failed"))
+            return ok
+
+    async def _assign_and_send(
+        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
+    ) -> bool:
         assert self.bus.nc is not None
         rid = job.job.request_id
         assignment = DecodeAssignment(
@@ -185,7 +256,10 @@ class PrefillWorker:
         )
         try:
             reply = await self.bus.nc.request(
-                assign_subject(node.node_id), encode(assignment), timeout=ASSIGN_TIMEOUT
+                assign_subject(node.node_id),
+                encode(assignment),
+                timeout=ASSIGN_TIMEOUT,
+                headers=inject_headers(),
             )
         except Exception as exc:
             log.warning("assign %s to %s failed: %s", rid, node.node_id, exc)
@@ -199,8 +273,10 @@ class PrefillWorker:
             assignment.transfer_id,
             payload,
             chunk_bytes=self.engine.layout.bytes_per_block,
-            num_blocks=len(snap.prompt_ids) // self.engine.layout.block_size + 1,
+            num_blocks=self.engine.scheduler.blocks_for(snap.num_computed),
+            traceparent=inject_headers().get("traceparent", ""),
         )
+        trace.get_current_span().set_attribute("tandem.blocks", header.num_blocks)
         try:
             await self.transport.send(node.data_address, header, payload, timeout=TRANSFER_TIMEOUT)
         except TransferError as exc:
@@ -209,7 +285,8 @@ class PrefillWorker:
         return True
 
     async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
-        await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
+        with TRACER.start_as_current_span("prefill.first_token"):
+            await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
 
     async def _fail(self, job: ReceivedJob, reason: str) -> None:
         if job.job.token_subject:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.router.errors import ApiError
@@ -24,8 +26,11 @@ from shared.bus.topology import cancel_subject, token_subject
 from shared.bus.workqueue import submit_job
 from shared.engine.sampling import new_seed
 from shared.model.tokenizer import TokenizerInfo
+from shared.telemetry.logs import bind
+from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.router")
+TRACER = tracer("router")
 
 BLOCK_SIZE = 16
 
@@ -111,7 +116,22 @@ class Router:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        with TRACER.start_as_current_span(
+            f"{request.method} {request.path}",
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "url.path": request.path},
+        ) as span:
+            response = await self._generate_in_span(request, chat, span)
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 400:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status}"))
+            return response
+
+    async def _generate_in_span(
+        self, request: web.Request, chat: bool, span: trace.Span
+    ) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
+        admission = TRACER.start_span("router.admission")
         try:
             body = await self._body(request)
             parsed = parse_request(body, chat, self.tok, {self.tok.served_name}, self.config.limits)
@@ -126,29 +146,42 @@ class Router:
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             self.metrics.errors.labels(str(exc.status)).inc()
+            admission.set_status(Status(StatusCode.ERROR, exc.message))
+            admission.end()
             return exc.response()
+        span.set_attribute("tandem.prompt_tokens", len(parsed.prompt_ids))
+        span.set_attribute("tandem.max_tokens", parsed.params.max_tokens)
         self.inflight += 1
         self.metrics.inflight.inc()
         try:
-            return await self._serve(request, parsed, endpoint)
+            return await self._serve(request, parsed, endpoint, span, admission)
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
 
     async def _serve(
-        self, request: web.Request, parsed: ParsedRequest, endpoint: str
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        endpoint: str,
+        span: trace.Span,
+        admission: trace.Span,
     ) -> web.StreamResponse:
         rid = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        span.set_attribute("tandem.request_id", rid)
+        bind(request_id=rid)
         created = int(time.time())
         start = time.monotonic()
         blocks = -(-(len(parsed.prompt_ids) + parsed.params.max_tokens) // BLOCK_SIZE)
         decode_node = self.nodes.pick_decode(blocks)
         if decode_node is None:
+            admission.end()
             self.metrics.requests.labels(endpoint, "503").inc()
             return ApiError(
                 503, "no decode node has room for this request", headers={"Retry-After": "2"}
             ).response()
         stream = await RequestStream(self.bus, rid).open()
+        stream_span: trace.Span | None = None
         response: web.StreamResponse | None = None
         finished = False
         try:
@@ -171,7 +204,9 @@ class Router:
                     decode_node=decode_node.node_id,
                 )
             )
-            await submit_job(self.bus, job)
+            await submit_job(self.bus, job)  # carries the request span's trace context
+            admission.set_attribute("tandem.decode_node", decode_node.node_id)
+            admission.end()
             if parsed.stream:
                 response = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -191,6 +226,8 @@ class Router:
                 now = time.monotonic()
                 if first:
                     self.metrics.ttft.observe(now - start)
+                    span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
+                    stream_span = TRACER.start_span("router.stream")
                     self.metrics.node_requests.labels("prefill", delta.node_id).inc()
                 else:
                     self.metrics.itl.observe(now - last_t)
@@ -205,6 +242,8 @@ class Router:
                 texts.append(delta.text)
                 first = False
             finished = True
+            if stream_span is not None:
+                stream_span.set_attribute("tandem.completion_tokens", completion_tokens)
             if completion_tokens > 1 and decode_by:
                 self.metrics.node_requests.labels("decode", decode_by).inc()
             usage = {
@@ -219,6 +258,7 @@ class Router:
             if completion_tokens > 1:
                 self.metrics.tpot.observe((last_t - start) / completion_tokens)
             self.metrics.requests.labels(endpoint, "200").inc()
+            log.info("finished: %d tokens (%s) in %.3fs", completion_tokens, reason, elapsed)
             await self.journal.delete(rid)
             if response is not None:
                 if parsed.include_usage:
@@ -252,6 +292,7 @@ class Router:
             )
         except (ApiError, StreamTimeout) as exc:
             err = exc if isinstance(exc, ApiError) else ApiError(504, str(exc))
+            span.set_status(Status(StatusCode.ERROR, err.message))
             self.metrics.requests.labels(endpoint, str(err.status)).inc()
             self.metrics.errors.labels(str(err.status)).inc()
             if response is None:
@@ -260,6 +301,8 @@ class Router:
             await response.write(b"data: [DONE]\n\n")
             return response
         finally:
+            if stream_span is not None:
+                stream_span.end()
             await stream.close()
             if not finished:
                 # client gone, error or timeout: every node drops the request, blocks freed

@@ -14,6 +14,7 @@ from shared.bus.journal import RequestJournal
 from shared.bus.registry import NodeRegistry
 from shared.model.tokenizer import load_tokenizer
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.telemetry.tracing import setup_tracing
 from tandem.options import add_option
 from tandem.service_options import add_node_options, run_service
 
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 async def serve(args: argparse.Namespace) -> None:
     node_id = make_node_id("router", args.node_id)
     setup_logging("router", node_id, args.log_level)
+    setup_tracing("router", node_id)
     tokenizer = load_tokenizer(args.model)
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,10 +11,21 @@ import pytest
 from shared.bus.server import free_port
 from tandem.cli import build_parser
 from tandem.launcher import Stack
+from tests.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def otlp() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    receiver.start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Stack]:
+    """Exports traces to a real OTLP receiver, so every e2e test also runs with tracing on."""
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # children inherit: export within 0.2 s
     args = build_parser().parse_args(
         [
             "up",
@@ -23,6 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--transport", "ucx",
             "--kv-cache-mb", "256",
             "--heartbeat-ttl", "2",
+            "--otlp-endpoint", otlp.url,
         ]
     )  # fmt: skip
     log: Path = tmp_path_factory.mktemp("stack") / "stack.log"
@@ -30,6 +43,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with log.open("w") as out:
         s.out = out
         s.start()
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
         try:
             s.wait_ready(timeout=300)
             yield s

@@ -1,0 +1,1 @@
+"""Telemetry: OpenTelemetry tracing set up from the standard OTEL_* environment."""

@@ -1,0 +1,65 @@
+"""OpenTelemetry tracing for every service, configured by the standard OTEL_* variables.
+
+With no `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) set, nothing is installed:
+the API's no-op tracer costs a few attribute lookups per span. With one, spans go through a
+batch processor (export happens off the hot path) to OTLP over HTTP/protobuf, or gRPC when
+`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`. Sampler settings (`OTEL_TRACES_SAMPLER`, `..._ARG`)
+are read by the SDK itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from opentelemetry import trace
+
+_installed = False
+
+
+def tracing_enabled() -> bool:
+    return (
+        bool(
+            os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        )
+        and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+    )
+
+
+def setup_tracing(service: str, node_id: str) -> bool:
+    """Install the SDK tracer provider once per process; False when tracing is off."""
+    global _installed
+    if _installed or not tracing_enabled():
+        return _installed
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    protocol = os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
+            OTLPSpanExporter,
+        )
+    resource = Resource.create(
+        {
+            "service.name": os.environ.get("OTEL_SERVICE_NAME", f"tandem-{service}"),
+            "service.instance.id": node_id,
+            "tandem.role": service,
+        }
+    )
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    atexit.register(provider.shutdown)  # flush what is batched when the service stops
+    _installed = True
+    return True
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(f"tandem.{name}")

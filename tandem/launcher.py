@@ -46,6 +46,7 @@ class Stack:
         self.nats: NatsServer | None = None
         self.nats_url: str = args.nats or ""
         self.children: list[Child] = []
+        self.metrics_ports: dict[str, int] = {}  # node name → its /metrics port
         self.out = sys.stdout
         self.lock = threading.Lock()
 
@@ -58,9 +59,14 @@ class Stack:
             self.out.write(line + "\n")
             self.out.flush()
 
-    def _common(self) -> list[str]:
+    def _common(self, name: str | None = None) -> list[str]:
+        """Options every service takes; nodes (not the router) also get a metrics port."""
         a = self.args
-        return ["--nats", self.nats_url, "--log-level", a.log_level]
+        out = ["--nats", self.nats_url, "--log-level", a.log_level]
+        if name is not None:
+            self.metrics_ports[name] = free_port()
+            out += ["--node-id", name, "--metrics-port", str(self.metrics_ports[name])]
+        return out
 
     def _model(self, threads: int) -> list[str]:
         a = self.args
@@ -94,9 +100,7 @@ class Stack:
                     f"kvcache-{i + 1}",
                     [
                         "kvcache",
-                        *self._common(),
-                        "--node-id",
-                        f"kvcache-{i + 1}",
+                        *self._common(f"kvcache-{i + 1}"),
                         "--transport",
                         a.transport,
                         "--capacity-mb",
@@ -112,9 +116,7 @@ class Stack:
                     f"prefill-{i + 1}",
                     [
                         "prefill",
-                        *self._common(),
-                        "--node-id",
-                        f"prefill-{i + 1}",
+                        *self._common(f"prefill-{i + 1}"),
                         *self._model(threads),
                         *data,
                     ],
@@ -126,9 +128,7 @@ class Stack:
                     f"decode-{i + 1}",
                     [
                         "decode",
-                        *self._common(),
-                        "--node-id",
-                        f"decode-{i + 1}",
+                        *self._common(f"decode-{i + 1}"),
                         *self._model(threads),
                         *data,
                     ],

@@ -17,6 +17,7 @@ def add_node_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     add_option(p, "--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     add_option(p, "--node-id", default=None, help="unique node name (default: role-host-random)")
     add_option(p, "--log-level", default="INFO")
+    add_option(p, "--metrics-port", type=int, default=None, help="serve /metrics (0: any port)")
     if model:
         add_model_options(p)
 

@@ -45,6 +45,9 @@ async def serve(args: argparse.Namespace) -> None:
     await worker.subscribe()
     registry = await NodeRegistry(bus, ttl=args.heartbeat_ttl).start()
     beats = asyncio.create_task(registry.run_heartbeats(worker.info))
+    port = worker.metrics.serve(args.metrics_port)
+    if port is not None:
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)
     log.info(
         "decode node %s ready: %d KV blocks, data plane %s",
         node_id,

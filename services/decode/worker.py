@@ -28,6 +28,7 @@ from shared.engine.engine import Engine, StepOutput
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
 from shared.telemetry.logs import bind
+from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferRejected
 from shared.transport.frames import TransferHeader
@@ -64,6 +65,12 @@ class DecodeWorker:
         self.wake = asyncio.Event()
         self.failures = 0
         self.steps = 0
+        self.metrics = NodeMetrics("decode")
+        m = self.metrics
+        m.gauge("tandem_kv_blocks_used", "KV blocks in use", lambda: engine.pool.num_used)
+        m.gauge("tandem_kv_blocks_free", "KV blocks free", lambda: engine.pool.num_free)
+        m.gauge("tandem_decode_running_sequences", "Running batch", lambda: engine.num_running)
+        m.gauge("tandem_decode_waiting_sequences", "Queued sequences", lambda: engine.num_waiting)
         self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
         self.stream_spans: dict[str, trace.Span] = {}
 
@@ -143,6 +150,8 @@ class DecodeWorker:
             },
         )
         received.end(end_time=now)
+        self.metrics.transfer_bytes.labels("receive").inc(header.nbytes)
+        self.metrics.transfer_seconds.labels("receive").observe((now - started) / 1e9)
         exp = self.expected.pop(header.transfer_id, None)
         if exp is None:
             raise TransferRejected("transfer cancelled", transfer_id=header.transfer_id)
@@ -168,6 +177,7 @@ class DecodeWorker:
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures += 1
+        self.metrics.errors.labels("transfer_" + reason.split(":")[0]).inc()
         log.warning("transfer %s failed: %s", header.transfer_id if header else "?", reason)
 
     # ---- the batch loop -----------------------------------------------------------------
@@ -198,7 +208,11 @@ class DecodeWorker:
                 stopper.cancel()
                 self._expire()
                 continue
+            started = time.perf_counter()
             outs = await self._run(self.engine.step)
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+            self.metrics.batch_size.observe(len(outs))
+            self.metrics.tokens.inc(len(outs))
             self.steps += 1
             for out in outs:
                 await self._publish(out)

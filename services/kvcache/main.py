@@ -40,6 +40,9 @@ async def serve(args: argparse.Namespace) -> None:
     await worker.subscribe()
     registry = await NodeRegistry(bus, ttl=args.heartbeat_ttl).start()
     beats = asyncio.create_task(registry.run_heartbeats(worker.info))
+    port = worker.metrics.serve(args.metrics_port)
+    if port is not None:
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)
     log.info(
         "kvcache node %s ready: %d MiB, data plane %s", node_id, args.capacity_mb, transport.address
     )

@@ -19,6 +19,7 @@ from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, enco
 from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
 from shared.errors import WireFormatError
+from shared.telemetry.metrics import NodeMetrics
 from shared.transport.base import TransferError, TransferRejected, Transport
 from shared.transport.frames import TransferHeader, make_header
 
@@ -38,6 +39,13 @@ class KVCacheWorker:
         self.puts: dict[str, tuple[KVPut, float]] = {}
         self.failures = 0
         self._sends: set[asyncio.Task[None]] = set()
+        self.metrics = NodeMetrics("kvcache")
+        m = self.metrics
+        m.gauge("tandem_kvcache_bytes", "Bytes of stored blocks", lambda: store.used_bytes)
+        m.gauge("tandem_kvcache_blocks", "Stored blocks", lambda: len(store.blocks))
+        m.gauge("tandem_kvcache_evicted_blocks", "Blocks evicted so far", lambda: store.evictions)
+        m.gauge("tandem_kvcache_hit_blocks", "Block lookups that hit", lambda: store.hits)
+        m.gauge("tandem_kvcache_miss_blocks", "Block lookups that missed", lambda: store.misses)
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None

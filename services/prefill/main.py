@@ -44,6 +44,9 @@ async def serve(args: argparse.Namespace) -> None:
     registry = await NodeRegistry(bus, ttl=args.heartbeat_ttl).start()
     worker = PrefillWorker(engine, bus, transport, registry, node_id)
     beats = asyncio.create_task(registry.run_heartbeats(worker.info))
+    port = worker.metrics.serve(args.metrics_port)
+    if port is not None:
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)
     log.info("prefill node %s ready", node_id)
     try:
         await worker.run(stop)

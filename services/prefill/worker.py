@@ -32,6 +32,7 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
 from shared.telemetry.logs import bind
+from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, Transport
 from shared.transport.frames import make_header
@@ -66,6 +67,12 @@ class PrefillWorker:
         self.queue_depth = 0
         self.jobs_done = 0
         self.stopping = asyncio.Event()
+        self.metrics = NodeMetrics("prefill")
+        self.metrics.gauge(
+            "tandem_prefill_queue_depth",
+            "Jobs fetched and not yet handed off",
+            lambda: self.queue_depth,
+        )
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -160,6 +167,12 @@ class PrefillWorker:
             return
         for span in compute.values():
             span.end()
+        m = self.metrics
+        m.step_seconds.observe((time.time_ns() - fetched) / 1e9)
+        m.batch_size.observe(len(jobs))
+        m.tokens.inc(sum(len(j.job.prompt_ids) for j in jobs))
+        m.prefix_lookup_tokens.inc(sum(out.num_prompt_tokens for out, _, _ in results))
+        m.prefix_hit_tokens.inc(sum(out.num_cached_tokens for out, _, _ in results))
         by_id = {j.job.request_id: j for j in jobs}
         await asyncio.gather(
             *(
@@ -238,6 +251,8 @@ class PrefillWorker:
             span.set_attribute("tandem.accepted", ok)
             if ok:
                 span.set_attribute("tandem.gbps", len(frame) / max(elapsed, 1e-9) / 1e9)
+                self.metrics.transfer_bytes.labels("send").inc(len(frame))
+                self.metrics.transfer_seconds.labels("send").observe(elapsed)
             else:
                 span.set_status(Status(StatusCode.ERROR, "decode node refused or transfer failed"))
             return ok
@@ -289,6 +304,7 @@ class PrefillWorker:
             await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
 
     async def _fail(self, job: ReceivedJob, reason: str) -> None:
+        self.metrics.errors.labels("request_failed").inc()
         if job.job.token_subject:
             await self.bus.publish(
                 job.job.token_subject,

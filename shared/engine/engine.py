@@ -51,6 +51,7 @@ class StepOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
 
 
 @dataclass
@@ -296,6 +297,7 @@ class Engine:
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -235,3 +235,28 @@ async def test_bad_input_gets_openai_errors_while_good_request_completes(stack: 
     finally:
         await c.close()
     assert done.usage is not None and done.usage.completion_tokens == 40
+
+
+def test_every_node_serves_metrics_that_move(stack: Stack) -> None:
+    with client(stack) as c:
+        for _ in range(2):
+            c.completions.create(model=MODEL, prompt="Metrics move", max_tokens=5, temperature=0)
+    values: dict[str, dict[str, float]] = {}
+    for name, port in stack.metrics_ports.items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+            values[name] = {
+                s.name: s.value
+                for f in text_string_to_metric_families(r.read().decode())
+                for s in f.samples
+                if not s.labels or s.labels.get("direction") in ("send", "receive")
+            }
+    assert set(values) == {"kvcache-1", "prefill-1", "prefill-2", "decode-1", "decode-2"}
+    prefill = [v for n, v in values.items() if n.startswith("prefill")]
+    decode = [v for n, v in values.items() if n.startswith("decode")]
+    assert sum(v["tandem_prefill_tokens_total"] for v in prefill) > 0
+    assert sum(v["tandem_kv_transfer_bytes_total"] for v in prefill) > 0
+    assert sum(v["tandem_prefill_batch_size_count"] for v in prefill) > 0
+    assert sum(v["tandem_decode_tokens_total"] for v in decode) > 0
+    assert sum(v["tandem_kv_transfer_bytes_total"] for v in decode) > 0
+    assert all(v["tandem_kv_blocks_free"] > 0 for v in decode)
+    assert "tandem_kvcache_bytes" in values["kvcache-1"]

@@ -7,6 +7,7 @@ import uuid
 from shared.bus.client import Bus
 from shared.bus.messages import KVGet, KVGetReply, KVPut, decode, encode
 from shared.bus.topology import kvcache_subject
+from shared.bus.tracing import inject_headers
 from shared.errors import TandemError
 from shared.transport.base import Transport
 from shared.transport.frames import make_header
@@ -38,7 +39,10 @@ class KVCacheClient:
             transfer_id=transfer_id, block_hashes=hashes, block_bytes=len(blocks) // len(hashes)
         )
         reply = await self.bus.nc.request(
-            kvcache_subject(node_id, "put"), encode(announce), timeout=REQUEST_TIMEOUT
+            kvcache_subject(node_id, "put"),
+            encode(announce),
+            timeout=REQUEST_TIMEOUT,
+            headers=inject_headers(),
         )
         if reply.data != b"ok":
             raise KVCacheError(
@@ -58,7 +62,10 @@ class KVCacheClient:
                 transfer_id=transfer_id, block_hashes=hashes, reply_address=self.transport.address
             )
             raw = await self.bus.nc.request(
-                kvcache_subject(node_id, "get"), encode(ask), timeout=REQUEST_TIMEOUT
+                kvcache_subject(node_id, "get"),
+                encode(ask),
+                timeout=REQUEST_TIMEOUT,
+                headers=inject_headers(),
             )
             reply = decode(raw.data, KVGetReply)
             if reply.error:

@@ -12,18 +12,22 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from services.kvcache.store import BlockStore
 from shared.bus.client import Bus
 from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, encode
 from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
+from shared.bus.tracing import extract_context
 from shared.errors import WireFormatError
 from shared.telemetry.metrics import NodeMetrics
+from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, TransferRejected, Transport
 from shared.transport.frames import TransferHeader, make_header
 
 log = logging.getLogger("tandem.kvcache")
+TRACER = tracer("kvcache")
 
 PUT_TIMEOUT = 30.0
 SEND_TIMEOUT = 30.0
@@ -53,6 +57,13 @@ class KVCacheWorker:
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get"), cb=self.on_get)
 
     async def on_put(self, msg: Msg) -> None:
+        with TRACER.start_as_current_span(
+            "kvcache.put", context=extract_context(dict(msg.headers or {}))
+        ) as span:
+            span.set_attribute("tandem.node_id", self.node_id)
+            await self._on_put(msg)
+
+    async def _on_put(self, msg: Msg) -> None:
         try:
             put = decode(msg.data, KVPut)
             if not put.block_hashes or put.block_bytes <= 0:
@@ -67,6 +78,13 @@ class KVCacheWorker:
         await msg.respond(b"ok")
 
     async def on_get(self, msg: Msg) -> None:
+        with TRACER.start_as_current_span(
+            "kvcache.get", context=extract_context(dict(msg.headers or {}))
+        ) as span:
+            span.set_attribute("tandem.node_id", self.node_id)
+            await self._on_get(msg, span)
+
+    async def _on_get(self, msg: Msg, span: trace.Span) -> None:
         try:
             get = decode(msg.data, KVGet)
             if len(get.block_hashes) > MAX_BLOCKS_PER_REQUEST:
@@ -77,6 +95,8 @@ class KVCacheWorker:
             return
         blocks = self.store.prefix(get.block_hashes)
         size = len(blocks[0]) if blocks else 0
+        span.set_attribute("tandem.blocks_asked", len(get.block_hashes))
+        span.set_attribute("tandem.blocks_hit", len(blocks))
         await msg.respond(encode(KVGetReply(hits=len(blocks), block_bytes=size)))
         if blocks:
             task = asyncio.create_task(self._send(get, blocks))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
 
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
@@ -17,6 +18,7 @@ from shared.bus.topology import ensure_topology
 from shared.kvclient import KVCacheClient
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
+from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.integration
 
@@ -31,11 +33,15 @@ def h(i: int) -> bytes:
 @pytest.mark.parametrize("kind", ["ucx", "tcp"])
 async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) -> None:
     capacity_blocks = 16
+    otlp = OtlpReceiver()
+    otlp.start()
+    env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url, OTEL_BSP_SCHEDULE_DELAY="100")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
          "--node-id", "kv-1", "--transport", kind, "--capacity-mb", "1",
          "--heartbeat-ttl", "2"],
         cwd=ROOT,
+        env=env,
     )  # fmt: skip
     bus = await Bus(nats_server.url, "client").connect()
     assert bus.js is not None
@@ -53,9 +59,18 @@ async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) ->
         address = nodes["kv-1"].data_address
         client = KVCacheClient(bus, transport, pending)
         blocks = [os.urandom(BLOCK) for _ in range(4)]
-        await client.put("kv-1", address, [h(i) for i in range(4)], b"".join(blocks))
-        got = await client.get("kv-1", [h(0), h(1), h(2), h(3), h(99)], max_bytes=8 * BLOCK)
+        tracer = TracerProvider().get_tracer("test")
+        with tracer.start_as_current_span("client") as parent:
+            await client.put("kv-1", address, [h(i) for i in range(4)], b"".join(blocks))
+            got = await client.get("kv-1", [h(0), h(1), h(2), h(3), h(99)], max_bytes=8 * BLOCK)
         assert got == blocks
+        trace_id = format(parent.get_span_context().trace_id, "032x")
+        for _ in range(100):  # the node's spans join the caller's trace
+            names = {s.name for s in otlp.snapshot() if s.trace_id == trace_id}
+            if {"kvcache.put", "kvcache.get"} <= names:
+                break
+            await asyncio.sleep(0.1)
+        assert {"kvcache.put", "kvcache.get"} <= names
         assert await client.get("kv-1", [h(2), h(3)], max_bytes=8 * BLOCK) == blocks[2:]
         assert await client.get("kv-1", [h(50), h(0)], max_bytes=8 * BLOCK) == []
         # 1 MiB holds 16 blocks of 64 KiB: 20 more push the first ones out
@@ -70,3 +85,4 @@ async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) ->
         await bus.close()
         proc.terminate()
         proc.wait(10)
+        otlp.stop()

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import signal
 import socket
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from shared.bus.client import Bus
+from shared.bus.messages import NodeInfo
+from shared.bus.registry import NodeRegistry
 from shared.bus.topology import TopologyConfig, ensure_topology
 from shared.telemetry.logs import setup_logs
+from shared.telemetry.metrics import NodeMetrics
+from shared.transport.base import Transport
+from shared.transport.factory import make_transport
+
+log = logging.getLogger("tandem.node")
 
 
 def make_node_id(role: str, given: str | None = None) -> str:
@@ -45,3 +56,54 @@ def stop_on_signals() -> asyncio.Event:
 def default_threads(share: int = 1) -> int:
     """Cores this process may use, divided among `share` model processes on the same cores."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, share))
+
+
+class NodeRuntime:
+    """What a prefill, decode or kvcache node sets up and tears down the same way.
+
+    `open` sets up logs, tracing, signal handling, the bus, the registry and the (unstarted)
+    data-plane transport; `live` starts heartbeats and the metrics port once the node can serve;
+    `close` leaves the registry and closes the transport and the bus.
+    """
+
+    def __init__(self, role: str, node_id: str, args: Any) -> None:
+        self.role = role
+        self.node_id = node_id
+        self.args = args
+        self.stop = asyncio.Event()
+        self.bus: Bus | None = None
+        self.transport: Transport | None = None
+        self.registry: NodeRegistry | None = None
+        self._beats: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, role: str, args: Any) -> NodeRuntime:
+        from shared.telemetry.tracing import setup_tracing
+
+        node_id = make_node_id(role, args.node_id)
+        setup_logs(role, node_id, args.log_level)
+        setup_tracing(role, node_id)
+        rt = cls(role, node_id, args)
+        rt.stop = stop_on_signals()
+        rt.bus = await connect_bus(args.nats, node_id)
+        rt.registry = await NodeRegistry(rt.bus, ttl=args.heartbeat_ttl).start()
+        rt.transport = make_transport(args.transport, args.data_host, args.data_port)
+        return rt
+
+    async def live(self, info: Callable[[], NodeInfo], metrics: NodeMetrics) -> None:
+        assert self.registry is not None
+        self._beats = asyncio.create_task(self.registry.run_heartbeats(info))
+        port = metrics.serve(self.args.metrics_port)
+        if port is not None:
+            log.info("metrics on http://127.0.0.1:%d/metrics", port)
+
+    async def close(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+        if self.registry is not None:
+            with contextlib.suppress(Exception):  # the entry expires by TTL anyway
+                await self.registry.remove(self.node_id)
+        if self.transport is not None:
+            await self.transport.close()
+        if self.bus is not None:
+            await self.bus.close()

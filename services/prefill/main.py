@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 
 from services.prefill.worker import PrefillWorker
-from shared.bus.registry import NodeRegistry
-from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
-from shared.telemetry.tracing import setup_tracing
+from shared.node import NodeRuntime
 from shared.transport.base import BufferHandler
-from shared.transport.factory import make_transport
 from tandem.service_options import (
     add_data_plane_options,
     add_engine_options,
@@ -33,29 +28,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 async def serve(args: argparse.Namespace) -> None:
-    node_id = make_node_id("prefill", args.node_id)
-    setup_logging("prefill", node_id, args.log_level)
-    setup_tracing("prefill", node_id)
+    rt = await NodeRuntime.open("prefill", args)
+    assert rt.bus is not None and rt.transport is not None and rt.registry is not None
     engine = engine_from_args(args)
-    stop = stop_on_signals()
-    bus = await connect_bus(args.nats, node_id)
-    transport = make_transport(args.transport, args.data_host, args.data_port)
-    await transport.start(BufferHandler(max_bytes=0))  # a prefill node receives nothing yet
-    registry = await NodeRegistry(bus, ttl=args.heartbeat_ttl).start()
-    worker = PrefillWorker(engine, bus, transport, registry, node_id)
-    beats = asyncio.create_task(registry.run_heartbeats(worker.info))
-    port = worker.metrics.serve(args.metrics_port)
-    if port is not None:
-        log.info("metrics on http://127.0.0.1:%d/metrics", port)
-    log.info("prefill node %s ready", node_id)
+    worker = PrefillWorker(engine, rt.bus, rt.transport, rt.registry, rt.node_id)
     try:
-        await worker.run(stop)
+        await rt.transport.start(BufferHandler(max_bytes=0))  # a prefill node receives nothing
+        await rt.live(worker.info, worker.metrics)
+        log.info("prefill node %s ready", rt.node_id)
+        await worker.run(rt.stop)
     finally:
-        beats.cancel()
-        with contextlib.suppress(Exception):
-            await registry.remove(node_id)
-        await transport.close()
-        await bus.close()
+        await rt.close()
         worker.close()
 
 

@@ -177,6 +177,8 @@ class DecodeWorker:
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures += 1
+        if header is not None:  # a transfer that dies after allocate never reaches complete
+            self.receive_started.pop(header.transfer_id, None)
         self.metrics.errors.labels("transfer_" + reason.split(":")[0]).inc()
         log.warning("transfer %s failed: %s", header.transfer_id if header else "?", reason)
 

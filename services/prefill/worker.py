@@ -65,7 +65,6 @@ class PrefillWorker:
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.cancelled: dict[str, float] = {}  # request id → when (kept a while)
         self.queue_depth = 0
-        self.jobs_done = 0
         self.stopping = asyncio.Event()
         self.metrics = NodeMetrics("prefill")
         self.metrics.gauge(
@@ -202,7 +201,6 @@ class PrefillWorker:
         await self._publish_first(job, out)
         if snap is None or frame is None:  # finished on its first token
             await job.ack()
-            self.jobs_done += 1
             return
         tried: set[str] = set()
         deadline = min(time.time() + HANDOFF_PATIENCE, job.job.deadline or float("inf"))
@@ -217,7 +215,6 @@ class PrefillWorker:
                 tried.add(node.node_id)
                 if await self._send_to(node, job, snap, frame):
                     await job.ack()
-                    self.jobs_done += 1
                     return
             await job.in_progress()  # still ours: do not let ack_wait redeliver it
             await asyncio.sleep(delay)

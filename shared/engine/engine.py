@@ -11,7 +11,7 @@ the running batch).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class EngineStats:
     decode_tokens: int = 0
     cached_prompt_tokens: int = 0
     last_batch_size: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -252,7 +251,7 @@ class Engine:
             if not batch:
                 return []
             logits = self.runner.forward_decode(
-                [s.all_ids[-1] for s in batch],
+                [s.last_token for s in batch],
                 [s.num_tokens - 1 for s in batch],
                 [s.block_ids for s in batch],
             )

@@ -62,8 +62,16 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def pending_ids(self) -> list[int]:
-        return self.all_ids[self.num_computed :]
+        # Sliced without building prompt + output first: decode asks for this every step.
+        split = len(self.prompt_ids)
+        if self.num_computed >= split:
+            return self.output_ids[self.num_computed - split :]
+        return self.prompt_ids[self.num_computed :] + self.output_ids
 
     @property
     def finished(self) -> bool:

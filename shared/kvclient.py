@@ -1,20 +1,37 @@
-"""Client side of the kvcache service: put blocks by hash, get the longest stored prefix."""
+"""Client side of the kvcache service: put blocks by hash, get the longest stored prefix.
+
+`put`/`get` talk to one named node. `store`/`load_prefix` spread blocks over every live
+kvcache node by rendezvous hashing (`shared.kv.sharding`) and are what the prefill and
+decode nodes use. Both are best effort by design: the cache only ever saves work, so a
+kvcache node that is down or slow makes them return less (logged, counted, the node skipped
+for a few seconds), never an error for the request and never a long wait.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 import uuid
+from collections.abc import Sequence
 
 from shared.bus.client import Bus
-from shared.bus.messages import KVGet, KVGetReply, KVPut, decode, encode
+from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, encode
+from shared.bus.registry import NodeRegistry
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import inject_headers
 from shared.errors import TandemError
+from shared.kv.sharding import shard
 from shared.transport.base import Transport
 from shared.transport.frames import make_header
 from shared.transport.pending import PendingTransfers
 
-REQUEST_TIMEOUT = 5.0
-TRANSFER_TIMEOUT = 30.0
+log = logging.getLogger("tandem.kvclient")
+
+REQUEST_TIMEOUT = 2.0
+TRANSFER_TIMEOUT = 10.0
+NODES_REFRESH = 1.0  # seconds a registry read is reused
+DOWN_BACKOFF = 3.0  # seconds a failed kvcache node is skipped
 
 
 class KVCacheError(TandemError):
@@ -25,12 +42,27 @@ class KVCacheError(TandemError):
 class KVCacheClient:
     """Needs a transport whose receive handler is `pending` (for gets)."""
 
-    def __init__(self, bus: Bus, transport: Transport, pending: PendingTransfers) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        transport: Transport,
+        pending: PendingTransfers,
+        registry: NodeRegistry | None = None,
+    ) -> None:
         self.bus = bus
         self.transport = transport
         self.pending = pending
+        self.registry = registry
+        self.failures = 0
+        self._nodes: list[NodeInfo] = []
+        self._nodes_at = 0.0
+        self._down_until: dict[str, float] = {}
 
-    async def put(self, node_id: str, address: str, hashes: list[bytes], blocks: bytes) -> None:
+    # ---- one node ---------------------------------------------------------------------------
+
+    async def put(
+        self, node_id: str, address: str, hashes: list[bytes], blocks: bytes | memoryview
+    ) -> None:
         assert self.bus.nc is not None
         if not hashes or len(blocks) % len(hashes):
             raise KVCacheError("blocks must split evenly into one per hash")
@@ -72,8 +104,90 @@ class KVCacheClient:
                 raise KVCacheError(f"kvcache {node_id}: {reply.error}")
             if reply.hits == 0:
                 return []
-            data = await arrived
+            data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
         finally:
             self.pending.forget(transfer_id)
         size = reply.block_bytes
         return [data[i * size : (i + 1) * size] for i in range(reply.hits)]
+
+    # ---- sharded over every live kvcache node ----------------------------------------------
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Live kvcache nodes (registry view reused for a second), skipping failed ones."""
+        now = time.monotonic()
+        if self.registry is not None and now - self._nodes_at > NODES_REFRESH:
+            try:
+                found = await asyncio.wait_for(self.registry.nodes(), REQUEST_TIMEOUT)
+                self._nodes = sorted(
+                    (n for n in found.values() if n.role == "kvcache"), key=lambda n: n.node_id
+                )
+            except Exception as exc:  # no registry now: keep the last view
+                log.warning("kvcache node list unavailable: %s", exc)
+            self._nodes_at = now
+        return [n for n in self._nodes if self._down_until.get(n.node_id, 0.0) <= now]
+
+    def _mark_down(self, node: NodeInfo, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        self._down_until[node.node_id] = time.monotonic() + DOWN_BACKOFF
+        log.warning(
+            "kvcache %s unavailable for %s (%s); serving without it for %.0fs",
+            node.node_id,
+            what,
+            exc or type(exc).__name__,
+            DOWN_BACKOFF,
+        )
+
+    async def store(self, hashes: Sequence[bytes], blocks: Sequence[bytes | memoryview]) -> int:
+        """Put blocks on their owning nodes; returns how many were handed over."""
+        nodes = await self.nodes()
+        if not nodes or not hashes:
+            return 0
+        by_id = {n.node_id: n for n in nodes}
+        groups = shard(hashes, list(by_id))
+
+        async def put_group(node: NodeInfo, positions: list[int]) -> int:
+            try:
+                await self.put(
+                    node.node_id,
+                    node.data_address,
+                    [hashes[i] for i in positions],
+                    b"".join(blocks[i] for i in positions),
+                )
+                return len(positions)
+            except Exception as exc:
+                self._mark_down(node, "put", exc)
+                return 0
+
+        done = await asyncio.gather(*(put_group(by_id[n], p) for n, p in groups.items()))
+        return sum(done)
+
+    async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[bytes]:
+        """The blocks of the longest prefix of `hashes` that the live nodes hold together."""
+        nodes = await self.nodes()
+        if not nodes or not hashes:
+            return []
+        by_id = {n.node_id: n for n in nodes}
+        groups = shard(hashes, list(by_id))
+
+        async def get_group(node: NodeInfo, positions: list[int]) -> tuple[list[int], list[bytes]]:
+            try:
+                got = await self.get(
+                    node.node_id, [hashes[i] for i in positions], len(positions) * block_bytes
+                )
+            except Exception as exc:
+                self._mark_down(node, "get", exc)
+                got = []
+            if any(len(b) != block_bytes for b in got):  # another model's blocks: unusable
+                log.warning("kvcache %s sent blocks of the wrong size", node.node_id)
+                got = []
+            return positions, got
+
+        found: dict[int, bytes] = {}
+        end = len(hashes)
+        for positions, got in await asyncio.gather(
+            *(get_group(by_id[n], p) for n, p in groups.items())
+        ):
+            found.update(zip(positions, got, strict=False))
+            if len(got) < len(positions):  # this node's first miss ends the joint prefix
+                end = min(end, positions[len(got)])
+        return [found[i] for i in range(end)]

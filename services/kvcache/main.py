@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from services.kvcache.store import BlockStore
 from services.kvcache.worker import KVCacheWorker
@@ -19,27 +20,44 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_node_options(p, model=False)
     add_data_plane_options(p)
     add_option(p, "--capacity-mb", type=int, default=1024, help="memory for stored blocks")
+    add_option(
+        p,
+        "--disk-mb",
+        type=int,
+        default=0,
+        help="disk tier for blocks spilled from memory (0: off)",
+    )
+    add_option(p, "--disk-dir", default=None, help="directory of the disk tier's arena file")
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     p.set_defaults(func=run)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.disk_mb < 0 or args.capacity_mb <= 0:
+        raise SystemExit("tandem kvcache: --capacity-mb must be > 0 and --disk-mb >= 0")
+    if args.disk_mb and not args.disk_dir:
+        raise SystemExit("tandem kvcache: --disk-mb needs --disk-dir")
     rt = await NodeRuntime.open("kvcache", args)
     assert rt.bus is not None and rt.transport is not None
-    worker = KVCacheWorker(BlockStore(args.capacity_mb << 20), rt.bus, rt.transport, rt.node_id)
+    disk_dir = Path(args.disk_dir) / rt.node_id if args.disk_dir else None
+    store = BlockStore(args.capacity_mb << 20, args.disk_mb << 20, disk_dir)
+    worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id)
     try:
         await rt.transport.start(worker)
         await worker.subscribe()
         await rt.live(worker.info, worker.metrics)
         log.info(
-            "kvcache node %s ready: %d MiB at %s",
+            "kvcache node %s ready: %d MiB memory, %d MiB disk, at %s",
             rt.node_id,
             args.capacity_mb,
+            args.disk_mb,
             rt.transport.address,
         )
         await rt.stop.wait()
     finally:
+        await worker.close()
         await rt.close()
+        store.close()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,48 +1,285 @@
-"""A bounded LRU store of KV blocks by hash (first version: in memory only).
+"""A two-tier KV block store by hash: memory slabs, spilling to a disk arena, LRU, pins, checksums.
 
-The byte limit is never exceeded: storing a block first evicts least recently used ones.
-Slab arenas, pinning, a disk tier and per-block checksums on read come with the KV-cache
-issue; this version already serves blocks by hash to any node over the data plane.
+- Each tier is a `SlabArena` whose slab is one KV block (the size the first put brings;
+  every later block must match), so neither tier can exceed its byte limit.
+- Memory is the hot tier. Storing into a full memory tier demotes its least recently used
+  unpinned block to disk (or drops it when there is no disk tier); a full disk tier drops
+  its own least recently used unpinned block. A hit on disk promotes the block back.
+- Every block carries an xxh3-64 checksum taken when it was stored and verified whenever it
+  is read or moved: a block that no longer matches is dropped and counted as a miss, never
+  served.
+- Pinned blocks (in use by someone who must not lose them, such as an in-flight request's
+  checkpoint) are never evicted or demoted.
+
+Single-threaded by design: the kvcache node calls it from its event loop only.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from services.kvcache.slabs import SlabArena
+
+log = logging.getLogger("tandem.kvcache.store")
+
+MEMORY, DISK = 0, 1
+TIER_NAMES = ("memory", "disk")
+
+
+class BlockSizeError(ValueError):
+    """A block whose size differs from the store's block size."""
+
+
+@dataclass
+class _Entry:
+    tier: int
+    slab: int
+    checksum: int
+
+
+@dataclass
+class StoreStats:
+    stored: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    spilled: int = 0  # memory → disk
+    promoted: int = 0  # disk → memory
+    evicted: int = 0  # dropped from the store altogether
+    rejected: int = 0  # puts that could not be stored (every slab pinned)
+
+
+def checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class BlockStore:
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.blocks: OrderedDict[bytes, bytes] = OrderedDict()
-        self.used_bytes = 0
-        self.evictions = 0
-        self.hits = 0
-        self.misses = 0
+    """Blocks by hash in a memory tier and an optional disk tier, each with a byte limit."""
 
-    def put(self, block_hash: bytes, data: bytes) -> bool:
-        """Store (or refresh) a block; False if it can never fit."""
-        if len(data) > self.capacity_bytes:
-            return False
-        old = self.blocks.pop(block_hash, None)
-        if old is not None:
-            self.used_bytes -= len(old)
-        while self.used_bytes + len(data) > self.capacity_bytes:
-            _, evicted = self.blocks.popitem(last=False)
-            self.used_bytes -= len(evicted)
-            self.evictions += 1
-        self.blocks[block_hash] = data
-        self.used_bytes += len(data)
+    def __init__(
+        self,
+        memory_bytes: int,
+        disk_bytes: int = 0,
+        disk_dir: Path | None = None,
+        on_evict: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
+        if disk_bytes and disk_dir is None:
+            raise ValueError("a disk tier needs a directory")
+        self.memory_bytes = memory_bytes
+        self.disk_bytes = disk_bytes
+        self.disk_dir = disk_dir
+        self.on_evict = on_evict
+        self.block_bytes = 0
+        self.arenas: tuple[SlabArena, ...] = ()
+        self.entries: dict[bytes, _Entry] = {}
+        self.lru: tuple[OrderedDict[bytes, None], OrderedDict[bytes, None]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
+        self.pins: dict[bytes, int] = {}
+        self.stats = StoreStats()
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def configure(self, block_bytes: int) -> None:
+        """Fix the block size (done by the first put); later blocks must have the same."""
+        if self.block_bytes:
+            if block_bytes != self.block_bytes:
+                raise BlockSizeError(f"blocks here are {self.block_bytes} bytes, not {block_bytes}")
+            return
+        if block_bytes <= 0:
+            raise BlockSizeError("a block needs at least one byte")
+        memory = SlabArena(block_bytes, self.memory_bytes // block_bytes)
+        disk_slabs = self.disk_bytes // block_bytes
+        disk_path = (self.disk_dir / "blocks.arena") if self.disk_dir is not None else None
+        disk = SlabArena(block_bytes, disk_slabs, disk_path if disk_slabs else None)
+        self.block_bytes = block_bytes
+        self.arenas = (memory, disk)
+        log.info(
+            "block store: %d B blocks, %d in memory, %d on disk",
+            block_bytes,
+            memory.num_slabs,
+            disk_slabs,
+        )
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = ()
+        self.entries.clear()
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def tier_of(self, block_hash: bytes) -> str | None:
+        entry = self.entries.get(block_hash)
+        return TIER_NAMES[entry.tier] if entry is not None else None
+
+    def lru_order(self, tier: int = MEMORY) -> list[bytes]:
+        """Hashes of a tier from least to most recently used."""
+        return list(self.lru[tier])
+
+    def used_bytes(self, tier: int | None = None) -> int:
+        if not self.arenas:
+            return 0
+        if tier is None:
+            return sum(a.used_bytes for a in self.arenas)
+        return self.arenas[tier].used_bytes
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def put(self, block_hash: bytes, data: bytes | memoryview) -> bool:
+        """Store a block (a known hash is only marked recently used). False if not stored."""
+        self.configure(len(data))
+        if block_hash in self.entries:
+            self._touch(block_hash)
+            return True
+        slab = self._free_slab(MEMORY)
+        tier = MEMORY
+        if slab is None:  # every memory slab pinned: go straight to disk if there is one
+            slab, tier = self._free_slab(DISK), DISK
+            if slab is None:
+                self.stats.rejected += 1
+                return False
+        self.arenas[tier].view(slab)[:] = data
+        self.entries[block_hash] = _Entry(tier, slab, checksum(data))
+        self.lru[tier][block_hash] = None
+        self.stats.stored += 1
         return True
 
-    def prefix(self, hashes: list[bytes]) -> list[bytes]:
-        """The stored blocks of the longest stored prefix of `hashes` (marked recently used)."""
+    def pin(self, hashes: Iterable[bytes]) -> int:
+        """Protect stored blocks from eviction (counted: pin twice, unpin twice)."""
+        n = 0
+        for h in hashes:
+            if h in self.entries:
+                self.pins[h] = self.pins.get(h, 0) + 1
+                n += 1
+        return n
+
+    def unpin(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            count = self.pins.get(h, 0) - 1
+            if count > 0:
+                self.pins[h] = count
+            else:
+                self.pins.pop(h, None)
+
+    def remove(self, block_hash: bytes) -> bool:
+        entry = self.entries.pop(block_hash, None)
+        if entry is None:
+            return False
+        del self.lru[entry.tier][block_hash]
+        self.arenas[entry.tier].free(entry.slab)
+        self.pins.pop(block_hash, None)
+        return True
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def get(self, block_hash: bytes) -> bytes | None:
+        """A verified copy of the block (promoted to memory if it was on disk), or None."""
+        entry = self.entries.get(block_hash)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        data = bytes(self.arenas[entry.tier].view(entry.slab))
+        if checksum(data) != entry.checksum:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            log.warning(
+                "corrupt block %s in the %s tier: dropped",
+                block_hash.hex(),
+                TIER_NAMES[entry.tier],
+            )
+            self.remove(block_hash)
+            self._evicted([block_hash])
+            return None
+        self.stats.hits += 1
+        if entry.tier == DISK:
+            self._promote(block_hash, entry, data)
+        else:
+            self._touch(block_hash)
+        return data
+
+    def prefix(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """The blocks of the longest stored prefix of `hashes` (each verified)."""
         out = []
         for h in hashes:
-            data = self.blocks.get(h)
+            data = self.get(h)
             if data is None:
-                self.misses += 1
                 break
-            self.blocks.move_to_end(h)
-            self.hits += 1
             out.append(data)
         return out
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _touch(self, block_hash: bytes) -> None:
+        self.lru[self.entries[block_hash].tier].move_to_end(block_hash)
+
+    def _promote(self, block_hash: bytes, entry: _Entry, data: bytes) -> None:
+        # Leave the disk slab first: demoting a memory block to make room may need it.
+        self.arenas[DISK].free(entry.slab)
+        del self.lru[DISK][block_hash]
+        slab = self._free_slab(MEMORY)
+        if slab is None:  # memory all pinned: the block stays on disk
+            slab = self.arenas[DISK].alloc()
+            assert slab is not None  # the slab just freed
+            self.arenas[DISK].view(slab)[:] = data
+            entry.slab = slab
+            self.lru[DISK][block_hash] = None
+            return
+        self.arenas[MEMORY].view(slab)[:] = data
+        entry.tier, entry.slab = MEMORY, slab
+        self.lru[MEMORY][block_hash] = None
+        self.stats.promoted += 1
+
+    def _victim(self, tier: int) -> bytes | None:
+        """The least recently used unpinned block of a tier."""
+        for h in self.lru[tier]:
+            if h not in self.pins:
+                return h
+        return None
+
+    def _free_slab(self, tier: int) -> int | None:
+        """A free slab of `tier`, making room by demotion or eviction if needed."""
+        if not self.arenas[tier].num_slabs:
+            return None
+        slab = self.arenas[tier].alloc()
+        if slab is not None:
+            return slab
+        victim = self._victim(tier)
+        if victim is None:
+            return None
+        entry = self.entries[victim]
+        data = self.arenas[tier].view(entry.slab)
+        intact = checksum(data) == entry.checksum
+        if not intact:  # never spill a block that went bad: it could only be served wrong
+            self.stats.corrupt += 1
+        if tier == MEMORY and intact and self.arenas[DISK].num_slabs:
+            disk_slab = self._free_slab(DISK)
+            if disk_slab is not None:
+                self.arenas[DISK].view(disk_slab)[:] = data
+                del self.lru[MEMORY][victim]
+                self.arenas[MEMORY].free(entry.slab)
+                entry.tier, entry.slab = DISK, disk_slab
+                self.lru[DISK][victim] = None
+                self.stats.spilled += 1
+                return self.arenas[MEMORY].alloc()
+        self.remove(victim)
+        self.stats.evicted += 1
+        self._evicted([victim])
+        return self.arenas[tier].alloc()
+
+    def _evicted(self, hashes: list[bytes]) -> None:
+        if self.on_evict is not None:
+            self.on_evict(hashes)

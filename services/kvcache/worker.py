@@ -3,6 +3,7 @@
 put: a KVPut request announces a transfer and its block hashes; the blocks then arrive over
 the data plane and are stored one by one. get: a KVGet request names hashes and where to
 send them; the node answers how many leading blocks it has and sends them as one transfer.
+Every store and eviction is published as a KV event, so routers know what lives here.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from services.kvcache.store import BlockStore
+from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
 from shared.bus.client import Bus
+from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, encode
 from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
@@ -40,21 +42,53 @@ class KVCacheWorker:
         self.bus = bus
         self.transport = transport
         self.node_id = node_id
+        self.events = KVEventPublisher(bus, node_id)
+        store.on_evict = self.events.evicted
         self.puts: dict[str, tuple[KVPut, float]] = {}
         self.failures = 0
+        self.lookups = 0
         self._sends: set[asyncio.Task[None]] = set()
         self.metrics = NodeMetrics("kvcache")
-        m = self.metrics
-        m.gauge("tandem_kvcache_bytes", "Bytes of stored blocks", lambda: store.used_bytes)
-        m.gauge("tandem_kvcache_blocks", "Stored blocks", lambda: len(store.blocks))
-        m.gauge("tandem_kvcache_evicted_blocks", "Blocks evicted so far", lambda: store.evictions)
-        m.gauge("tandem_kvcache_hit_blocks", "Block lookups that hit", lambda: store.hits)
-        m.gauge("tandem_kvcache_miss_blocks", "Block lookups that missed", lambda: store.misses)
+        m, st = self.metrics, store.stats
+        m.gauge(
+            "tandem_kvcache_memory_bytes",
+            "Bytes of blocks in memory",
+            lambda: store.used_bytes(MEMORY),
+        )
+        m.gauge(
+            "tandem_kvcache_disk_bytes", "Bytes of blocks on disk", lambda: store.used_bytes(DISK)
+        )
+        m.gauge("tandem_kvcache_blocks", "Stored blocks", lambda: len(store))
+        m.gauge("tandem_kvcache_lookups", "Prefix lookups served", lambda: self.lookups)
+        m.gauge("tandem_kvcache_hit_blocks", "Block lookups that hit", lambda: st.hits)
+        m.gauge("tandem_kvcache_miss_blocks", "Block lookups that missed", lambda: st.misses)
+        m.gauge(
+            "tandem_kvcache_corrupt_blocks", "Blocks dropped on a bad checksum", lambda: st.corrupt
+        )
+        m.gauge(
+            "tandem_kvcache_evicted_blocks", "Blocks dropped from every tier", lambda: st.evicted
+        )
+        m.gauge(
+            "tandem_kvcache_spilled_blocks", "Blocks moved from memory to disk", lambda: st.spilled
+        )
+        m.gauge(
+            "tandem_kvcache_promoted_blocks",
+            "Blocks moved from disk to memory",
+            lambda: st.promoted,
+        )
+        m.gauge(
+            "tandem_kvcache_rejected_blocks", "Blocks not stored (all pinned)", lambda: st.rejected
+        )
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "put"), cb=self.on_put)
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get"), cb=self.on_get)
+        self.events.cleared()  # a fresh store: whatever an earlier run announced is gone
+        self.events.start()
+
+    async def close(self) -> None:
+        await self.events.close()
 
     async def on_put(self, msg: Msg) -> None:
         with TRACER.start_as_current_span(
@@ -70,6 +104,10 @@ class KVCacheWorker:
                 raise WireFormatError("put needs block hashes and a block size")
             if len(put.block_hashes) > MAX_BLOCKS_PER_REQUEST:
                 raise WireFormatError("too many blocks in one put")
+            if self.store.block_bytes and put.block_bytes != self.store.block_bytes:
+                raise WireFormatError(
+                    f"blocks here are {self.store.block_bytes} bytes, not {put.block_bytes}"
+                )
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             await msg.respond(b"refused: " + str(exc).encode())
@@ -93,6 +131,7 @@ class KVCacheWorker:
             self.bus.count_drop(msg.subject, str(exc))
             await msg.respond(encode(KVGetReply(error=str(exc))))
             return
+        self.lookups += 1
         blocks = self.store.prefix(get.block_hashes)
         size = len(blocks[0]) if blocks else 0
         span.set_attribute("tandem.blocks_asked", len(get.block_hashes))
@@ -126,9 +165,15 @@ class KVCacheWorker:
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         put, _ = self.puts.pop(header.transfer_id)
-        for i, block_hash in enumerate(put.block_hashes):
-            start = i * put.block_bytes
-            self.store.put(block_hash, bytes(payload[start : start + put.block_bytes]))
+        stored = []
+        try:
+            for i, block_hash in enumerate(put.block_hashes):
+                start = i * put.block_bytes
+                if self.store.put(block_hash, payload[start : start + put.block_bytes]):
+                    stored.append(block_hash)
+        except BlockSizeError as exc:  # raced with a put of another size: refuse the rest
+            log.warning("put %s refused: %s", header.transfer_id, exc)
+        self.events.stored(stored)
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures += 1
@@ -139,5 +184,5 @@ class KVCacheWorker:
             self.node_id,
             "kvcache",
             data_address=self.transport.address,
-            load=len(self.store.blocks),
+            load=len(self.store),
         )

@@ -44,6 +44,10 @@ def kvcache_subject(node_id: str, op: str) -> str:
     return f"tandem.kvcache.{node_id}.{op}"
 
 
+def kv_events_subject(node_id: str) -> str:
+    return f"{KV_EVENTS_SUBJECT}.{node_id}"
+
+
 def assign_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.assign"
 

@@ -1,0 +1,69 @@
+"""A slab arena: one preallocated buffer cut into equal slabs, handed out by index.
+
+Every KV block of one model has the same size, so a block store needs no general allocator:
+a free list of slab indices gives O(1) allocation and free, no per-block malloc and no
+fragmentation. The buffer is an anonymous memory map (memory tier) or a memory-mapped file
+(disk tier); either way its size is fixed at creation, so the tier can never hold more bytes
+than it was given.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+
+class SlabArena:
+    """`num_slabs` slabs of `slab_bytes` each, in memory or in a file under `path`."""
+
+    def __init__(self, slab_bytes: int, num_slabs: int, path: Path | None = None) -> None:
+        if slab_bytes <= 0 or num_slabs < 0:
+            raise ValueError("a slab arena needs a positive slab size and slab count")
+        self.slab_bytes = slab_bytes
+        self.num_slabs = num_slabs
+        self.path = path
+        size = max(1, slab_bytes * num_slabs)  # mmap refuses length 0
+        if path is None:
+            self._map = mmap.mmap(-1, size)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)  # sparse: disk is used only as slabs are written
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self._view = memoryview(self._map)
+        # A stack: the most recently freed slab is reused first (its pages are warm).
+        self._free = list(range(num_slabs - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_slabs - len(self._free)) * self.slab_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slabs * self.slab_bytes
+
+    def alloc(self) -> int | None:
+        """A free slab's index, or None when the arena is full."""
+        return self._free.pop() if self._free else None
+
+    def free(self, slab: int) -> None:
+        self._free.append(slab)
+
+    def view(self, slab: int) -> memoryview:
+        """The slab's bytes (writable; valid until the slab is freed and reused)."""
+        start = slab * self.slab_bytes
+        return self._view[start : start + self.slab_bytes]
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)

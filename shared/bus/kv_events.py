@@ -1,0 +1,165 @@
+"""KV block events: nodes publish which blocks they stored or evicted; routers index them.
+
+A node's store calls `stored`/`evicted` synchronously (from its event loop or engine
+callbacks); the publisher batches them and flushes on the JetStream KV-event stream in
+order, so a block stored then evicted is never seen the other way round. The queue is
+bounded: past its limit the oldest events are dropped (counted), because the index is a
+routing hint and a stale hint costs only a cache miss.
+
+`KVIndex` is the router's view: for each node, the set of block hashes it holds. It
+replays the stream from its start (an ordered consumer), then follows it live; a node that
+leaves the registry is dropped from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from nats.js.api import DeliverPolicy
+
+from shared.bus.client import Bus
+from shared.bus.messages import KVEvent, decode
+from shared.bus.topology import KV_EVENTS_SUBJECT, kv_events_subject
+from shared.errors import WireFormatError
+
+log = logging.getLogger("tandem.kv_events")
+
+MAX_HASHES_PER_EVENT = 4096  # 16-byte hashes: an event stays far below NATS' payload limit
+MAX_PENDING_HASHES = 200_000
+FLUSH_INTERVAL = 0.05
+
+
+class KVEventPublisher:
+    def __init__(self, bus: Bus, node_id: str) -> None:
+        self.bus = bus
+        self.node_id = node_id
+        self.pending: deque[tuple[str, list[bytes]]] = deque()
+        self.pending_hashes = 0
+        self.dropped = 0
+        self.published = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def stored(self, hashes: Sequence[bytes]) -> None:
+        self._add("stored", hashes)
+
+    def evicted(self, hashes: Sequence[bytes]) -> None:
+        self._add("evicted", hashes)
+
+    def cleared(self) -> None:
+        """This node holds nothing (it just started): forget what an earlier run announced."""
+        self.pending.append(("cleared", []))
+
+    def _add(self, op: str, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
+        if self.pending and self.pending[-1][0] == op:
+            self.pending[-1][1].extend(hashes)
+        else:
+            self.pending.append((op, list(hashes)))
+        self.pending_hashes += len(hashes)
+        while self.pending_hashes > MAX_PENDING_HASHES and len(self.pending) > 1:
+            _, old = self.pending.popleft()
+            self.pending_hashes -= len(old)
+            self.dropped += len(old)
+
+    def start(self) -> KVEventPublisher:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL)
+            try:
+                await self.flush()
+            except Exception as exc:  # NATS down: the events wait (bounded) for its return
+                log.warning("KV events not published yet: %s", exc)
+                await asyncio.sleep(0.5)
+
+    async def flush(self) -> None:
+        subject = kv_events_subject(self.node_id)
+        while self.pending:
+            op, hashes = self.pending[0]
+            chunk = hashes[:MAX_HASHES_PER_EVENT]
+            event = KVEvent(node_id=self.node_id, op=op, block_hashes=chunk, timestamp=time.time())
+            await self.bus.js_publish(subject, event)
+            del hashes[: len(chunk)]
+            self.pending_hashes -= len(chunk)
+            self.published += len(chunk)
+            if not hashes:
+                self.pending.popleft()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.flush(), 1.0)
+
+
+class KVIndex:
+    """Which node holds which block, from the KV-event stream."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[str, set[bytes]] = {}
+        self.events = 0
+        self._sub: object | None = None
+
+    def apply(self, event: KVEvent) -> None:
+        self.events += 1
+        if event.op == "cleared":
+            self.by_node.pop(event.node_id, None)
+            return
+        held = self.by_node.setdefault(event.node_id, set())
+        if event.op == "stored":
+            held.update(event.block_hashes)
+        elif event.op == "evicted":
+            held.difference_update(event.block_hashes)
+
+    def drop_node(self, node_id: str) -> None:
+        self.by_node.pop(node_id, None)
+
+    def prefix_blocks(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        """How many leading `hashes` the node holds."""
+        held = self.by_node.get(node_id)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def union_prefix_blocks(self, node_ids: Sequence[str], hashes: Sequence[bytes]) -> int:
+        """How many leading `hashes` some node among `node_ids` holds (sharded stores)."""
+        sets = [self.by_node[n] for n in node_ids if n in self.by_node]
+        n = 0
+        for h in hashes:
+            if not any(h in s for s in sets):
+                break
+            n += 1
+        return n
+
+    async def follow(self, bus: Bus) -> None:
+        """Replay the stream, then apply events as they come (until the bus closes)."""
+        assert bus.js is not None
+
+        async def on_event(msg: object) -> None:
+            data = getattr(msg, "data", b"")
+            try:
+                self.apply(decode(data, KVEvent))
+            except WireFormatError as exc:
+                bus.count_drop(getattr(msg, "subject", KV_EVENTS_SUBJECT), str(exc))
+
+        self._sub = await bus.js.subscribe(
+            f"{KV_EVENTS_SUBJECT}.>",
+            cb=on_event,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )

@@ -41,10 +41,34 @@ def _ucxx() -> Any:
     import ucxx  # ~0.6 s: only processes that use UCX pay it
 
     if not _initialised:
+        _fix_blocking_progress()
         mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         ucxx.init(options=dict(DEFAULT_OPTIONS), env_takes_precedence=True, progress_mode=mode)
         _initialised = True
     return ucxx
+
+
+def _fix_blocking_progress() -> None:
+    """Re-arm ucxx's blocking progress after each worker event (ucxx 0.52 never does).
+
+    Its `BlockingMode` arms the worker's event fd once; the fd's reader callback then
+    progresses the worker but never schedules the re-arm, so after the first event the fd
+    stays readable and the event loop spins on it forever: every node that had ever moved
+    a byte burned a whole core while idle, which on 2 cores starved the engines (decode
+    steps 10x slower). ucx-py scheduled the re-arm in the callback; this restores that.
+    """
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    if getattr(BlockingMode, "_tandem_fixed", False):
+        return
+
+    def _fd_reader_callback(self: Any) -> None:
+        self.worker.progress()
+        if self.arm_task is None or self.arm_task.done():
+            self.arm_task = self.event_loop.create_task(self._arm_worker())
+
+    BlockingMode._fd_reader_callback = _fd_reader_callback  # type: ignore[method-assign]
+    BlockingMode._tandem_fixed = True  # type: ignore[attr-defined]
 
 
 def _errors() -> tuple[type[BaseException], ...]:
@@ -64,6 +88,35 @@ class EndpointChannel:
 
     async def send(self, data: bytes | memoryview) -> None:
         await self.ep.send(memoryview(data).cast("B"))
+
+
+IDLE_POLL_MAX = 0.005  # seconds between probes of an idle endpoint, at most
+
+
+async def _until_message(ep: Any) -> None:
+    """Wait, without a posted receive, until a message for `ep` has arrived.
+
+    Awaiting a posted ucxx receive yields to the event loop in a busy cycle (its
+    `wait_yield`, as ucxx has no completion futures outside its thread progress mode, and
+    that mode breaks as soon as a process uses a second event loop). An endpoint pooled
+    between transfers made every node spin a whole core while idle, and on 2 cores that
+    starved the engines. Probing the worker for the endpoint's tag with a growing pause
+    (up to IDLE_POLL_MAX, reset by each message) costs a few percent of a core instead and
+    delays the first message of a transfer by at most that pause. Uses ucxx internals
+    (`_tags`, `_ep`), pinned by the ucxx version in pyproject.toml.
+    """
+    ucxx = _ucxx()
+    from ucxx.types import Tag
+
+    tag = Tag(ep._tags["msg_recv"])
+    worker = ucxx.core._get_ctx().worker
+    pause = 0.0
+    while not worker.tag_probe(tag).matched:
+        if ep.closed:
+            raise ConnectionError("endpoint closed")
+        ep._ep.raise_on_error()  # the peer died or closed: UCX marked the endpoint
+        await asyncio.sleep(pause)
+        pause = min(IDLE_POLL_MAX, pause * 1.5 + 0.0001)
 
 
 class UcxTransport:
@@ -119,7 +172,8 @@ class UcxTransport:
             while True:
                 prefix = memoryview(bytearray(PREFIX.size))
                 try:
-                    await ep.recv(prefix)  # an idle endpoint waits here
+                    await _until_message(ep)  # an idle endpoint waits here
+                    await ep.recv(prefix)
                 except errors:
                     return  # the peer closed or died between transfers
                 if not await self._serve_frame(ep, prefix, self._handler, errors):

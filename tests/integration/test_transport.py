@@ -193,3 +193,32 @@ async def test_corrupt_and_truncated_frames_are_rejected(
 
 def _fields(header: TransferHeader) -> dict[str, Any]:
     return {f: getattr(header, f) for f in header.__struct_fields__}
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+async def test_idle_pooled_connections_do_not_burn_cpu(kind: str) -> None:
+    """Endpoints kept between transfers must wait, not spin (ucxx busy-yields otherwise)."""
+    import resource
+
+    receiver, sender = make_transport(kind), make_transport(kind)
+    handler = BufferHandler(max_bytes=1 << 20)
+    await receiver.start(handler)
+    await sender.start(BufferHandler(max_bytes=0))
+    try:
+        payload = memoryview(os.urandom(64 * 1024))
+        for i in range(4):  # pooled endpoints now sit idle on both sides
+            await sender.send(
+                receiver.address, make_header("r", f"t{i}", payload), payload, timeout=30
+            )
+        await asyncio.sleep(0.3)
+        before, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        await asyncio.sleep(2.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        share = cpu / (time.monotonic() - wall)
+        assert share < 0.3, f"{kind}: idle process used {share:.0%} of a core"
+        await sender.send(receiver.address, make_header("r", "t9", payload), payload, timeout=30)
+        assert bytes(handler.received["t9"][1]) == bytes(payload)  # and it still serves
+    finally:
+        await sender.close()
+        await receiver.close()

@@ -186,6 +186,28 @@ class Stack:
         child.pump = threading.Thread(target=pump, daemon=True)
         child.pump.start()
 
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (chaos tests); `restart` brings it back with the same options."""
+        c = self.child(name)
+        assert c.proc is not None
+        c.proc.kill()
+        c.proc.wait()
+        c.reported = True
+        if c.pump is not None:
+            c.pump.join(timeout=2)
+
+    def restart(self, name: str) -> None:
+        c = self.child(name)
+        if c.proc is not None and c.proc.poll() is None:
+            self.kill(name)
+        if c.proc is not None and c.proc.stdout is not None:
+            c.proc.stdout.close()
+        c.reported = False
+        self._spawn(c)
+
     def dead_children(self) -> list[Child]:
         dead = []
         for c in self.children:

@@ -33,6 +33,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--max-num-seqs", type=int, default=64)
     add_option(p, "--max-batched-tokens", type=int, default=4096)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
+    add_option(
+        p,
+        "--no-kvcache",
+        action="store_true",
+        help="do not load prefixes from or store blocks in the kvcache service",
+    )
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:

@@ -6,7 +6,10 @@ import argparse
 import logging
 
 from services.decode.worker import DecodeWorker
+from shared.kv_uploader import BlockUploader
+from shared.kvclient import KVCacheClient
 from shared.node import NodeRuntime
+from shared.transport.pending import PendingTransfers
 from tandem.service_options import (
     add_data_plane_options,
     add_engine_options,
@@ -30,7 +33,13 @@ async def serve(args: argparse.Namespace) -> None:
     rt = await NodeRuntime.open("decode", args)
     assert rt.bus is not None and rt.transport is not None
     engine = engine_from_args(args)
-    worker = DecodeWorker(engine, rt.bus, rt.node_id, transport_name=args.transport)
+    uploader = None
+    if not args.no_kvcache:  # decode only puts: gets would need a PendingTransfers handler
+        client = KVCacheClient(rt.bus, rt.transport, PendingTransfers(), rt.registry)
+        uploader = BlockUploader(client)
+    worker = DecodeWorker(
+        engine, rt.bus, rt.node_id, transport_name=args.transport, uploader=uploader
+    )
     try:
         await rt.transport.start(worker)
         worker.data_address = rt.transport.address

@@ -27,6 +27,7 @@ from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
+from shared.kv_uploader import BlockUploader
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
@@ -53,8 +54,14 @@ class DecodeWorker:
         node_id: str,
         data_address: str = "",
         transport_name: str = "",
+        uploader: BlockUploader | None = None,
     ) -> None:
         self.engine = engine
+        # Blocks this node fills (generated tokens) go to the kvcache service, so the next
+        # turn of a conversation finds its whole history cached.
+        self.uploader = uploader
+        engine.collect_filled = uploader is not None
+        self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.transport_name = transport_name
         self.data_address = data_address
         self.bus = bus
@@ -198,6 +205,16 @@ class DecodeWorker:
             log.warning("delta for %s not published: %s", out.request_id, exc)
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.uploader is not None:
+            self.uploader.start()
+        try:
+            await self._run_steps(stop)
+        finally:
+            if self.uploader is not None:
+                await self.uploader.drain(2.0)
+                await self.uploader.close()
+
+    async def _run_steps(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             if not self.engine.has_unfinished():
                 self.wake.clear()
@@ -211,13 +228,22 @@ class DecodeWorker:
                 self._expire()
                 continue
             started = time.perf_counter()
-            outs = await self._run(self.engine.step)
+            outs = await self._run(self._step)
             self.metrics.step_seconds.observe(time.perf_counter() - started)
             self.metrics.batch_size.observe(len(outs))
             self.metrics.tokens.inc(len(outs))
             self.steps += 1
             for out in outs:
                 await self._publish(out)
+
+    def _step(self) -> list[StepOutput]:
+        """On the engine thread: one step, then copy out the blocks it filled (before reuse)."""
+        outs = self.engine.step()
+        if self.uploader is not None:
+            hashes, blocks = self.engine.take_filled_blocks()
+            if hashes:
+                self.loop.call_soon_threadsafe(self.uploader.submit, hashes, blocks)
+        return outs
 
     def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
         span = self.stream_spans.pop(request_id, None)

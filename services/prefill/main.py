@@ -6,8 +6,9 @@ import argparse
 import logging
 
 from services.prefill.worker import PrefillWorker
+from shared.kvclient import KVCacheClient
 from shared.node import NodeRuntime
-from shared.transport.base import BufferHandler
+from shared.transport.pending import PendingTransfers
 from tandem.service_options import (
     add_data_plane_options,
     add_engine_options,
@@ -31,9 +32,11 @@ async def serve(args: argparse.Namespace) -> None:
     rt = await NodeRuntime.open("prefill", args)
     assert rt.bus is not None and rt.transport is not None and rt.registry is not None
     engine = engine_from_args(args)
-    worker = PrefillWorker(engine, rt.bus, rt.transport, rt.registry, rt.node_id)
+    pending = PendingTransfers()  # a prefill node receives only the kvcache blocks it asked for
+    cache = None if args.no_kvcache else KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
+    worker = PrefillWorker(engine, rt.bus, rt.transport, rt.registry, rt.node_id, cache=cache)
     try:
-        await rt.transport.start(BufferHandler(max_bytes=0))  # a prefill node receives nothing
+        await rt.transport.start(pending)
         await rt.live(worker.info, worker.metrics)
         log.info("prefill node %s ready", rt.node_id)
         await worker.run(rt.stop)

@@ -1,10 +1,13 @@
 """A prefill node: pulls jobs, prefills them in batches, hands the KV to decode nodes.
 
-Per job: drop it if cancelled or past its deadline; prefill (batched with the jobs that
-arrived together) on the engine thread; publish the first token as delta 0; ask the chosen
-decode node to expect the transfer (it may refuse: try the next decode node); send the KV
-over the data plane; ack the job only after the decode node confirmed receipt. A failed
-hand-off is nak'ed for a retry (delta 0 is then re-sent and the router drops the duplicate).
+Per job: drop it if cancelled or past its deadline; load the longest cached prefix of its
+prompt from the kvcache service (beyond what this node's own pool still holds); prefill
+only the rest (batched with the jobs that arrived together) on the engine thread; store the
+newly computed full blocks in the kvcache service in the background; publish the first
+token as delta 0; ask the chosen decode node to expect the transfer (it may refuse: try the
+next decode node); send the KV over the data plane; ack the job only after the decode node
+confirmed receipt. A failed hand-off is nak'ed for a retry (delta 0 is then re-sent and the
+router drops the duplicate).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
+from shared.kv.block_hash import BlockHash, block_hashes
+from shared.kv.export import split_frame
+from shared.kv_uploader import BlockUploader
+from shared.kvclient import KVCacheClient
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
@@ -55,8 +62,11 @@ class PrefillWorker:
         registry: NodeRegistry,
         node_id: str,
         max_batch: int = 8,
+        cache: KVCacheClient | None = None,
     ) -> None:
         self.engine = engine
+        self.cache = cache
+        self.uploader = BlockUploader(cache) if cache is not None else None
         self.bus = bus
         self.transport = transport
         self.registry = registry
@@ -72,6 +82,22 @@ class PrefillWorker:
             "Jobs fetched and not yet handed off",
             lambda: self.queue_depth,
         )
+        self.loaded_blocks = 0  # prefix blocks fetched from the kvcache service
+        self.metrics.gauge(
+            "tandem_prefix_cache_loaded_blocks",
+            "Prefix blocks loaded from the kvcache service",
+            lambda: self.loaded_blocks,
+        )
+        up = self.uploader
+        if up is not None:
+            self.metrics.gauge(
+                "tandem_kvcache_stored_blocks", "Blocks handed to kvcache", lambda: up.stored
+            )
+            self.metrics.gauge(
+                "tandem_kvcache_store_dropped_blocks",
+                "Blocks not stored (upload queue full)",
+                lambda: up.dropped,
+            )
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -94,10 +120,15 @@ class PrefillWorker:
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         consumer = await JobConsumer(self.bus).start()
         self.stopping = stop
+        if self.uploader is not None:
+            self.uploader.start()
         try:
             await self._loop(consumer, stop)
         finally:
             await consumer.stop()
+            if self.uploader is not None:
+                await self.uploader.drain(2.0)
+                await self.uploader.close()
 
     async def _loop(self, consumer: JobConsumer, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -153,9 +184,12 @@ class PrefillWorker:
             )
             for j in jobs
         }
+        prefixes = await asyncio.gather(
+            *(self._load_prefix(j.job.prompt_ids, contexts[j.job.request_id]) for j in jobs)
+        )
         try:
             results = await loop.run_in_executor(
-                self.thread, self.engine.prefill_and_export, requests
+                self.thread, self._import_and_prefill, prefixes, requests
             )
         except TandemError as exc:
             for j in jobs:
@@ -173,6 +207,9 @@ class PrefillWorker:
         m.prefix_lookup_tokens.inc(sum(out.num_prompt_tokens for out, _, _ in results))
         m.prefix_hit_tokens.inc(sum(out.num_cached_tokens for out, _, _ in results))
         by_id = {j.job.request_id: j for j in jobs}
+        for out, _, frame in results:
+            if frame is not None:
+                self._store_new_blocks(by_id[out.request_id].job.prompt_ids, out, frame)
         await asyncio.gather(
             *(
                 self._traced_hand_off(
@@ -180,6 +217,54 @@ class PrefillWorker:
                 )
                 for out, snap, frame in results
             )
+        )
+
+    async def _load_prefix(
+        self, prompt_ids: list[int], ctx: otel_context.Context
+    ) -> tuple[list[BlockHash], list[bytes]]:
+        """Blocks of the prompt's cached prefix that this node's pool lacks, from kvcache."""
+        if self.cache is None:
+            return [], []
+        hashes = self.engine.prompt_block_hashes(prompt_ids)
+        local = self.engine.cached_prefix_blocks(hashes)
+        if local >= len(hashes):
+            return [], []
+        with TRACER.start_as_current_span(
+            "kvcache.load_prefix",
+            context=ctx,
+            attributes={"tandem.blocks_asked": len(hashes) - local, "tandem.local_blocks": local},
+        ) as span:
+            size = self.engine.layout.bytes_per_block
+            blocks = await self.cache.load_prefix(hashes[local:], size)
+            span.set_attribute("tandem.blocks_loaded", len(blocks))
+            span.set_attribute("tandem.bytes", len(blocks) * size)
+            self.loaded_blocks += len(blocks)
+            return hashes[local : local + len(blocks)], blocks
+
+    def _import_and_prefill(
+        self,
+        prefixes: list[tuple[list[BlockHash], list[bytes]]],
+        requests: list[tuple[str, list[int], SamplingParams]],
+    ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
+        """On the engine thread: place loaded prefix blocks, then prefill (nothing between)."""
+        for hashes, blocks in prefixes:
+            if blocks:
+                self.engine.import_cached_blocks(hashes, blocks)
+        return self.engine.prefill_and_export(requests)
+
+    def _store_new_blocks(self, prompt_ids: list[int], out: StepOutput, frame: bytes) -> None:
+        """Queue the prompt's full blocks that did not come from a cache for kvcache."""
+        if self.uploader is None:
+            return
+        bs = self.engine.config.block_size
+        hashes = block_hashes(prompt_ids, bs, self.engine.hash_extra)
+        first = out.num_cached_tokens // bs
+        if first >= len(hashes):
+            return
+        _, payload = split_frame(frame)
+        size = self.engine.layout.bytes_per_block
+        self.uploader.submit(
+            hashes[first:], [payload[i * size : (i + 1) * size] for i in range(first, len(hashes))]
         )
 
     async def _traced_hand_off(

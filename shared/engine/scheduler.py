@@ -10,6 +10,7 @@ back to the head of the queue to be recomputed, so memory stays bounded and noth
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -35,6 +36,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Told of blocks this node filled itself (hashes, block ids), to store them elsewhere.
+        self.on_commit: Callable[[list[BlockHash], list[int]], None] | None = None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -153,3 +156,15 @@ class Scheduler:
         for i, h in enumerate(new, start=known):
             self.pool.commit_hash(seq.block_ids[i], h)
         seq.block_hashes.extend(new)
+        if self.on_commit is not None:
+            self.on_commit(new, seq.block_ids[known:full])
+
+    def name_blocks(self, seq: Sequence) -> None:
+        """Hash the full blocks of a sequence whose KV came from elsewhere (not new work)."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        full = seq.num_computed // bs
+        seq.block_hashes = block_hashes(seq.all_ids[: full * bs], bs, self.hash_extra)
+        for block_id, h in zip(seq.block_ids, seq.block_hashes, strict=False):
+            self.pool.commit_hash(block_id, h)

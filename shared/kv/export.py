@@ -78,7 +78,23 @@ _header_decoder = msgspec.msgpack.Decoder(KVExportHeader)
 
 
 def decode_kv(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, torch.Tensor]:
-    """Validate a frame and return its header and a tensor view of its blocks."""
+    """Validate a frame and return its header and a tensor (a copy) of its blocks."""
+    header, payload = split_frame(frame)
+    dims = (
+        header.num_blocks,
+        header.num_layers,
+        2,
+        header.block_size,
+        header.num_kv_heads,
+        header.head_dim,
+    )
+    dtype = DTYPES_BY_NAME[header.dtype]
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(dims)
+    return header, data
+
+
+def split_frame(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, memoryview]:
+    """Validate a frame; its header and a view of its payload (block i at i * block bytes)."""
     view = memoryview(frame).cast("B")
     if len(view) < _PREFIX.size:
         raise WireFormatError("KV frame truncated before its header")
@@ -113,5 +129,4 @@ def decode_kv(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, to
             f"KV payload is {len(payload)} bytes, header says {header.payload_bytes}, "
             f"shape needs {expected}"
         )
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(dims)
-    return header, data
+    return header, payload

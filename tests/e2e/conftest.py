@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,20 @@ from shared.bus.server import free_port
 from tandem.cli import build_parser
 from tandem.launcher import Stack
 from tests.otlp_receiver import OtlpReceiver
+
+
+def wait_for_every_node(stack: Stack, timeout: float) -> None:
+    """/readyz needs one node per role; tests that read every node's metrics need all."""
+    deadline = time.monotonic() + timeout
+    for port in stack.metrics_ports.values():
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
 
 
 @pytest.fixture(scope="package")
@@ -46,6 +62,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Itera
         os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
         try:
             s.wait_ready(timeout=300)
+            wait_for_every_node(s, timeout=300)
             yield s
         finally:
             s.stop()

@@ -259,4 +259,4 @@ def test_every_node_serves_metrics_that_move(stack: Stack) -> None:
     assert sum(v["tandem_decode_tokens_total"] for v in decode) > 0
     assert sum(v["tandem_kv_transfer_bytes_total"] for v in decode) > 0
     assert all(v["tandem_kv_blocks_free"] > 0 for v in decode)
-    assert "tandem_kvcache_bytes" in values["kvcache-1"]
+    assert "tandem_kvcache_memory_bytes" in values["kvcache-1"]

@@ -9,7 +9,7 @@ import torch
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
-from shared.errors import CapacityError, InvalidRequestError
+from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.model.loader import LoadedModel
 
 pytestmark = pytest.mark.unit
@@ -186,3 +186,43 @@ def test_stop_strings_and_eos(tiny_model: LoadedModel) -> None:
     assert reason == "stop"
     assert streamed == text[: text.index(stop)]
     assert rid not in engine.requests
+
+
+def test_blocks_filled_on_one_engine_seed_another_with_cold_tokens(tiny_model: LoadedModel) -> None:
+    """The kvcache path: blocks a node filled (prompt and generated) → bytes → another node."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 49152) for _ in range(70)]
+    first = Engine(tiny_model, EngineConfig(num_blocks=64))
+    first.collect_filled = True
+    cold = first.generate([prompt], GREEDY)[0]
+    hashes, blocks = first.take_filled_blocks()
+    assert len(hashes) == (70 + 12 - 1) // 16  # every full block: prompt and generated ones
+    assert first.take_filled_blocks() == ([], [])  # handed out once
+    follow_up = prompt + cold + [rng.randrange(3, 49152) for _ in range(20)]
+    cold_follow = alone(tiny_model, follow_up, GREEDY)
+
+    second = Engine(tiny_model, EngineConfig(num_blocks=64))
+    wanted = second.prompt_block_hashes(follow_up)
+    assert wanted[: len(hashes)] == hashes  # the history's chain continues into the next turn
+    assert second.cached_prefix_blocks(wanted) == 0
+    assert second.import_cached_blocks(hashes, blocks) == len(hashes)
+    assert second.pool.num_free == 64  # cached blocks are free (evictable), just findable
+    assert second.cached_prefix_blocks(wanted) == len(hashes)
+    assert second.import_cached_blocks(hashes, blocks) == 0  # already there
+    rid = second.add_request(follow_up, GREEDY)
+    got: list[int] = []
+    cached = 0
+    while second.has_unfinished():
+        for o in second.step():
+            got.extend(o.new_token_ids)
+            cached = o.num_cached_tokens
+    assert got == cold_follow
+    assert cached == 16 * len(hashes) and rid
+
+
+def test_import_cached_blocks_refuses_wrong_sizes(tiny_model: LoadedModel) -> None:
+    engine = Engine(tiny_model, EngineConfig(num_blocks=8))
+    h = engine.prompt_block_hashes(list(range(3, 40)))
+    with pytest.raises(WireFormatError):
+        engine.import_cached_blocks(h[:1], [b"x" * 10])
+    assert engine.pool.num_free == 8 and engine.cached_prefix_blocks(h) == 0

@@ -1,0 +1,119 @@
+"""Prefix caching through the real stack: a multi-turn chat hits the kvcache service.
+
+Each turn resends the whole history. Its prefix was stored by the previous turn's prefill
+(prompt blocks) and decode (generated blocks) nodes; with two prefill nodes pulling from one
+queue, a turn often lands on the node that never saw the history, and then only the kvcache
+service can supply it. Tokens must equal transformers' greedy generate on the same prompt.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.model.loader import LoadedModel
+from tandem.launcher import Stack
+from tests.e2e.test_api import MODEL, client, reference, text_of
+
+pytestmark = pytest.mark.e2e
+
+QUESTIONS = [
+    "Tell me about the moon in two sentences.",
+    "How far away is it from the Earth?",
+    "Why do we always see the same side?",
+    "Could people live there one day?",
+    "Summarise what you told me so far.",
+]
+SYSTEM = "You are a concise astronomy tutor. " * 6  # a long shared system prompt
+
+
+def scrape(stack: Stack, prefix: str, name: str) -> float:
+    """Sum of a metric over the stack's nodes whose name starts with `prefix`."""
+    total = 0.0
+    for node, port in stack.metrics_ports.items():
+        if not node.startswith(prefix):
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            for family in text_string_to_metric_families(r.read().decode()):
+                for s in family.samples:
+                    if s.name == name:
+                        total += s.value
+    return total
+
+
+def hit_tokens(stack: Stack) -> float:
+    return scrape(stack, "prefill", "tandem_prefix_cache_hit_tokens_total")
+
+
+def chat_turns(
+    c: openai.OpenAI, stack: Stack, model: LoadedModel, questions: list[str]
+) -> list[tuple[int, float]]:
+    """Run the chat; per turn (prompt tokens, prefix-cache hit tokens). Asserts cold tokens."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    turns = []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        ids = model.apply_chat_template(messages)
+        ref = text_of(model, reference(model, ids, 24))
+        before = hit_tokens(stack)
+        resp = c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        answer = resp.choices[0].message.content or ""
+        assert answer == ref, f"turn {len(turns) + 1} differs from a cold greedy run"
+        turns.append((len(ids), hit_tokens(stack) - before))
+        messages.append({"role": "assistant", "content": answer})
+        time.sleep(0.3)  # background block uploads land before the next turn asks
+    return turns
+
+
+def test_multi_turn_chat_hits_the_cache_with_cold_tokens(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
+    kv_hits_before = scrape(stack, "kvcache", "tandem_kvcache_hit_blocks")
+    with client(stack) as c:
+        turns = chat_turns(c, stack, real_model, QUESTIONS)
+    prev_len = 0
+    for i, (prompt_len, hits) in enumerate(turns):
+        if i == 0:
+            assert hits < prompt_len  # nothing of this conversation was cached yet
+        else:  # at least the previous turn's prompt (whole blocks), often its answer too
+            assert hits >= 16 * (prev_len // 16) - 16, f"turn {i + 1}: {hits} of {prompt_len}"
+        prev_len = prompt_len
+    # The kvcache service served blocks (not only the prefill nodes' own pools).
+    assert scrape(stack, "kvcache", "tandem_kvcache_hit_blocks") > kv_hits_before
+    assert scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks") > loaded_before
+
+
+def test_serving_continues_while_the_kvcache_node_is_down(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    stack.kill("kvcache-1")
+    try:
+        with client(stack) as c:  # degraded: no remote hits, but correct and no hang
+            started = time.monotonic()
+            chat_turns(c, stack, real_model, ["Name three planets.", "Which is largest?"])
+            assert time.monotonic() - started < 60
+    finally:
+        stack.restart("kvcache-1")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # back in the registry, then hits resume
+        try:
+            scrape(stack, "kvcache", "tandem_kvcache_blocks")
+            break
+        except OSError:
+            time.sleep(0.5)
+    time.sleep(3)  # the prefill nodes' node list refreshes and the backoff ends
+    loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
+    with client(stack) as c:
+        chat_turns(c, stack, real_model, ["What is a comet?", "Where do comets come from?"])
+        chat_turns(c, stack, real_model, ["What is a comet?", "Where do comets come from?"])
+    assert scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks") > loaded_before

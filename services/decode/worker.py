@@ -4,6 +4,11 @@ Engine calls (import, step, abort) all run on one dedicated thread, in order, so
 engine needs no locks and the event loop stays free for NATS and the data plane while a
 step computes. A transfer is accepted only if it was announced by a DecodeAssignment first
 (the node reserves room then), within its deadline and of the announced size.
+
+A router may also send a request straight here (`on_prefill`) when this node's pool holds
+all but a short tail of its prompt: the node prefills the tail itself, no KV moves. The
+pool's stored and evicted blocks go out as KV events for that routing, and blocks this
+node fills go to the kvcache service (when an uploader is given).
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
-from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
+from shared.bus.kv_events import KVEventPublisher
+from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, PrefillJob, decode
 from shared.bus.registry import node_info
-from shared.bus.topology import assign_subject, cancel_subject
+from shared.bus.topology import assign_subject, cancel_subject, local_prefill_subject
 from shared.bus.tracing import extract_context
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
@@ -61,6 +68,14 @@ class DecodeWorker:
         # turn of a conversation finds its whole history cached.
         self.uploader = uploader
         engine.collect_filled = uploader is not None
+        # What this node's pool holds goes out as KV events, so routers can send a request
+        # whose prefix lives here straight to this node. Collected on the engine thread,
+        # published after each step.
+        self.events = KVEventPublisher(bus, node_id)
+        self._named: list[bytes] = []
+        self._evicted: list[bytes] = []
+        engine.on_blocks_named = lambda hashes: self._named.extend(hashes)  # the list rebinds
+        engine.pool.on_evict = lambda _block, h: self._evicted.append(h)
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.transport_name = transport_name
         self.data_address = data_address
@@ -111,6 +126,38 @@ class DecodeWorker:
             snap, assignment.token_subject, assignment.deadline or time.time() + 30, now_blocks
         )
         await msg.respond(b"ok")
+
+    async def on_prefill(self, msg: Msg) -> None:
+        """A router sends a request here to prefill locally: most of its prompt is cached."""
+        ctx = extract_context(dict(msg.headers or {}))
+        with TRACER.start_as_current_span("decode.local_prefill", context=ctx) as span:
+            try:
+                job = decode(msg.data, PrefillJob)
+            except WireFormatError as exc:
+                self.bus.count_drop(msg.subject, str(exc))
+                await msg.respond(b"refused: malformed job")
+                return
+            prompt_blocks = self.engine.scheduler.blocks_for(len(job.prompt_ids))
+            if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
+                await msg.respond(b"refused: not enough free KV blocks")
+                return
+            params = job.params
+            if params.seed is None:
+                params = msgspec.structs.replace(params, seed=job.seed)
+            try:
+                await self._run(self.engine.add_request, job.prompt_ids, params, job.request_id)
+            except TandemError as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                await msg.respond(b"refused: " + exc.message.encode())
+                return
+            rid = job.request_id
+            bind(request_id=rid)
+            self.subjects[rid] = job.token_subject
+            self.stream_spans[rid] = TRACER.start_span(
+                "decode.stream", attributes={"tandem.node_id": self.node_id}
+            )
+            await msg.respond(b"ok")
+            self.wake.set()
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -195,6 +242,9 @@ class DecodeWorker:
         subject = self.subjects.get(out.request_id)
         if subject is None:
             return
+        if out.num_output_tokens == 1:  # prefilled here (routed for its cached prefix)
+            self.metrics.prefix_lookup_tokens.inc(out.num_prompt_tokens)
+            self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
         if out.finished:
             self.subjects.pop(out.request_id, None)
             self._end_stream(out.request_id, out.num_output_tokens, out.finish_reason or "")
@@ -213,6 +263,7 @@ class DecodeWorker:
             if self.uploader is not None:
                 await self.uploader.drain(2.0)
                 await self.uploader.close()
+            await self.events.close()
 
     async def _run_steps(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -239,11 +290,19 @@ class DecodeWorker:
     def _step(self) -> list[StepOutput]:
         """On the engine thread: one step, then copy out the blocks it filled (before reuse)."""
         outs = self.engine.step()
+        if self._named or self._evicted:
+            evicted, self._evicted = self._evicted, []
+            named, self._named = self._named, []
+            self.loop.call_soon_threadsafe(self._publish_kv_events, evicted, named)
         if self.uploader is not None:
             hashes, blocks = self.engine.take_filled_blocks()
             if hashes:
                 self.loop.call_soon_threadsafe(self.uploader.submit, hashes, blocks)
         return outs
+
+    def _publish_kv_events(self, evicted: list[bytes], named: list[bytes]) -> None:
+        self.events.evicted(evicted)  # evictions first: a block may be evicted and reused
+        self.events.stored(named)
 
     def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
         span = self.stream_spans.pop(request_id, None)
@@ -269,12 +328,17 @@ class DecodeWorker:
             running=self.engine.num_running,
             free_kv_blocks=max(0, self.engine.pool.num_free - self.reserved_blocks()),
             total_kv_blocks=self.engine.pool.num_blocks,
+            hash_key=self.engine.hash_extra.decode(),
+            block_size=self.engine.config.block_size,
         )
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(assign_subject(self.node_id), cb=self.on_assign)
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
+        await self.bus.nc.subscribe(local_prefill_subject(self.node_id), cb=self.on_prefill)
+        self.events.cleared()
+        self.events.start()
 
     def close(self) -> None:
         self.thread.shutdown(wait=False, cancel_futures=True)

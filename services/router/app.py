@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -17,12 +18,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.router.errors import ApiError
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
+from services.router.responses import chunk, completion
+from services.router.routing import PrefixRouter
 from services.router.streams import RequestStream, StreamTimeout
 from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
-from shared.bus.messages import Cancel, JournalEntry, PrefillJob
-from shared.bus.topology import cancel_subject, token_subject
+from shared.bus.messages import Cancel, JournalEntry, NodeInfo, PrefillJob, encode
+from shared.bus.topology import cancel_subject, local_prefill_subject, token_subject
+from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import submit_job
 from shared.engine.sampling import new_seed
 from shared.model.tokenizer import TokenizerInfo
@@ -33,6 +37,7 @@ log = logging.getLogger("tandem.router")
 TRACER = tracer("router")
 
 BLOCK_SIZE = 16
+LOCAL_PREFILL_TIMEOUT = 2.0
 
 
 @dataclass
@@ -53,8 +58,10 @@ class Router:
         tokenizer: TokenizerInfo,
         nodes: NodeTable,
         journal: RequestJournal,
+        routing: PrefixRouter | None = None,
     ) -> None:
         self.config = config
+        self.routing = routing
         self.bus = bus
         self.tok = tokenizer
         self.nodes = nodes
@@ -78,34 +85,6 @@ class Router:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"invalid JSON body: {exc}") from exc
-
-    def _chunk(
-        self,
-        parsed: ParsedRequest,
-        rid: str,
-        created: int,
-        text: str,
-        reason: str | None,
-        first: bool,
-    ) -> dict[str, Any]:
-        if parsed.chat:
-            delta: dict[str, Any] = {"content": text} if text or not first else {}
-            if first:
-                delta = {"role": "assistant", "content": text}
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": parsed.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
-            }
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": parsed.model,
-            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
-        }
 
     # ---- endpoints --------------------------------------------------------------------------
 
@@ -173,7 +152,12 @@ class Router:
         created = int(time.time())
         start = time.monotonic()
         blocks = -(-(len(parsed.prompt_ids) + parsed.params.max_tokens) // BLOCK_SIZE)
-        decode_node = self.nodes.pick_decode(blocks)
+        plan = self.routing.plan(parsed.prompt_ids, blocks) if self.routing else None
+        local_node = plan.local_node if plan is not None else None
+        decode_node = local_node or self.nodes.pick_decode(blocks)
+        if plan is not None:
+            admission.set_attribute("tandem.decode_cached_tokens", plan.decode_cached_tokens)
+            admission.set_attribute("tandem.kvcache_cached_tokens", plan.kvcache_cached_tokens)
         if decode_node is None:
             admission.end()
             self.metrics.requests.labels(endpoint, "503").inc()
@@ -204,7 +188,24 @@ class Router:
                     decode_node=decode_node.node_id,
                 )
             )
-            await submit_job(self.bus, job)  # carries the request span's trace context
+            route = "disaggregated"
+            if local_node is not None and await self._send_local(local_node, job):
+                route = "local"
+            else:
+                if local_node is not None:  # refused: the usual path, decode chosen by load
+                    decode_node = self.nodes.pick_decode(blocks) or local_node
+                    job = msgspec.structs.replace(job, decode_node=decode_node.node_id)
+                await submit_job(self.bus, job)  # carries the request span's trace context
+            self.metrics.routes.labels(route).inc()
+            log.info(
+                "routed %s to %s: %d prompt tokens, %d cached on a decode node, %d in kvcache",
+                route,
+                decode_node.node_id,
+                len(parsed.prompt_ids),
+                plan.decode_cached_tokens if plan else 0,
+                plan.kvcache_cached_tokens if plan else 0,
+            )
+            admission.set_attribute("tandem.route", route)
             admission.set_attribute("tandem.decode_node", decode_node.node_id)
             admission.end()
             if parsed.stream:
@@ -228,23 +229,24 @@ class Router:
                     self.metrics.ttft.observe(now - start)
                     span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
                     stream_span = TRACER.start_span("router.stream")
-                    self.metrics.node_requests.labels("prefill", delta.node_id).inc()
+                    if route == "disaggregated":  # else the decode node made it
+                        self.metrics.node_requests.labels("prefill", delta.node_id).inc()
                 else:
                     self.metrics.itl.observe(now - last_t)
                 last_t = now
-                if delta.seq > 0:
+                if delta.seq > 0 or route == "local":
                     decode_by = delta.node_id
                 completion_tokens = max(completion_tokens, delta.completion_tokens)
                 reason = delta.finish_reason if delta.finished else None
                 if response is not None and (delta.text or delta.finished or first):
-                    chunk = self._chunk(parsed, rid, created, delta.text, reason, first)
-                    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    body = chunk(parsed, rid, created, delta.text, reason, first)
+                    await response.write(f"data: {json.dumps(body)}\n\n".encode())
                 texts.append(delta.text)
                 first = False
             finished = True
             if stream_span is not None:
                 stream_span.set_attribute("tandem.completion_tokens", completion_tokens)
-            if completion_tokens > 1 and decode_by:
+            if decode_by and (completion_tokens > 1 or route == "local"):
                 self.metrics.node_requests.labels("decode", decode_by).inc()
             usage = {
                 "prompt_tokens": len(parsed.prompt_ids),
@@ -262,33 +264,15 @@ class Router:
             await self.journal.delete(rid)
             if response is not None:
                 if parsed.include_usage:
-                    tail = self._chunk(parsed, rid, created, "", None, False)
+                    tail = chunk(parsed, rid, created, "", None, False)
                     tail["choices"] = []
                     tail["usage"] = usage
                     await response.write(f"data: {json.dumps(tail)}\n\n".encode())
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
-            text = "".join(texts)
-            if parsed.chat:
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": reason,
-                }
-                obj = "chat.completion"
-            else:
-                choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-                obj = "text_completion"
             return web.json_response(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": parsed.model,
-                    "choices": [choice],
-                    "usage": usage,
-                }
+                completion(parsed, rid, created, "".join(texts), reason, usage)
             )
         except (ApiError, StreamTimeout) as exc:
             err = exc if isinstance(exc, ApiError) else ApiError(504, str(exc))
@@ -307,6 +291,25 @@ class Router:
             if not finished:
                 # client gone, error or timeout: every node drops the request, blocks freed
                 await self._cancel(rid, "client disconnected or request failed")
+
+    async def _send_local(self, node: NodeInfo, job: PrefillJob) -> bool:
+        """Ask a decode node holding the prompt's prefix to prefill the rest itself."""
+        assert self.bus.nc is not None
+        try:
+            reply = await self.bus.nc.request(
+                local_prefill_subject(node.node_id),
+                encode(job),
+                timeout=LOCAL_PREFILL_TIMEOUT,
+                headers=inject_headers(),
+            )
+        except Exception as exc:  # gone or slow: the disaggregated path still serves it
+            log.warning("local prefill on %s failed: %s", node.node_id, exc)
+            return False
+        if reply.data != b"ok":
+            log.info("%s refused local prefill: %s", node.node_id, reply.data[:200])
+            return False
+        self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
+        return True
 
     async def _cancel(self, rid: str, reason: str) -> None:
         try:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from aiohttp import web
 
 from services.router.app import Router, RouterConfig, build_app
 from services.router.nodes import NodeTable
+from services.router.routing import PrefixRouter
 from services.router.validation import Limits
 from shared.bus.journal import RequestJournal
+from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry
 from shared.model.tokenizer import load_tokenizer
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
@@ -19,6 +22,7 @@ from tandem.options import add_option
 from tandem.service_options import add_node_options, run_service
 
 log = logging.getLogger("tandem.router")
+INDEX_GRACE = 60.0  # seconds a departed node's KV index entries are kept for its return
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,6 +36,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_option(p, "--max-tokens-limit", type=int, default=4096)
     add_option(p, "--first-token-timeout", type=float, default=120.0)
     add_option(p, "--stall-timeout", type=float, default=30.0)
+    add_option(
+        p,
+        "--local-prefill-max-tokens",
+        type=int,
+        default=96,
+        help="send a request to the decode node caching its prefix when at most this many "
+        "prompt tokens are uncached there (0: always disaggregate)",
+    )
     p.set_defaults(func=run)
 
 
@@ -53,7 +65,20 @@ async def serve(args: argparse.Namespace) -> None:
         stall_timeout=args.stall_timeout,
         limits=Limits(max_tokens=args.max_tokens_limit),
     )
-    router = Router(config, bus, tokenizer, nodes, journal)
+    index = KVIndex()
+    await index.follow(bus)
+    loop = asyncio.get_running_loop()
+
+    def forget(node_id: str) -> None:
+        if node_id not in nodes.nodes:  # it did not come back
+            index.drop_node(node_id)
+
+    def forget_later(node_id: str) -> None:  # a missed heartbeat or two must not wipe it
+        loop.call_later(INDEX_GRACE, forget, node_id)
+
+    nodes.on_leave.append(forget_later)
+    routing = PrefixRouter(nodes, index, args.local_prefill_max_tokens)
+    router = Router(config, bus, tokenizer, nodes, journal, routing)
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.
     runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)

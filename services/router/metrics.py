@@ -48,6 +48,13 @@ class RouterMetrics:
             ["role", "node"],
             registry=r,
         )
+        self.routes = Counter(
+            "tandem_router_routes_total",
+            "Requests by path: local (prefilled on the decode node holding the prefix) "
+            "or disaggregated",
+            ["path"],
+            registry=r,
+        )
         self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens_total", "Prompt tokens", registry=r)
         self.output_tokens = Counter("tandem_output_tokens_total", "Output tokens", registry=r)

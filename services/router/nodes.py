@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry
@@ -20,6 +21,7 @@ class NodeTable:
         # Requests sent to a decode node since its last heartbeat: keeps a burst from all
         # landing on the node that looked emptiest a moment ago.
         self.inflight: dict[str, int] = {}
+        self.on_leave: list[Callable[[str], None]] = []
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
@@ -33,6 +35,8 @@ class NodeTable:
                     if ev.kind == "leave":
                         self.nodes.pop(ev.node_id, None)
                         log.warning("node left: %s", ev.node_id)
+                        for callback in self.on_leave:
+                            callback(ev.node_id)
                     elif ev.info is not None:
                         if ev.kind == "join":
                             log.info("node joined: %s (%s)", ev.node_id, ev.info.role)

@@ -82,6 +82,8 @@ class NodeInfo(Message, frozen=True, tag="node_info"):
     running: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
+    hash_key: str = ""  # what keys its block hashes (model, dtype): routers hash prompts alike
+    block_size: int = 0
     timestamp: float = 0.0
 
 

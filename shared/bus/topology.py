@@ -48,6 +48,10 @@ def kv_events_subject(node_id: str) -> str:
     return f"{KV_EVENTS_SUBJECT}.{node_id}"
 
 
+def local_prefill_subject(node_id: str) -> str:
+    return f"tandem.decode.{node_id}.prefill"
+
+
 def assign_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.assign"
 

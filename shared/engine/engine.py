@@ -11,6 +11,7 @@ the running batch).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,8 @@ class Engine:
         self.collect_filled = False
         self._filled: list[tuple[BlockHash, int]] = []
         self.scheduler.on_commit = self._on_commit
+        # Told (on the engine thread) of hashes this pool now holds, for KV events.
+        self.on_blocks_named: Callable[[list[BlockHash]], None] | None = None
         self.vocab_size = int(model.config.vocab_size)
         self._ids = itertools.count()
 
@@ -205,6 +208,8 @@ class Engine:
         seq.block_ids = block_ids
         seq.num_computed = snapshot.num_computed
         self.scheduler.name_blocks(seq)  # findable for later prefixes; not filled here
+        if self.on_blocks_named is not None and seq.block_hashes:
+            self.on_blocks_named(seq.block_hashes)
         self.requests[seq.request_id] = seq
         if len(seq.pending_ids) == 1:
             self.scheduler.add_running(seq)
@@ -252,6 +257,8 @@ class Engine:
         return len(todo)
 
     def _on_commit(self, hashes: list[BlockHash], block_ids: list[int]) -> None:
+        if self.on_blocks_named is not None:
+            self.on_blocks_named(hashes)
         if self.collect_filled:
             self._filled.extend(zip(hashes, block_ids, strict=True))
 

@@ -29,6 +29,13 @@ QUESTIONS = [
     "Summarise what you told me so far.",
 ]
 SYSTEM = "You are a concise astronomy tutor. " * 6  # a long shared system prompt
+# Turns adding > 96 new tokens (the router's local-prefill limit): always disaggregated.
+LONG_QUESTIONS = [
+    f"Here are my notes on topic {i}: "
+    + " ".join(f"fact {i}.{j} about planets;" for j in range(30))
+    + " What is the single most surprising one?"
+    for i in range(4)
+]
 
 
 def scrape(stack: Stack, prefix: str, name: str) -> float:
@@ -46,7 +53,20 @@ def scrape(stack: Stack, prefix: str, name: str) -> float:
 
 
 def hit_tokens(stack: Stack) -> float:
-    return scrape(stack, "prefill", "tandem_prefix_cache_hit_tokens_total")
+    """Prompt tokens served from a prefix cache: prefill nodes' and (local route) decode's."""
+    return sum(
+        scrape(stack, role, "tandem_prefix_cache_hit_tokens_total")
+        for role in ("prefill", "decode")
+    )
+
+
+def routes(stack: Stack, path: str) -> float:
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == "tandem_router_routes_total" and s.labels.get("path") == path:
+                    return float(s.value)
+    return 0.0
 
 
 def chat_turns(
@@ -74,13 +94,7 @@ def chat_turns(
     return turns
 
 
-def test_multi_turn_chat_hits_the_cache_with_cold_tokens(
-    stack: Stack, real_model: LoadedModel
-) -> None:
-    loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
-    kv_hits_before = scrape(stack, "kvcache", "tandem_kvcache_hit_blocks")
-    with client(stack) as c:
-        turns = chat_turns(c, stack, real_model, QUESTIONS)
+def check_hits(turns: list[tuple[int, float]]) -> None:
     prev_len = 0
     for i, (prompt_len, hits) in enumerate(turns):
         if i == 0:
@@ -88,7 +102,29 @@ def test_multi_turn_chat_hits_the_cache_with_cold_tokens(
         else:  # at least the previous turn's prompt (whole blocks), often its answer too
             assert hits >= 16 * (prev_len // 16) - 16, f"turn {i + 1}: {hits} of {prompt_len}"
         prev_len = prompt_len
-    # The kvcache service served blocks (not only the prefill nodes' own pools).
+
+
+def test_chat_turns_go_where_their_history_lives(stack: Stack, real_model: LoadedModel) -> None:
+    """Short turns: the decode node that holds the history prefills the new tail itself."""
+    local_before = routes(stack, "local")
+    with client(stack) as c:
+        turns = chat_turns(c, stack, real_model, QUESTIONS)
+    check_hits(turns)
+    assert routes(stack, "local") - local_before >= 3  # turns 2-5, barring a full node
+
+
+def test_long_turns_load_history_from_the_kvcache_service(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """Long turns take the disaggregated path: prefill loads the history from kvcache."""
+    loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
+    kv_hits_before = scrape(stack, "kvcache", "tandem_kvcache_hit_blocks")
+    remote_before = routes(stack, "disaggregated")
+    with client(stack) as c:
+        turns = chat_turns(c, stack, real_model, LONG_QUESTIONS)
+    check_hits(turns)
+    assert routes(stack, "disaggregated") - remote_before == len(LONG_QUESTIONS)
+    # The kvcache service served blocks (the answers exist nowhere else but the decode pools).
     assert scrape(stack, "kvcache", "tandem_kvcache_hit_blocks") > kv_hits_before
     assert scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks") > loaded_before
 
@@ -100,7 +136,7 @@ def test_serving_continues_while_the_kvcache_node_is_down(
     try:
         with client(stack) as c:  # degraded: no remote hits, but correct and no hang
             started = time.monotonic()
-            chat_turns(c, stack, real_model, ["Name three planets.", "Which is largest?"])
+            chat_turns(c, stack, real_model, LONG_QUESTIONS[:2])
             assert time.monotonic() - started < 60
     finally:
         stack.restart("kvcache-1")
@@ -114,6 +150,5 @@ def test_serving_continues_while_the_kvcache_node_is_down(
     time.sleep(3)  # the prefill nodes' node list refreshes and the backoff ends
     loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
     with client(stack) as c:
-        chat_turns(c, stack, real_model, ["What is a comet?", "Where do comets come from?"])
-        chat_turns(c, stack, real_model, ["What is a comet?", "Where do comets come from?"])
+        chat_turns(c, stack, real_model, LONG_QUESTIONS[2:])
     assert scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks") > loaded_before

@@ -1,0 +1,68 @@
+"""KV-aware routing decisions on a synthetic cluster view and KV-event index."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.nodes import NodeTable
+from services.router.routing import PrefixRouter
+from shared.bus.kv_events import KVIndex
+from shared.bus.messages import KVEvent, NodeInfo
+from shared.kv.block_hash import block_hashes
+
+pytestmark = pytest.mark.unit
+
+KEY = "smollm2/float32"
+
+
+def decode_node(name: str, free: int = 100, running: int = 0) -> NodeInfo:
+    return NodeInfo(
+        node_id=name,
+        role="decode",
+        free_kv_blocks=free,
+        total_kv_blocks=100,
+        running=running,
+        hash_key=KEY,
+        block_size=16,
+    )
+
+
+def router(nodes: list[NodeInfo], index: KVIndex, limit: int = 96) -> PrefixRouter:
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+    table.nodes = {n.node_id: n for n in nodes}
+    return PrefixRouter(table, index, limit)
+
+
+def held(index: KVIndex, node: str, prompt: list[int], blocks: int) -> None:
+    hashes = block_hashes(prompt, 16, KEY.encode())[:blocks]
+    index.apply(KVEvent(node_id=node, op="stored", block_hashes=list(hashes)))
+
+
+def test_short_uncached_tail_goes_to_the_node_holding_the_prefix() -> None:
+    prompt = list(range(100, 260))  # 160 tokens = 10 blocks
+    index = KVIndex()
+    held(index, "d1", prompt, 4)
+    held(index, "d2", prompt, 9)
+    plan = router([decode_node("d1"), decode_node("d2")], index).plan(prompt, 20)
+    assert plan.local_node is not None and plan.local_node.node_id == "d2"
+    assert plan.decode_cached_tokens == 144  # 16 uncached tokens left to compute there
+
+
+def test_long_uncached_tail_or_no_room_takes_the_disaggregated_path() -> None:
+    prompt = list(range(100, 420))  # 320 tokens
+    index = KVIndex()
+    held(index, "d1", prompt, 5)  # 240 uncached > 96
+    held(index, "kv", prompt, 12)
+    nodes = [decode_node("d1"), NodeInfo(node_id="kv", role="kvcache")]
+    plan = router(nodes, index).plan(prompt, 30)
+    assert plan.local_node is None
+    assert plan.decode_cached_tokens == 80 and plan.kvcache_cached_tokens == 192
+    held(index, "d1", prompt, 19)
+    assert router([decode_node("d1", free=10)], index).plan(prompt, 30).local_node is None
+    assert router([decode_node("d1", free=30)], index).plan(prompt, 30).local_node is not None
+    assert router([decode_node("d1")], index, limit=0).plan(prompt, 30).local_node is None
+
+
+def test_nothing_cached_anywhere_means_no_local_route() -> None:
+    plan = router([decode_node("d1")], KVIndex()).plan(list(range(50)), 5)
+    assert plan.local_node is None and plan.decode_cached_tokens == 0

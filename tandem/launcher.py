@@ -47,6 +47,7 @@ class Stack:
         self.nats_url: str = args.nats or ""
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # node name → its /metrics port
+        self.env: dict[str, str] = {}  # extra environment for every service (benchmarks)
         self.out = sys.stdout
         self.lock = threading.Lock()
 
@@ -163,7 +164,7 @@ class Stack:
             self.children.append(child)
 
     def _spawn(self, child: Child) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         if self.args.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.args.otlp_endpoint
         child.proc = subprocess.Popen(

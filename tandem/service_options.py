@@ -39,6 +39,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not load prefixes from or store blocks in the kvcache service",
     )
+    add_option(
+        p,
+        "--no-prefix-caching",
+        action="store_true",
+        help="never reuse KV across requests, not even from this node's own pool",
+    )
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
@@ -54,6 +60,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
             kv_cache_bytes=args.kv_cache_mb << 20,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
         ),
     )
 

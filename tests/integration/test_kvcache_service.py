@@ -15,6 +15,7 @@ from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import NatsServer
 from shared.bus.topology import ensure_topology
+from shared.kv.sharding import shard
 from shared.kvclient import KVCacheClient
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
@@ -86,3 +87,54 @@ async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) ->
         proc.terminate()
         proc.wait(10)
         otlp.stop()
+
+
+async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: NatsServer) -> None:
+    """Rendezvous sharding through real nodes: each owns its share; a lost node ends the
+    joint prefix at its first block and nothing else fails."""
+    argv = ["--nats", nats_server.url, "--transport", "tcp", "--capacity-mb", "4"]
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "kvcache", *argv, "--node-id", name],
+            cwd=ROOT,
+        )
+        for name in ("kv-a", "kv-b")
+    }
+    bus = await Bus(nats_server.url, "client").connect()
+    assert bus.js is not None
+    await ensure_topology(bus.js)
+    transport = make_transport("tcp")
+    pending = PendingTransfers()
+    await transport.start(pending)
+    try:
+        registry = await NodeRegistry(bus).start()
+        client = KVCacheClient(bus, transport, pending, registry)
+        for _ in range(200):
+            if {n.node_id for n in await client.nodes()} == {"kv-a", "kv-b"}:
+                break
+            await asyncio.sleep(0.1)
+            client._nodes_at = 0.0  # re-read the registry now
+        hashes = [os.urandom(16) for _ in range(24)]
+        blocks = [os.urandom(BLOCK) for _ in range(24)]
+        assert await client.store(hashes, blocks) == 24
+        owners = shard(hashes, ["kv-a", "kv-b"])
+        assert set(owners) == {"kv-a", "kv-b"}  # both hold a share
+        for name, positions in owners.items():  # and each holds exactly its own
+            own = [hashes[i] for i in positions]
+            assert await client.get(name, own, len(own) * BLOCK) == [blocks[i] for i in positions]
+        assert await client.load_prefix(hashes, BLOCK) == blocks
+        procs["kv-b"].kill()
+        procs["kv-b"].wait()
+        first_lost = owners["kv-b"][0]
+        assert await client.load_prefix(hashes, BLOCK) == blocks[:first_lost]
+        assert client.failures >= 1  # logged and counted, then skipped
+        # kv-b is skipped now: kv-a alone serves the same prefix, without another failure
+        failures = client.failures
+        assert await client.load_prefix(hashes, BLOCK) == blocks[:first_lost]
+        assert client.failures == failures
+    finally:
+        await transport.close()
+        await bus.close()
+        for p in procs.values():
+            p.terminate()
+            p.wait(10)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -65,17 +66,28 @@ def text_of_tokens(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def ttft(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
-    """Seconds to the first streamed chunk (the request then runs to its end)."""
+async def stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> tuple[float, str]:
+    """(seconds to the first streamed chunk, the whole text) of one streamed request."""
     start = time.perf_counter()
     first = None
+    text = []
     async with session.post(url, json={**body, "stream": True}) as resp:
         resp.raise_for_status()
         async for line in resp.content:
-            if first is None and line.startswith(b"data: {"):
+            if not line.startswith(b"data: {"):
+                continue
+            if first is None:
                 first = time.perf_counter() - start
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            text.append(choices[0].get("text") or choices[0].get("delta", {}).get("content") or "")
     assert first is not None
-    return first
+    return first, "".join(text)
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
+    return (await stream(session, url, body))[0]
 
 
 async def part1(url: str, rounds: int) -> dict[str, list[float]]:
@@ -114,9 +126,8 @@ async def chat(url: str, seed: int, turns: int) -> tuple[float, list[float]]:
         for _ in range(turns):
             messages.append({"role": "user", "content": text_of_tokens(rng, 60) + "?"})
             body = {"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0}
-            ttfts.append(await ttft(s, url + "/v1/chat/completions", body))
-            async with s.post(url + "/v1/chat/completions", json=body) as resp:
-                answer = (await resp.json())["choices"][0]["message"]["content"]
+            first, answer = await stream(s, url + "/v1/chat/completions", body)
+            ttfts.append(first)
             messages.append({"role": "assistant", "content": answer})
     return time.perf_counter() - start, ttfts
 

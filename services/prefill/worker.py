@@ -83,6 +83,7 @@ class PrefillWorker:
             lambda: self.queue_depth,
         )
         self.loaded_blocks = 0  # prefix blocks fetched from the kvcache service
+        self._resumed: dict[str, list[int]] = {}  # this batch's failovers: tokens delivered
         self.metrics.gauge(
             "tandem_prefix_cache_loaded_blocks",
             "Prefix blocks loaded from the kvcache service",
@@ -159,6 +160,7 @@ class PrefillWorker:
             if params.seed is None:  # the router fixed a seed so every retry samples alike
                 params = msgspec.structs.replace(params, seed=j.job.seed)
             requests.append((j.job.request_id, j.job.prompt_ids, params))
+        self._resumed = {j.job.request_id: j.job.output_ids for j in jobs if j.job.output_ids}
         loop = asyncio.get_running_loop()
         fetched = time.time_ns()
         contexts = {j.job.request_id: extract_context(j.headers) for j in jobs}
@@ -185,7 +187,10 @@ class PrefillWorker:
             for j in jobs
         }
         prefixes = await asyncio.gather(
-            *(self._load_prefix(j.job.prompt_ids, contexts[j.job.request_id]) for j in jobs)
+            *(
+                self._load_prefix(j.job.prompt_ids + j.job.output_ids, contexts[j.job.request_id])
+                for j in jobs
+            )
         )
         try:
             results = await loop.run_in_executor(
@@ -209,7 +214,8 @@ class PrefillWorker:
         by_id = {j.job.request_id: j for j in jobs}
         for out, _, frame in results:
             if frame is not None:
-                self._store_new_blocks(by_id[out.request_id].job.prompt_ids, out, frame)
+                job = by_id[out.request_id].job
+                self._store_new_blocks(job.prompt_ids + job.output_ids, out, frame)
         await asyncio.gather(
             *(
                 self._traced_hand_off(
@@ -250,7 +256,7 @@ class PrefillWorker:
         for hashes, blocks in prefixes:
             if blocks:
                 self.engine.import_cached_blocks(hashes, blocks)
-        return self.engine.prefill_and_export(requests)
+        return self.engine.prefill_and_export(requests, self._resumed)
 
     def _store_new_blocks(self, prompt_ids: list[int], out: StepOutput, frame: bytes) -> None:
         """Queue the prompt's full blocks that did not come from a cache for kvcache."""

@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.router.errors import ApiError
+from services.router.failover import Failover
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.responses import chunk, completion
@@ -68,6 +69,9 @@ class Router:
         self.journal = journal
         self.metrics = RouterMetrics()
         self.inflight = 0
+        # request id → its failover state (told when the node serving it leaves)
+        self.lost: dict[str, Failover] = {}
+        nodes.on_leave.append(self._node_left)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -219,8 +223,13 @@ class Router:
             first = True
             last_t = start
             decode_by = ""
+            failover = Failover(self, job, stream, blocks)
+            self.lost[rid] = failover
             async for delta in stream.deltas(
-                self.config.first_token_timeout, self.config.stall_timeout
+                self.config.first_token_timeout,
+                self.config.stall_timeout,
+                failover.lost,
+                failover.resume,
             ):
                 if delta.error is not None:
                     raise ApiError(503, f"generation failed: {delta.error}")
@@ -287,10 +296,15 @@ class Router:
         finally:
             if stream_span is not None:
                 stream_span.end()
+            self.lost.pop(rid, None)
             await stream.close()
             if not finished:
                 # client gone, error or timeout: every node drops the request, blocks freed
                 await self._cancel(rid, "client disconnected or request failed")
+
+    def _node_left(self, node_id: str) -> None:
+        for failover in self.lost.values():
+            failover.node_left(node_id)
 
     async def _send_local(self, node: NodeInfo, job: PrefillJob) -> bool:
         """Ask a decode node holding the prompt's prefix to prefill the rest itself."""

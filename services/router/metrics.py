@@ -55,6 +55,11 @@ class RouterMetrics:
             ["path"],
             registry=r,
         )
+        self.failovers = Counter(
+            "tandem_failovers_total",
+            "Requests resumed on another node after theirs died or stalled",
+            registry=r,
+        )
         self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens_total", "Prompt tokens", registry=r)
         self.output_tokens = Counter("tandem_output_tokens_total", "Output tokens", registry=r)

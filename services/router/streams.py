@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -38,6 +38,8 @@ class RequestStream:
         self.queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self.sub: Subscription | None = None
         self.duplicates = 0
+        self.token_ids: list[int] = []  # of every in-order delta: what a failover resumes after
+        self.node_id = ""  # the node that sent the latest in-order delta
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
@@ -62,22 +64,62 @@ class RequestStream:
         while self.next_seq in self.pending:
             ready = self.pending.pop(self.next_seq)
             self.next_seq += 1
+            self.token_ids.extend(ready.token_ids)
+            self.node_id = ready.node_id
             self.queue.put_nowait(ready)
 
-    async def deltas(self, first_timeout: float, stall_timeout: float) -> AsyncIterator[TokenDelta]:
-        """Ordered deltas until one is finished or carries an error; StreamTimeout on stalls."""
+    async def deltas(
+        self,
+        first_timeout: float,
+        stall_timeout: float,
+        lost: asyncio.Event | None = None,
+        resume: Callable[[str], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Ordered deltas until one is finished or carries an error.
+
+        A stall (no token within the timeout) or `lost` being set (the node streaming this
+        request died) calls `resume(reason)`; when it returns True the stream waits on, for
+        the resumed request's first token, else StreamTimeout is raised.
+        """
         timeout = first_timeout
         while True:
-            try:
-                delta = await asyncio.wait_for(self.queue.get(), timeout)
-            except TimeoutError as exc:
-                raise StreamTimeout(
-                    f"no token for {timeout:.0f}s (request {self.request_id})"
-                ) from exc
+            delta = await self._next(timeout, lost)
+            if delta is None:
+                reason = (
+                    "its decode node was lost"
+                    if lost and lost.is_set()
+                    else (f"no token for {timeout:.0f}s")
+                )
+                if lost is not None:
+                    lost.clear()
+                if resume is not None and await resume(reason):
+                    timeout = first_timeout
+                    continue
+                raise StreamTimeout(f"{reason} (request {self.request_id})")
             yield delta
             if delta.finished or delta.error is not None:
                 return
             timeout = stall_timeout
+
+    async def _next(self, timeout: float, lost: asyncio.Event | None) -> TokenDelta | None:
+        """The next delta, or None on timeout or when `lost` is set first."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        get = asyncio.ensure_future(self.queue.get())
+        waiters: set[asyncio.Future[object]] = {get}  # type: ignore[arg-type]
+        lost_wait = asyncio.ensure_future(lost.wait()) if lost is not None else None
+        if lost_wait is not None:
+            waiters.add(lost_wait)  # type: ignore[arg-type]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if lost_wait is not None:
+                lost_wait.cancel()
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():
+            return get.result()
+        return None
 
     async def close(self) -> None:
         if self.sub is not None:

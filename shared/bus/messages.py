@@ -38,6 +38,7 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
     transfer_id: str = ""
     token_subject: str = ""
     deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
+    output_ids: list[int] = []  # a failover: tokens already delivered; continue after them
 
 
 class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):

@@ -21,8 +21,10 @@ from shared.bus.topology import PREFILL_CONSUMER, PREFILL_STREAM, PREFILL_SUBJEC
 from shared.errors import WireFormatError
 
 
-async def submit_job(bus: Bus, job: PrefillJob) -> None:
-    await bus.js_publish(PREFILL_SUBJECT, job, msg_id=job.request_id)
+async def submit_job(bus: Bus, job: PrefillJob, attempt: int = 0) -> None:
+    """Queue a job once (a retried publish is de-duplicated); a failover is a new attempt."""
+    msg_id = job.request_id if attempt == 0 else f"{job.request_id}/failover-{attempt}"
+    await bus.js_publish(PREFILL_SUBJECT, job, msg_id=msg_id)
 
 
 @dataclass

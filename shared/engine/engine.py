@@ -148,13 +148,36 @@ class Engine:
         return seq
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_ids: list[int] | None = None,
     ) -> str:
-        """Queue a request for prefill; returns its id. Invalid input raises and changes nothing."""
+        """Queue a request for prefill; returns its id. Invalid input raises and changes nothing.
+
+        `output_ids`: tokens a failed node already generated (and the client received); the
+        sequence resumes after them, sampling exactly what it would have sampled next.
+        """
         request_id = request_id or f"req-{next(self._ids)}"
         self.validate(request_id, prompt_ids, params)
+        done = output_ids or []
+        if done and len(done) >= params.max_tokens:
+            raise InvalidRequestError(
+                "a resumed request has already produced max_tokens", request_id=request_id
+            )
+        if done and (min(done) < 0 or max(done) >= self.vocab_size):
+            raise InvalidRequestError(
+                "resumed output contains token ids outside the vocabulary", request_id=request_id
+            )
         seed = params.seed if params.seed is not None else new_seed()
         seq = self._new_sequence(request_id, prompt_ids, params, seed)
+        if done:
+            seq.output_ids = list(done)
+            if seq.detok is not None:
+                for tok in done:
+                    seq.detok.add(tok)
+                seq.detok.emitted = len(seq.detok.text)  # the client has that text already
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -379,16 +402,19 @@ class Engine:
     # ---- roles -----------------------------------------------------------------------------
 
     def prefill_and_export(
-        self, requests: list[tuple[str, list[int], SamplingParams]]
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        resumed: dict[str, list[int]] | None = None,
     ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
         """Prefill node: one packed forward for all, first tokens, KV frames; blocks freed.
 
         A request finished by its first token (EOS, max_tokens=1) has no snapshot to ship.
+        `resumed` maps request ids to output tokens generated before a failover.
         """
         if self.has_unfinished():
             raise RuntimeError("prefill_and_export needs an engine with no other work")
         for request_id, prompt_ids, params in requests:
-            self.add_request(prompt_ids, params, request_id)
+            self.add_request(prompt_ids, params, request_id, (resumed or {}).get(request_id))
         results: list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]] = []
         while self.scheduler.waiting:
             outs = self.step()

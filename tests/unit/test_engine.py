@@ -226,3 +226,23 @@ def test_import_cached_blocks_refuses_wrong_sizes(tiny_model: LoadedModel) -> No
     with pytest.raises(WireFormatError):
         engine.import_cached_blocks(h[:1], [b"x" * 10])
     assert engine.pool.num_free == 8 and engine.cached_prefix_blocks(h) == 0
+
+
+def test_resume_after_delivered_tokens_continues_exactly(tiny_model: LoadedModel) -> None:
+    """Failover: a request resubmitted with the tokens already delivered continues as if
+    uninterrupted, greedy and seeded alike, whether or not its KV comes from a cache."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 49152) for _ in range(40)]
+    for params in (GREEDY, SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)):
+        full = alone(tiny_model, prompt, params)
+        for cut in (1, 5, 11):
+            engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+            engine.add_request(prompt, params, "r", output_ids=full[:cut])
+            rest = run_to_end(engine)["r"]
+            assert full[:cut] + rest == full
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(prompt, GREEDY, "r", output_ids=[1] * 12)  # nothing left to make
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(prompt, GREEDY, "r", output_ids=[10**9])
+    assert not engine.has_unfinished()

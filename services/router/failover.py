@@ -1,0 +1,89 @@
+"""Failover of a request whose decode node died or stalled: resume, never replay.
+
+The router knows every token it delivered (the stream's in-order deltas). Resuming is
+submitting the request again with those tokens as `output_ids`: a prefill node loads the
+prompt and the generated tokens' KV from the kvcache service (decode nodes store every
+block they fill), recomputes only what no block holds, samples the next token exactly as
+the lost node would have (seeded by (seed, position); greedy is greedy), and hands the
+sequence to another decode node. New deltas continue at the next sequence number, and the
+stream drops any duplicate, so the client sees no gap and no repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+from opentelemetry import trace
+
+from services.router.streams import RequestStream
+from shared.bus.messages import PrefillJob
+from shared.bus.workqueue import submit_job
+
+if TYPE_CHECKING:
+    from services.router.app import Router
+
+log = logging.getLogger("tandem.router.failover")
+
+MAX_FAILOVERS = 3
+
+
+class Failover:
+    def __init__(self, router: Router, job: PrefillJob, stream: RequestStream, blocks: int):
+        self.router = router
+        self.job = job
+        self.stream = stream
+        self.blocks = blocks
+        self.lost = asyncio.Event()
+        self.attempts = 0
+
+    def node_left(self, node_id: str) -> None:
+        """The registry lost a node: if it was serving this request, resume elsewhere."""
+        serving = self.stream.node_id
+        if node_id == serving or (node_id == self.job.decode_node and self.stream.next_seq <= 1):
+            self.lost.set()  # the prefill node sent token 0, the decode node had the rest
+
+    async def resume(self, reason: str) -> bool:
+        """Resubmit the request after the tokens delivered so far; False if it cannot be."""
+        if self.attempts >= MAX_FAILOVERS:
+            log.warning("%s: %s, and %d failovers were tried", self.job.request_id, reason,
+                        self.attempts)  # fmt: skip
+            return False
+        exclude = {self.stream.node_id, self.job.decode_node} - {""}
+        node = self.router.nodes.pick_decode(self.blocks, exclude) or self.router.nodes.pick_decode(
+            self.blocks
+        )
+        if node is None:
+            return False
+        self.attempts += 1
+        delivered = list(self.stream.token_ids)
+        self.job = msgspec.structs.replace(self.job, decode_node=node.node_id)
+        job = msgspec.structs.replace(
+            self.job,
+            output_ids=delivered,
+            transfer_id=f"{self.job.request_id}/failover-{self.attempts}",
+            deadline=time.time() + self.router.config.first_token_timeout,
+        )
+        try:
+            await submit_job(self.router.bus, job, attempt=self.attempts)
+        except Exception as exc:
+            log.warning("failover of %s not submitted: %s", self.job.request_id, exc)
+            return False
+        self.router.metrics.failovers.inc()
+        trace.get_current_span().add_event(
+            "failover",
+            {"tandem.reason": reason, "tandem.tokens_delivered": len(delivered),
+             "tandem.decode_node": node.node_id},
+        )  # fmt: skip
+        log.warning(
+            "%s: %s; resuming after %d delivered tokens on %s (failover %d)",
+            self.job.request_id,
+            reason,
+            len(delivered),
+            node.node_id,
+            self.attempts,
+        )
+        return True

@@ -1,0 +1,87 @@
+"""A decode node SIGKILLed mid-stream: its requests resume elsewhere, no gap, no repeat.
+
+The same requests first run uninterrupted (the reference), then again with decode-1 killed
+once every stream has tokens; each client-side text must equal the reference exactly. The
+killed node is restarted afterwards so the package's stack stays whole for other tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.launcher import Stack
+from tests.e2e.conftest import wait_for_every_node
+from tests.e2e.test_api import MODEL
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "Write a long story about a lighthouse keeper.",
+    "List the planets of the solar system and describe each one.",
+    "Explain how a steam engine works, step by step.",
+    "Describe a walk through a forest in autumn.",
+]
+MAX_TOKENS = 80
+
+
+def failovers(stack: Stack) -> float:
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == "tandem_failovers_total":
+                    return float(s.value)
+    return 0.0
+
+
+async def run_all(stack: Stack, kill_after: int | None) -> list[str]:
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0, timeout=300)
+    counts = [0] * len(PROMPTS)
+    killed = asyncio.Event()
+
+    async def one(i: int) -> str:
+        stream = await c.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[i],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        parts = []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+            counts[i] += 1
+            if kill_after is not None and not killed.is_set() and min(counts) >= kill_after:
+                killed.set()
+                await asyncio.to_thread(stack.kill, "decode-1")
+        return "".join(parts)
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
+    finally:
+        await c.close()
+
+
+async def test_decode_node_killed_mid_stream_resumes_exactly(stack: Stack) -> None:
+    reference = await run_all(stack, kill_after=None)
+    before = failovers(stack)
+    started = time.monotonic()
+    try:
+        resumed = await run_all(stack, kill_after=12)
+    finally:
+        stack.restart("decode-1")
+    assert resumed == reference  # no gap, no repeat, same tokens
+    assert failovers(stack) - before >= 1  # decode-1 was serving some of them
+    print(f"4 streams with a decode node killed finished in {time.monotonic() - started:.1f}s")
+    await asyncio.to_thread(wait_for_every_node, stack, 300)
+    for _ in range(100):  # the restarted node is back in the registry before others run
+        with urllib.request.urlopen(stack.url + "/readyz", timeout=5) as r:
+            if b'"decode": 2' in r.read():
+                break
+        await asyncio.sleep(0.2)

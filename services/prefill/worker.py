@@ -28,7 +28,7 @@ from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, 
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import assign_subject, cancel_subject
 from shared.bus.tracing import extract_context, inject_headers
-from shared.bus.workqueue import JobConsumer, ReceivedJob
+from shared.bus.workqueue import JobConsumer, ReceivedJob, keep_alive
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
@@ -50,6 +50,7 @@ TRACER = tracer("prefill")
 ASSIGN_TIMEOUT = 5.0
 TRANSFER_TIMEOUT = 30.0
 RETRY_DELAY = 0.5
+KEEP_ALIVE_INTERVAL = 2.0  # in_progress for held jobs: well inside the queue's ack_wait
 HANDOFF_PATIENCE = 60.0  # seconds to keep retrying full decode nodes before giving up
 
 
@@ -150,8 +151,12 @@ class PrefillWorker:
                     live.append(job)
             if live:
                 self.queue_depth = len(live)
-                await self._prefill_batch(live)
-                self.queue_depth = 0
+                alive = asyncio.create_task(keep_alive(live, KEEP_ALIVE_INTERVAL))
+                try:
+                    await self._prefill_batch(live)
+                finally:
+                    alive.cancel()
+                    self.queue_depth = 0
 
     async def _prefill_batch(self, jobs: list[ReceivedJob]) -> None:
         requests: list[tuple[str, list[int], SamplingParams]] = []

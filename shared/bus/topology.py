@@ -58,7 +58,10 @@ def assign_subject(node_id: str) -> str:
 
 @dataclass(frozen=True)
 class TopologyConfig:
-    ack_wait: float = 30.0  # seconds a prefill job may run before it is redelivered
+    # Seconds without an ack or an in_progress before a job is redelivered: prefill nodes
+    # send in_progress every 2 s while they hold a job, so this is how long a dead node's
+    # jobs wait before another node takes them.
+    ack_wait: float = 8.0
     max_deliver: int = 5  # attempts before a job is given up
     duplicate_window: float = 120.0
     kv_events_max_age: float = 600.0

@@ -9,6 +9,7 @@ id, so a router that retries a publish stores the job once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
 
@@ -52,6 +53,19 @@ class ReceivedJob:
     async def in_progress(self) -> None:
         """Reset the ack timer for a job that is still being worked on."""
         await self.msg.in_progress()
+
+
+async def keep_alive(jobs: list[ReceivedJob], interval: float) -> None:
+    """Reset the ack timer of jobs being worked on every `interval` s (cancel to stop).
+
+    Lets `ack_wait` be short, so a job held by a node that died is redelivered within
+    seconds, while a live node's long prefill or slow hand-off keeps its jobs.
+    """
+    while True:
+        await asyncio.sleep(interval)
+        for job in jobs:
+            with contextlib.suppress(Exception):  # already acked or terminated: nothing to do
+                await job.in_progress()
 
 
 class JobConsumer:

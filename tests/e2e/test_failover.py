@@ -1,4 +1,4 @@
-"""A decode node SIGKILLed mid-stream: its requests resume elsewhere, no gap, no repeat.
+"""Nodes SIGKILLed mid-request: the requests complete elsewhere, no gap, no repeat.
 
 The same requests first run uninterrupted (the reference), then again with decode-1 killed
 once every stream has tokens; each client-side text must equal the reference exactly. The
@@ -15,9 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.conftest import wait_for_every_node
-from tests.e2e.test_api import MODEL
+from tests.e2e.test_api import MODEL, reference, text_of
 
 pytestmark = pytest.mark.e2e
 
@@ -85,3 +86,46 @@ async def test_decode_node_killed_mid_stream_resumes_exactly(stack: Stack) -> No
             if b'"decode": 2' in r.read():
                 break
         await asyncio.sleep(0.2)
+
+
+def queue_depth(stack: Stack, node: str) -> float:
+    port = stack.metrics_ports[node]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == "tandem_prefill_queue_depth":
+                    return float(s.value)
+    return 0.0
+
+
+async def test_prefill_node_killed_mid_prefill_its_job_completes_elsewhere(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """JetStream redelivers the dead node's unacked job (ack_wait; live nodes keep theirs
+    with in_progress), another prefill node computes it, the tokens are the reference's."""
+    words = ["orbit", "comet", "nebula", "quasar", "pulsar", "galaxy", "meteor", "aurora"]
+    prompt = " ".join(words[(i * 5) % 8] for i in range(1200)) + " In summary,"
+    ids = real_model.encode(prompt)
+    ref = text_of(real_model, reference(real_model, ids, 12))
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0, timeout=300)
+    victim = None
+    try:
+        task = asyncio.create_task(
+            c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        )
+        deadline = time.monotonic() + 60
+        while victim is None and time.monotonic() < deadline and not task.done():
+            for node in ("prefill-1", "prefill-2"):
+                if await asyncio.to_thread(queue_depth, stack, node) > 0:
+                    victim = node
+                    break
+            await asyncio.sleep(0.1)
+        assert victim is not None, "no prefill node was seen holding the job"
+        await asyncio.to_thread(stack.kill, victim)
+        resp = await task
+        assert resp.choices[0].text == ref
+    finally:
+        await c.close()
+        if victim is not None:
+            stack.restart(victim)
+            await asyncio.to_thread(wait_for_every_node, stack, 300)

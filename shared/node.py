@@ -102,7 +102,7 @@ class NodeRuntime:
             self._beats.cancel()
         if self.registry is not None:
             with contextlib.suppress(Exception):  # the entry expires by TTL anyway
-                await self.registry.remove(self.node_id)
+                await asyncio.wait_for(self.registry.remove(self.node_id), 1.0)
         if self.transport is not None:
             await self.transport.close()
         if self.bus is not None:

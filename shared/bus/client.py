@@ -105,7 +105,7 @@ class Bus:
         """Drain subscriptions and pending publishes, then close."""
         if self.nc is not None and not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
             except (TimeoutError, nats.errors.Error):
                 await self.nc.close()
         self.connected.clear()

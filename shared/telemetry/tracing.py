@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import atexit
 import os
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+
 _installed = False
+FLUSH_AT_EXIT_MS = 2000
 
 
 def tracing_enabled() -> bool:
@@ -56,10 +61,17 @@ def setup_tracing(service: str, node_id: str) -> bool:
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
-    atexit.register(provider.shutdown)  # flush what is batched when the service stops
+    atexit.register(_flush_and_shut, provider)
     _installed = True
     return True
 
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(f"tandem.{name}")
+
+
+def _flush_and_shut(provider: SdkTracerProvider) -> None:
+    """Export what is batched when the service stops, within a bound: a collector that is
+    down must not hold a stopping node past its orchestrator's grace period."""
+    provider.force_flush(timeout_millis=FLUSH_AT_EXIT_MS)
+    provider.shutdown()

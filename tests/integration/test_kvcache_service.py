@@ -27,6 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 64 * 1024
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if the node is not gone within a loaded CI machine's patience."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("kvcache node ignored SIGTERM for 30 s") from None
+
+
 def h(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
@@ -84,8 +95,7 @@ async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) ->
     finally:
         await transport.close()
         await bus.close()
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
         otlp.stop()
 
 
@@ -136,5 +146,4 @@ async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: N
         await transport.close()
         await bus.close()
         for p in procs.values():
-            p.terminate()
-            p.wait(10)
+            stop(p)

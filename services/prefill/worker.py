@@ -1,7 +1,7 @@
 """A prefill node: pulls jobs, prefills them in batches, hands the KV to decode nodes.
 
 Per job: drop it if cancelled or past its deadline; load the longest cached prefix of its
-prompt from the kvcache service (beyond what this node's own pool still holds); prefill
+prompt from the kvcache service beyond what this node's own pool holds (prefix.py); prefill
 only the rest (batched with the jobs that arrived together) on the engine thread; store the
 newly computed full blocks in the kvcache service in the background; publish the first
 token as delta 0; ask the chosen decode node to expect the transfer (it may refuse: try the
@@ -23,6 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.prefill.prefix import PrefixCache
 from shared.bus.client import Bus
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
@@ -34,9 +35,7 @@ from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
-from shared.kv.block_hash import BlockHash, block_hashes
-from shared.kv.export import split_frame
-from shared.kv_uploader import BlockUploader
+from shared.kv.block_hash import BlockHash
 from shared.kvclient import KVCacheClient
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
@@ -66,8 +65,7 @@ class PrefillWorker:
         cache: KVCacheClient | None = None,
     ) -> None:
         self.engine = engine
-        self.cache = cache
-        self.uploader = BlockUploader(cache) if cache is not None else None
+        self.prefix = PrefixCache(engine, cache)
         self.bus = bus
         self.transport = transport
         self.registry = registry
@@ -83,23 +81,8 @@ class PrefillWorker:
             "Jobs fetched and not yet handed off",
             lambda: self.queue_depth,
         )
-        self.loaded_blocks = 0  # prefix blocks fetched from the kvcache service
         self._resumed: dict[str, list[int]] = {}  # this batch's failovers: tokens delivered
-        self.metrics.gauge(
-            "tandem_prefix_cache_loaded_blocks",
-            "Prefix blocks loaded from the kvcache service",
-            lambda: self.loaded_blocks,
-        )
-        up = self.uploader
-        if up is not None:
-            self.metrics.gauge(
-                "tandem_kvcache_stored_blocks", "Blocks handed to kvcache", lambda: up.stored
-            )
-            self.metrics.gauge(
-                "tandem_kvcache_store_dropped_blocks",
-                "Blocks not stored (upload queue full)",
-                lambda: up.dropped,
-            )
+        self.prefix.add_metrics(self.metrics)
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -122,15 +105,12 @@ class PrefillWorker:
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         consumer = await JobConsumer(self.bus).start()
         self.stopping = stop
-        if self.uploader is not None:
-            self.uploader.start()
+        self.prefix.start()
         try:
             await self._loop(consumer, stop)
         finally:
             await consumer.stop()
-            if self.uploader is not None:
-                await self.uploader.drain(2.0)
-                await self.uploader.close()
+            await self.prefix.close()
 
     async def _loop(self, consumer: JobConsumer, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -193,7 +173,7 @@ class PrefillWorker:
         }
         prefixes = await asyncio.gather(
             *(
-                self._load_prefix(j.job.prompt_ids + j.job.output_ids, contexts[j.job.request_id])
+                self.prefix.load(j.job.prompt_ids + j.job.output_ids, contexts[j.job.request_id])
                 for j in jobs
             )
         )
@@ -220,7 +200,7 @@ class PrefillWorker:
         for out, _, frame in results:
             if frame is not None:
                 job = by_id[out.request_id].job
-                self._store_new_blocks(job.prompt_ids + job.output_ids, out, frame)
+                self.prefix.store(job.prompt_ids + job.output_ids, out, frame)
         await asyncio.gather(
             *(
                 self._traced_hand_off(
@@ -229,28 +209,6 @@ class PrefillWorker:
                 for out, snap, frame in results
             )
         )
-
-    async def _load_prefix(
-        self, prompt_ids: list[int], ctx: otel_context.Context
-    ) -> tuple[list[BlockHash], list[bytes]]:
-        """Blocks of the prompt's cached prefix that this node's pool lacks, from kvcache."""
-        if self.cache is None:
-            return [], []
-        hashes = self.engine.prompt_block_hashes(prompt_ids)
-        local = self.engine.cached_prefix_blocks(hashes)
-        if local >= len(hashes):
-            return [], []
-        with TRACER.start_as_current_span(
-            "kvcache.load_prefix",
-            context=ctx,
-            attributes={"tandem.blocks_asked": len(hashes) - local, "tandem.local_blocks": local},
-        ) as span:
-            size = self.engine.layout.bytes_per_block
-            blocks = await self.cache.load_prefix(hashes[local:], size)
-            span.set_attribute("tandem.blocks_loaded", len(blocks))
-            span.set_attribute("tandem.bytes", len(blocks) * size)
-            self.loaded_blocks += len(blocks)
-            return hashes[local : local + len(blocks)], blocks
 
     def _import_and_prefill(
         self,
@@ -262,21 +220,6 @@ class PrefillWorker:
             if blocks:
                 self.engine.import_cached_blocks(hashes, blocks)
         return self.engine.prefill_and_export(requests, self._resumed)
-
-    def _store_new_blocks(self, prompt_ids: list[int], out: StepOutput, frame: bytes) -> None:
-        """Queue the prompt's full blocks that did not come from a cache for kvcache."""
-        if self.uploader is None:
-            return
-        bs = self.engine.config.block_size
-        hashes = block_hashes(prompt_ids, bs, self.engine.hash_extra)
-        first = out.num_cached_tokens // bs
-        if first >= len(hashes):
-            return
-        _, payload = split_frame(frame)
-        size = self.engine.layout.bytes_per_block
-        self.uploader.submit(
-            hashes[first:], [payload[i * size : (i + 1) * size] for i in range(first, len(hashes))]
-        )
 
     async def _traced_hand_off(
         self,

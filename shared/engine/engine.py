@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
 from shared.engine.sampling import SamplingParams, new_seed, sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceSnapshot, SequenceStatus
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
-from shared.kv.block_hash import BlockHash, block_hashes
+from shared.kv.block_hash import BlockHash
 from shared.kv.block_pool import BlockPool
 from shared.kv.export import decode_kv, encode_kv
 from shared.kv.paged_cache import PagedKVCache
@@ -67,7 +68,7 @@ class EngineStats:
     last_batch_size: int = 0
 
 
-class Engine:
+class Engine(BlockExchange):
     """Owns the model runner, KV cache, block pool and scheduler."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
@@ -239,64 +240,6 @@ class Engine:
         else:
             self.scheduler.add(seq, front=True)
         return seq.request_id
-
-    # ---- prefix blocks from outside (kvcache service) and filled blocks going out ---------
-
-    def prompt_block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
-        """Hashes of the prompt's blocks a prefix hit could cover (≥ 1 token stays to compute)."""
-        return block_hashes(prompt_ids[:-1], self.config.block_size, self.hash_extra)
-
-    def cached_prefix_blocks(self, hashes: list[BlockHash]) -> int:
-        """How many leading blocks of `hashes` this node's own pool holds."""
-        n = 0
-        for h in hashes:
-            if self.pool.lookup(h) is None:
-                break
-            n += 1
-        return n
-
-    def import_cached_blocks(self, hashes: list[BlockHash], blocks: list[bytes]) -> int:
-        """Place blocks fetched by hash into the pool as cached (free, findable) blocks.
-
-        The next admission of a prompt with this prefix then finds them like any local hit.
-        Returns how many were placed (none when the pool has no room to spare for them).
-        """
-        todo = [(h, b) for h, b in zip(hashes, blocks, strict=True) if self.pool.lookup(h) is None]
-        size = self.layout.bytes_per_block
-        if not todo or not self.pool.can_allocate(len(todo)):
-            return 0
-        if any(len(b) != size for _, b in todo):
-            raise WireFormatError(f"a cached KV block is not {size} bytes")
-        ids = self.pool.allocate(len(todo))
-        raw = bytearray(b"".join(b for _, b in todo))
-        lay = self.layout
-        shape = (len(todo), lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        self.cache.write_blocks(
-            ids, torch.frombuffer(raw, dtype=torch.uint8).view(lay.dtype).view(shape)
-        )
-        for block_id, (h, _) in zip(ids, todo, strict=True):
-            self.pool.commit_hash(block_id, h)
-        self.pool.free(ids)
-        return len(todo)
-
-    def _on_commit(self, hashes: list[BlockHash], block_ids: list[int]) -> None:
-        if self.on_blocks_named is not None:
-            self.on_blocks_named(hashes)
-        if self.collect_filled:
-            self._filled.extend(zip(hashes, block_ids, strict=True))
-
-    def take_filled_blocks(self) -> tuple[list[BlockHash], list[bytes]]:
-        """Blocks filled by forwards since the last call, as (hashes, bytes per block).
-
-        Call on the engine thread between steps: the blocks may be reused once it returns.
-        """
-        filled, self._filled = self._filled, []
-        if not filled:
-            return [], []
-        data = self.cache.read_blocks([b for _, b in filled])
-        raw = data.view(torch.uint8).reshape(len(filled), -1).numpy().tobytes()
-        size = self.layout.bytes_per_block
-        return [h for h, _ in filled], [raw[i * size : (i + 1) * size] for i in range(len(filled))]
 
     def export(self, request_id: str) -> tuple[SequenceSnapshot, bytes]:
         """Snapshot and KV frame of a sequence (its blocks stay allocated)."""

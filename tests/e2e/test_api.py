@@ -177,8 +177,13 @@ async def test_client_disconnect_frees_blocks_everywhere(stack: Stack) -> None:
                     got += 1
                 if got >= 5:
                     break
-        busy = await decode_nodes(stack)
-        assert any(running > 0 for running, _, _ in busy.values())
+            # Heartbeats report load every ~0.7 s: wait for one that shows the stream.
+            for _ in range(40):
+                busy = await decode_nodes(stack)
+                if any(running > 0 for running, _, _ in busy.values()):
+                    break
+                await asyncio.sleep(0.1)
+            assert any(running > 0 for running, _, _ in busy.values())
     disconnected = time.monotonic()
     while time.monotonic() - disconnected < 2.0:
         now = await decode_nodes(stack)

@@ -133,17 +133,19 @@ class KVCacheClient:
             "kvcache %s unavailable for %s (%s); serving without it for %.0fs",
             node.node_id,
             what,
-            exc or type(exc).__name__,
+            str(exc) or type(exc).__name__,
             DOWN_BACKOFF,
         )
 
+    async def _shards(self, hashes: Sequence[bytes]) -> list[tuple[NodeInfo, list[int]]]:
+        """Each live node with the positions of the `hashes` it owns (none: no nodes)."""
+        nodes = {n.node_id: n for n in await self.nodes()}
+        if not nodes or not hashes:
+            return []
+        return [(nodes[n], positions) for n, positions in shard(hashes, list(nodes)).items()]
+
     async def store(self, hashes: Sequence[bytes], blocks: Sequence[bytes | memoryview]) -> int:
         """Put blocks on their owning nodes; returns how many were handed over."""
-        nodes = await self.nodes()
-        if not nodes or not hashes:
-            return 0
-        by_id = {n.node_id: n for n in nodes}
-        groups = shard(hashes, list(by_id))
 
         async def put_group(node: NodeInfo, positions: list[int]) -> int:
             try:
@@ -158,16 +160,14 @@ class KVCacheClient:
                 self._mark_down(node, "put", exc)
                 return 0
 
-        done = await asyncio.gather(*(put_group(by_id[n], p) for n, p in groups.items()))
+        done = await asyncio.gather(*(put_group(n, p) for n, p in await self._shards(hashes)))
         return sum(done)
 
     async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[bytes]:
         """The blocks of the longest prefix of `hashes` that the live nodes hold together."""
-        nodes = await self.nodes()
-        if not nodes or not hashes:
+        shards = await self._shards(hashes)
+        if not shards:
             return []
-        by_id = {n.node_id: n for n in nodes}
-        groups = shard(hashes, list(by_id))
 
         async def get_group(node: NodeInfo, positions: list[int]) -> tuple[list[int], list[bytes]]:
             try:
@@ -184,9 +184,7 @@ class KVCacheClient:
 
         found: dict[int, bytes] = {}
         end = len(hashes)
-        for positions, got in await asyncio.gather(
-            *(get_group(by_id[n], p) for n, p in groups.items())
-        ):
+        for positions, got in await asyncio.gather(*(get_group(n, p) for n, p in shards)):
             found.update(zip(positions, got, strict=False))
             if len(got) < len(positions):  # this node's first miss ends the joint prefix
                 end = min(end, positions[len(got)])

@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
@@ -141,11 +140,14 @@ class DecodeWorker:
             if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
                 await msg.respond(b"refused: not enough free KV blocks")
                 return
-            params = job.params
-            if params.seed is None:
-                params = msgspec.structs.replace(params, seed=job.seed)
             try:
-                await self._run(self.engine.add_request, job.prompt_ids, params, job.request_id)
+                await self._run(
+                    self.engine.add_request,
+                    job.prompt_ids,
+                    job.sampling_params(),
+                    job.request_id,
+                    job.output_ids,
+                )
             except TandemError as exc:
                 span.set_status(Status(StatusCode.ERROR, exc.message))
                 await msg.respond(b"refused: " + exc.message.encode())

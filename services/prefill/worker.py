@@ -17,7 +17,6 @@ import concurrent.futures
 import logging
 import time
 
-import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -141,10 +140,7 @@ class PrefillWorker:
     async def _prefill_batch(self, jobs: list[ReceivedJob]) -> None:
         requests: list[tuple[str, list[int], SamplingParams]] = []
         for j in jobs:
-            params = j.job.params
-            if params.seed is None:  # the router fixed a seed so every retry samples alike
-                params = msgspec.structs.replace(params, seed=j.job.seed)
-            requests.append((j.job.request_id, j.job.prompt_ids, params))
+            requests.append((j.job.request_id, j.job.prompt_ids, j.job.sampling_params()))
         self._resumed = {j.job.request_id: j.job.output_ids for j in jobs if j.job.output_ids}
         loop = asyncio.get_running_loop()
         fetched = time.time_ns()

@@ -70,7 +70,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.inflight = 0
         # request id → its failover state (told when the node serving it leaves)
-        self.lost: dict[str, Failover] = {}
+        self.failovers: dict[str, Failover] = {}
         nodes.on_leave.append(self._node_left)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class Router:
             last_t = start
             decode_by = ""
             failover = Failover(self, job, stream, blocks)
-            self.lost[rid] = failover
+            self.failovers[rid] = failover
             async for delta in stream.deltas(
                 self.config.first_token_timeout,
                 self.config.stall_timeout,
@@ -296,14 +296,14 @@ class Router:
         finally:
             if stream_span is not None:
                 stream_span.end()
-            self.lost.pop(rid, None)
+            self.failovers.pop(rid, None)
             await stream.close()
             if not finished:
                 # client gone, error or timeout: every node drops the request, blocks freed
                 await self._cancel(rid, "client disconnected or request failed")
 
     def _node_left(self, node_id: str) -> None:
-        for failover in self.lost.values():
+        for failover in self.failovers.values():
             failover.node_left(node_id)
 
     async def _send_local(self, node: NodeInfo, job: PrefillJob) -> bool:

@@ -126,15 +126,7 @@ class KVIndex:
 
     def prefix_blocks(self, node_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` the node holds."""
-        held = self.by_node.get(node_id)
-        if not held:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return self.union_prefix_blocks([node_id], hashes)
 
     def union_prefix_blocks(self, node_ids: Sequence[str], hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` some node among `node_ids` holds (sharded stores)."""

@@ -40,6 +40,13 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
     deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
     output_ids: list[int] = []  # a failover: tokens already delivered; continue after them
 
+    def sampling_params(self) -> SamplingParams:
+        """The request's parameters with the router's seed when it set none, so every
+        attempt (retry, failover, either path) samples alike."""
+        if self.params.seed is not None:
+            return self.params
+        return msgspec.structs.replace(self.params, seed=self.seed)
+
 
 class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
     """Prefill → decode node: a KV transfer `transfer_id` carries this sequence's blocks."""

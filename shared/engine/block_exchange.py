@@ -40,12 +40,7 @@ class BlockExchange:
 
     def cached_prefix_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` this node's own pool holds."""
-        n = 0
-        for h in hashes:
-            if self.pool.lookup(h) is None:
-                break
-            n += 1
-        return n
+        return len(self.pool.cached_prefix(hashes))
 
     def import_cached_blocks(self, hashes: list[BlockHash], blocks: list[bytes]) -> int:
         """Place blocks fetched by hash into the pool as cached (free, findable) blocks.
@@ -61,11 +56,7 @@ class BlockExchange:
             raise WireFormatError(f"a cached KV block is not {size} bytes")
         ids = self.pool.allocate(len(todo))
         raw = bytearray(b"".join(b for _, b in todo))
-        lay = self.layout
-        shape = (len(todo), lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        self.cache.write_blocks(
-            ids, torch.frombuffer(raw, dtype=torch.uint8).view(lay.dtype).view(shape)
-        )
+        self.cache.write_blocks(ids, self.layout.blocks_from_bytes(raw, len(todo)))
         for block_id, (h, _) in zip(ids, todo, strict=True):
             self.pool.commit_hash(block_id, h)
         self.pool.free(ids)

@@ -106,8 +106,17 @@ class Engine(BlockExchange):
 
     # ---- admission -------------------------------------------------------------------------
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError (or CapacityError) without touching any state."""
+    def validate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_ids: list[int] | None = None,
+    ) -> None:
+        """Raise InvalidRequestError (or CapacityError) without touching any state.
+
+        `output_ids`: tokens generated before (a resumed or imported sequence).
+        """
         params.validate(request_id)
         limit = self.model.max_model_len
         if not prompt_ids:
@@ -135,17 +144,35 @@ class Engine(BlockExchange):
             raise CapacityError(
                 "request needs more KV blocks than this node has in total", request_id=request_id
             )
+        if output_ids and len(output_ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                "the sequence has already produced max_tokens", request_id=request_id
+            )
+        if output_ids and (min(output_ids) < 0 or max(output_ids) >= self.vocab_size):
+            raise InvalidRequestError(
+                "generated output contains token ids outside the vocabulary",
+                request_id=request_id,
+            )
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)
 
     def _new_sequence(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        output_ids: list[int] | None = None,
     ) -> Sequence:
-        seq = Sequence(request_id, list(prompt_ids), params, seed)
+        """A sequence; `output_ids` were generated (and streamed) before, elsewhere."""
+        seq = Sequence(request_id, list(prompt_ids), params, seed, list(output_ids or []))
         if self.config.detokenize or params.stop:
             seq.detok = IncrementalDetokenizer(
                 self.model.tokenizer, prompt_ids[-_DETOK_CONTEXT:], params.stop
             )
+            for tok in seq.output_ids:
+                seq.detok.add(tok)
+            seq.detok.emitted = len(seq.detok.text)  # the client has that text already
         return seq
 
     def add_request(
@@ -161,24 +188,9 @@ class Engine(BlockExchange):
         sequence resumes after them, sampling exactly what it would have sampled next.
         """
         request_id = request_id or f"req-{next(self._ids)}"
-        self.validate(request_id, prompt_ids, params)
-        done = output_ids or []
-        if done and len(done) >= params.max_tokens:
-            raise InvalidRequestError(
-                "a resumed request has already produced max_tokens", request_id=request_id
-            )
-        if done and (min(done) < 0 or max(done) >= self.vocab_size):
-            raise InvalidRequestError(
-                "resumed output contains token ids outside the vocabulary", request_id=request_id
-            )
+        self.validate(request_id, prompt_ids, params, output_ids)
         seed = params.seed if params.seed is not None else new_seed()
-        seq = self._new_sequence(request_id, prompt_ids, params, seed)
-        if done:
-            seq.output_ids = list(done)
-            if seq.detok is not None:
-                for tok in done:
-                    seq.detok.add(tok)
-                seq.detok.emitted = len(seq.detok.text)  # the client has that text already
+        seq = self._new_sequence(request_id, prompt_ids, params, seed, output_ids)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -204,16 +216,9 @@ class Engine(BlockExchange):
         total = len(snapshot.prompt_ids) + len(snapshot.output_ids)
         if not total - snapshot.num_computed > 0:
             raise WireFormatError("snapshot has no pending token", request_id=snapshot.request_id)
-        remaining = snapshot.params.max_tokens - len(snapshot.output_ids)
         self.validate(
-            snapshot.request_id,
-            snapshot.prompt_ids,
-            snapshot.params,
+            snapshot.request_id, snapshot.prompt_ids, snapshot.params, snapshot.output_ids
         )
-        if remaining <= 0:
-            raise InvalidRequestError(
-                "snapshot has already produced max_tokens", request_id=snapshot.request_id
-            )
         if not self.pool.can_allocate(header.num_blocks):
             raise CapacityError(
                 f"no room for {header.num_blocks} KV blocks ({self.pool.num_free} free)",
@@ -222,13 +227,12 @@ class Engine(BlockExchange):
         block_ids = self.pool.allocate(header.num_blocks)
         self.cache.write_blocks(block_ids, blocks)
         seq = self._new_sequence(
-            snapshot.request_id, snapshot.prompt_ids, snapshot.params, snapshot.seed
+            snapshot.request_id,
+            snapshot.prompt_ids,
+            snapshot.params,
+            snapshot.seed,
+            snapshot.output_ids,
         )
-        seq.output_ids = list(snapshot.output_ids)
-        if seq.detok is not None:
-            for tok in seq.output_ids:
-                seq.detok.add(tok)
-            seq.detok.emitted = len(seq.detok.text)  # that text was streamed by the sender
         seq.block_ids = block_ids
         seq.num_computed = snapshot.num_computed
         self.scheduler.name_blocks(seq)  # findable for later prefixes; not filled here

@@ -72,12 +72,7 @@ class Scheduler:
         hashes = block_hashes(
             seq.all_ids[: seq.num_tokens - 1], self.config.block_size, self.hash_extra
         )
-        hits: list[int] = []
-        for h in hashes:
-            block_id = self.pool.lookup(h)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self.pool.cached_prefix(hashes)
         return hits, hashes[: len(hits)]
 
     def schedule_prefill(self) -> list[Sequence]:

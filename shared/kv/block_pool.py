@@ -77,6 +77,16 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self.hash_to_block_id.get(block_hash)
 
+    def cached_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
+        """Block ids holding the longest run of leading `hashes` (stops at the first miss)."""
+        hits: list[int] = []
+        for h in hashes:
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def share(self, block_ids: Iterable[int]) -> None:
         """Add a reference to cached blocks (a prefix hit), taking free ones out of the queue."""
         for block_id in block_ids:

@@ -80,17 +80,7 @@ _header_decoder = msgspec.msgpack.Decoder(KVExportHeader)
 def decode_kv(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, torch.Tensor]:
     """Validate a frame and return its header and a tensor (a copy) of its blocks."""
     header, payload = split_frame(frame)
-    dims = (
-        header.num_blocks,
-        header.num_layers,
-        2,
-        header.block_size,
-        header.num_kv_heads,
-        header.head_dim,
-    )
-    dtype = DTYPES_BY_NAME[header.dtype]
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(dims)
-    return header, data
+    return header, header.layout().blocks_from_bytes(bytearray(payload), header.num_blocks)
 
 
 def split_frame(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, memoryview]:
@@ -111,14 +101,7 @@ def split_frame(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, 
         raise WireFormatError(f"unsupported KV frame version {header.version}")
     if header.dtype not in DTYPES_BY_NAME:
         raise WireFormatError(f"unknown KV dtype {header.dtype!r}")
-    dims = (
-        header.num_blocks,
-        header.num_layers,
-        2,
-        header.block_size,
-        header.num_kv_heads,
-        header.head_dim,
-    )
+    dims = header.layout().blocks_shape(header.num_blocks)
     if min(dims) <= 0 or header.first_block < 0 or header.num_tokens < 0:
         raise WireFormatError("KV frame header has non-positive dimensions")
     dtype = DTYPES_BY_NAME[header.dtype]

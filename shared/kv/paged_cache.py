@@ -30,6 +30,22 @@ class KVLayout:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of `num_blocks` blocks block-major, as they leave and enter a cache."""
+        return (
+            num_blocks,
+            self.num_layers,
+            2,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+    def blocks_from_bytes(self, raw: bytearray, num_blocks: int) -> torch.Tensor:
+        """A tensor view of `num_blocks` block-major blocks held in `raw` (no copy)."""
+        data = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
+        return data.view(self.blocks_shape(num_blocks))
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

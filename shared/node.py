@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry
@@ -37,8 +38,10 @@ def setup_logging(service: str, node_id: str, level: str = "INFO") -> None:
     setup_logs(service, node_id, level)
 
 
-async def connect_bus(url: str, node_id: str, topology: TopologyConfig | None = None) -> Bus:
-    bus = await Bus(url, node_id).connect()
+async def connect_bus(
+    url: str, node_id: str, auth: BusAuth | None = None, topology: TopologyConfig | None = None
+) -> Bus:
+    bus = await Bus(url, node_id, auth).connect()
     assert bus.js is not None
     await ensure_topology(bus.js, topology)
     return bus
@@ -85,7 +88,7 @@ class NodeRuntime:
         setup_tracing(role, node_id)
         rt = cls(role, node_id, args)
         rt.stop = stop_on_signals()
-        rt.bus = await connect_bus(args.nats, node_id)
+        rt.bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
         rt.registry = await NodeRegistry(rt.bus, ttl=args.heartbeat_ttl).start()
         rt.transport = make_transport(args.transport, args.data_host, args.data_port)
         return rt

@@ -21,9 +21,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from shared.bus.auth import BusAuth
 from shared.bus.server import NatsServer, free_port
 from shared.procs import die_with_parent
 from tandem.options import add_model_options, add_option
+from tandem.service_options import add_nats_auth_options
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -45,6 +47,7 @@ class Stack:
         self.args = args
         self.nats: NatsServer | None = None
         self.nats_url: str = args.nats or ""
+        self.auth = BusAuth.from_args(args)  # replaced by fresh ones for an embedded server
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # node name → its /metrics port
         self.env: dict[str, str] = {}  # extra environment for every service (benchmarks)
@@ -156,7 +159,11 @@ class Stack:
 
     def start(self) -> None:
         if not self.nats_url:
-            self.nats = NatsServer(port=self.args.nats_port or free_port()).start()
+            # Per-run credentials: nothing else on this machine can use our NATS.
+            self.auth = BusAuth.generate()
+            self.nats = NatsServer(
+                port=self.args.nats_port or free_port(), extra_config=self.auth.server_config()
+            ).start()
             self.nats_url = self.nats.url
             self.say(f"[up] nats-server -js at {self.nats_url}")
         for child in self.plan():
@@ -164,7 +171,8 @@ class Stack:
             self.children.append(child)
 
     def _spawn(self, child: Child) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        # Credentials travel in the environment: a command line is visible to `ps`.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.auth.env(), **self.env)
         if self.args.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.args.otlp_endpoint
         child.proc = subprocess.Popen(
@@ -268,6 +276,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--port", type=int, default=8000)
     add_option(p, "--nats", default=None, help="use this NATS server instead of starting one")
     add_option(p, "--nats-port", type=int, default=None, help="port of the embedded nats-server")
+    add_nats_auth_options(p)
     add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
     add_option(p, "--kv-cache-mb", type=int, default=1024)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)

@@ -13,8 +13,17 @@ from shared.errors import TandemError
 from tandem.options import add_model_options, add_option
 
 
+def add_nats_auth_options(p: argparse.ArgumentParser) -> None:
+    """Credentials for NATS; pass secrets by environment, not flags (`ps` shows flags)."""
+    add_option(p, "--nats-user", default=None, help="NATS user name")
+    add_option(p, "--nats-password", default=None, help="NATS password")
+    add_option(p, "--nats-creds", default=None, help="NATS NKEY/JWT credentials file")
+    add_option(p, "--nats-tls-ca", default=None, help="CA file: connect to NATS over TLS")
+
+
 def add_node_options(p: argparse.ArgumentParser, model: bool = True) -> None:
     add_option(p, "--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    add_nats_auth_options(p)
     add_option(p, "--node-id", default=None, help="unique node name (default: role-host-random)")
     add_option(p, "--log-level", default="INFO")
     add_option(p, "--metrics-port", type=int, default=None, help="serve /metrics (0: any port)")
@@ -24,7 +33,12 @@ def add_node_options(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 def add_data_plane_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--transport", default="tcp", choices=["ucx", "tcp"], help="KV data plane")
-    add_option(p, "--data-host", default="127.0.0.1", help="address peers reach this node at")
+    add_option(
+        p,
+        "--data-host",
+        default="127.0.0.1",
+        help="address peers reach this node at (auto: this host's address)",
+    )
     add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
 
 

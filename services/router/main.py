@@ -12,6 +12,7 @@ from services.router.app import Router, RouterConfig, build_app
 from services.router.nodes import NodeTable
 from services.router.routing import PrefixRouter
 from services.router.validation import Limits
+from shared.bus.auth import BusAuth
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry
@@ -53,7 +54,7 @@ async def serve(args: argparse.Namespace) -> None:
     setup_tracing("router", node_id)
     tokenizer = load_tokenizer(args.model)
     stop = stop_on_signals()
-    bus = await connect_bus(args.nats, node_id)
+    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
     registry = await NodeRegistry(bus).start()
     nodes = await NodeTable(registry).start()
     journal = await RequestJournal(bus).start()

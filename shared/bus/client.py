@@ -9,6 +9,7 @@ headers, and refuse bodies that would break the connection's max_payload.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -17,8 +18,10 @@ import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from shared.bus.auth import BusAuth
 from shared.bus.messages import Message, encode
 from shared.bus.tracing import inject_headers
+from shared.errors import TandemError
 
 log = logging.getLogger("tandem.bus")
 
@@ -29,9 +32,10 @@ HEADER_ROOM = 4096  # bytes kept free for headers under max_payload
 class Bus:
     """One NATS connection plus its JetStream context."""
 
-    def __init__(self, url: str, name: str) -> None:
+    def __init__(self, url: str, name: str, auth: BusAuth | None = None) -> None:
         self.url = url
         self.name = name
+        self.auth = auth or BusAuth()
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.connected = asyncio.Event()
@@ -48,20 +52,41 @@ class Bus:
             self.connected.set()
             log.info("nats reconnected", extra={"node": self.name})
 
+        refused = asyncio.Event()
+
         async def error(exc: Exception) -> None:
+            if "authorization" in str(exc).lower():
+                refused.set()
             log.warning("nats error: %s", exc, extra={"node": self.name})
 
-        self.nc = await nats.connect(
-            self.url,
-            name=self.name,
-            connect_timeout=timeout,
-            reconnect_time_wait=0.2,
-            max_reconnect_attempts=-1,
-            allow_reconnect=True,
-            disconnected_cb=disconnected,
-            reconnected_cb=reconnected,
-            error_cb=error,
+        # nats-py retries a first connection forever too (right while the server starts, as
+        # under compose), but wrong credentials never get better: fail fast on those.
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                self.url,
+                name=self.name,
+                connect_timeout=timeout,
+                reconnect_time_wait=0.2,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+                **self.auth.connect_kwargs(),
+            )
         )
+        rejected = asyncio.ensure_future(refused.wait())
+        await asyncio.wait({connecting, rejected}, return_when=asyncio.FIRST_COMPLETED)
+        rejected.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            raise TandemError(
+                f"NATS at {self.url} refused this node's credentials "
+                "(--nats-user/--nats-password or --nats-creds)"
+            )
+        self.nc = connecting.result()
         self.js = self.nc.jetstream(timeout=REQUEST_TIMEOUT)
         self.connected.set()
         return self

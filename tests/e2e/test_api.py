@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
+from shared.errors import TandemError
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 
@@ -148,7 +149,7 @@ async def test_32_concurrent_streams_complete_on_both_nodes_of_each_role(stack: 
 
 
 async def decode_nodes(stack: Stack) -> dict[str, tuple[int, int, int]]:
-    bus = await Bus(stack.nats_url, "e2e-probe").connect()
+    bus = await Bus(stack.nats_url, "e2e-probe", stack.auth).connect()
     try:
         nodes = await (await NodeRegistry(bus).start()).nodes()
         return {
@@ -158,6 +159,11 @@ async def decode_nodes(stack: Stack) -> dict[str, tuple[int, int, int]]:
         }
     finally:
         await bus.close()
+
+
+async def test_embedded_nats_refuses_connections_without_credentials(stack: Stack) -> None:
+    with pytest.raises(TandemError, match="refused"):
+        await Bus(stack.nats_url, "stranger").connect()
 
 
 async def test_client_disconnect_frees_blocks_everywhere(stack: Stack) -> None:

@@ -14,6 +14,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode
@@ -28,6 +29,7 @@ from shared.bus.topology import (
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import JobConsumer, submit_job
 from shared.engine.sampling import SamplingParams
+from shared.errors import TandemError
 
 pytestmark = pytest.mark.integration
 
@@ -211,3 +213,22 @@ async def test_oversize_body_is_refused_before_it_breaks_the_connection(
     await bus.publish("x", TokenDelta(request_id="x", text="ok"))  # still connected
     assert bus.is_connected
     await bus.close()
+
+
+async def test_server_with_credentials_refuses_others_fast() -> None:
+    auth = BusAuth.generate()
+    with NatsServer(extra_config=auth.server_config()) as server:
+        bus = await Bus(server.url, "member", auth).connect()
+        assert bus.is_connected
+        await bus.close()
+        for wrong in (None, BusAuth(user=auth.user, password="not-the-password")):
+            started = time.monotonic()
+            with pytest.raises(TandemError, match="refused"):
+                await Bus(server.url, "stranger", wrong).connect()
+            # No reconnect loop: bad credentials do not get better with retries.
+            assert time.monotonic() - started < 5.0
+
+
+def test_user_without_password_is_a_clear_error() -> None:
+    with pytest.raises(TandemError, match="go together"):
+        BusAuth(user="tandem").connect_kwargs()

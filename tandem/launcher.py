@@ -152,6 +152,7 @@ class Stack:
                     a.host,
                     "--port",
                     str(a.port),
+                    *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
                 ],
             )
         )
@@ -173,6 +174,8 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         # Credentials travel in the environment: a command line is visible to `ps`.
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.auth.env(), **self.env)
+        if self.args.api_keys:
+            env["TANDEM_API_KEYS"] = self.args.api_keys
         if self.args.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.args.otlp_endpoint
         child.proc = subprocess.Popen(
@@ -277,6 +280,8 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--nats", default=None, help="use this NATS server instead of starting one")
     add_option(p, "--nats-port", type=int, default=None, help="port of the embedded nats-server")
     add_nats_auth_options(p)
+    add_option(p, "--api-keys", default=None, help="comma-separated bearer keys for the API")
+    add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
     add_option(p, "--kv-cache-mb", type=int, default=1024)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
@@ -306,6 +311,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
+        if not (args.api_keys or args.api_keys_file):
+            stack.say(
+                "[up] no API keys (TANDEM_API_KEYS or --api-keys-file): the API is open to "
+                f"anyone who can reach {args.host}:{args.port}"
+            )
         stack.start()
         stack.say(
             f"[up] starting {args.kvcache} kvcache, {args.prefill} prefill and "

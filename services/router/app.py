@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -48,6 +49,7 @@ class RouterConfig:
     max_body_bytes: int = 1 << 20
     first_token_timeout: float = 120.0
     stall_timeout: float = 30.0
+    request_timeout: float = 600.0  # whole request, streaming included
     limits: Limits = field(default_factory=Limits)
 
 
@@ -225,33 +227,35 @@ class Router:
             decode_by = ""
             failover = Failover(self, job, stream, blocks)
             self.failovers[rid] = failover
-            async for delta in stream.deltas(
-                self.config.first_token_timeout,
-                self.config.stall_timeout,
-                failover.lost,
-                failover.resume,
-            ):
-                if delta.error is not None:
-                    raise ApiError(503, f"generation failed: {delta.error}")
-                now = time.monotonic()
-                if first:
-                    self.metrics.ttft.observe(now - start)
-                    span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
-                    stream_span = TRACER.start_span("router.stream")
-                    if route == "disaggregated":  # else the decode node made it
-                        self.metrics.node_requests.labels("prefill", delta.node_id).inc()
-                else:
-                    self.metrics.itl.observe(now - last_t)
-                last_t = now
-                if delta.seq > 0 or route == "local":
-                    decode_by = delta.node_id
-                completion_tokens = max(completion_tokens, delta.completion_tokens)
-                reason = delta.finish_reason if delta.finished else None
-                if response is not None and (delta.text or delta.finished or first):
-                    body = chunk(parsed, rid, created, delta.text, reason, first)
-                    await response.write(f"data: {json.dumps(body)}\n\n".encode())
-                texts.append(delta.text)
-                first = False
+            deadline = self.config.request_timeout - (time.monotonic() - start)
+            async with asyncio.timeout(deadline):  # the whole request, however it streams
+                async for delta in stream.deltas(
+                    self.config.first_token_timeout,
+                    self.config.stall_timeout,
+                    failover.lost,
+                    failover.resume,
+                ):
+                    if delta.error is not None:
+                        raise ApiError(503, f"generation failed: {delta.error}")
+                    now = time.monotonic()
+                    if first:
+                        self.metrics.ttft.observe(now - start)
+                        span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
+                        stream_span = TRACER.start_span("router.stream")
+                        if route == "disaggregated":  # else the decode node made it
+                            self.metrics.node_requests.labels("prefill", delta.node_id).inc()
+                    else:
+                        self.metrics.itl.observe(now - last_t)
+                    last_t = now
+                    if delta.seq > 0 or route == "local":
+                        decode_by = delta.node_id
+                    completion_tokens = max(completion_tokens, delta.completion_tokens)
+                    reason = delta.finish_reason if delta.finished else None
+                    if response is not None and (delta.text or delta.finished or first):
+                        body = chunk(parsed, rid, created, delta.text, reason, first)
+                        await response.write(f"data: {json.dumps(body)}\n\n".encode())
+                    texts.append(delta.text)
+                    first = False
             finished = True
             if stream_span is not None:
                 stream_span.set_attribute("tandem.completion_tokens", completion_tokens)
@@ -283,8 +287,15 @@ class Router:
             return web.json_response(
                 completion(parsed, rid, created, "".join(texts), reason, usage)
             )
-        except (ApiError, StreamTimeout) as exc:
-            err = exc if isinstance(exc, ApiError) else ApiError(504, str(exc))
+        except (ApiError, StreamTimeout, TimeoutError) as exc:
+            if isinstance(exc, ApiError):
+                err = exc
+            elif isinstance(exc, StreamTimeout):
+                err = ApiError(504, str(exc))
+            else:
+                err = ApiError(
+                    504, f"request exceeded its deadline of {self.config.request_timeout:g}s"
+                )
             span.set_status(Status(StatusCode.ERROR, err.message))
             self.metrics.requests.labels(endpoint, str(err.status)).inc()
             self.metrics.errors.labels(str(err.status)).inc()
@@ -365,28 +376,3 @@ class Router:
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
-
-
-def build_app(router: Router) -> web.Application:
-    @web.middleware
-    async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            resp: web.StreamResponse = await handler(request)
-            return resp
-        except ApiError as exc:
-            return exc.response()
-        except web.HTTPRequestEntityTooLarge:
-            return ApiError(413, "request body too large").response()
-        except web.HTTPException as exc:
-            if exc.status >= 400:
-                return ApiError(exc.status, exc.reason or "error").response()
-            raise
-
-    app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[errors])
-    app.router.add_post("/v1/completions", router.completions)
-    app.router.add_post("/v1/chat/completions", router.chat_completions)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/healthz", router.healthz)
-    app.router.add_get("/readyz", router.readyz)
-    app.router.add_get("/metrics", router.metrics_endpoint)
-    return app

@@ -8,7 +8,9 @@ import logging
 
 from aiohttp import web
 
-from services.router.app import Router, RouterConfig, build_app
+from services.router.app import Router, RouterConfig
+from services.router.auth import ApiKeys, read_keys
+from services.router.http_app import build_app
 from services.router.nodes import NodeTable
 from services.router.routing import PrefixRouter
 from services.router.validation import Limits
@@ -35,8 +37,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_option(p, "--max-inflight", type=int, default=256, help="admitted requests; then 429")
     add_option(p, "--max-body-bytes", type=int, default=1 << 20)
     add_option(p, "--max-tokens-limit", type=int, default=4096)
+    add_option(p, "--max-prompt-tokens", type=int, default=None, help="default: model context")
+    add_option(p, "--max-stop", type=int, default=4, help="stop strings per request")
+    add_option(p, "--max-stop-len", type=int, default=256, help="characters per stop string")
     add_option(p, "--first-token-timeout", type=float, default=120.0)
     add_option(p, "--stall-timeout", type=float, default=30.0)
+    add_option(
+        p, "--request-timeout", type=float, default=600.0, help="deadline of a whole request"
+    )
+    add_option(p, "--api-keys", default=None, help="comma-separated bearer keys (none: open API)")
+    add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
+    add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
+    add_option(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
     add_option(
         p,
         "--local-prefill-max-tokens",
@@ -52,6 +64,13 @@ async def serve(args: argparse.Namespace) -> None:
     node_id = make_node_id("router", args.node_id)
     setup_logging("router", node_id, args.log_level)
     setup_tracing("router", node_id)
+    keys = ApiKeys.of(
+        read_keys(args.api_keys, args.api_keys_file),
+        args.max_inflight_per_key,
+        args.metrics_auth,
+    )
+    if not keys.enabled:
+        log.warning("no API keys configured: the API is open to anyone who can reach it")
     tokenizer = load_tokenizer(args.model)
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
@@ -64,7 +83,13 @@ async def serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         first_token_timeout=args.first_token_timeout,
         stall_timeout=args.stall_timeout,
-        limits=Limits(max_tokens=args.max_tokens_limit),
+        request_timeout=args.request_timeout,
+        limits=Limits(
+            max_tokens=args.max_tokens_limit,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_stop=args.max_stop,
+            max_stop_len=args.max_stop_len,
+        ),
     )
     index = KVIndex()
     await index.follow(bus)
@@ -82,7 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(config, bus, tokenizer, nodes, journal, routing)
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.
-    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(router, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

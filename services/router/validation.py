@@ -19,6 +19,7 @@ from shared.model.tokenizer import TokenizerInfo
 @dataclass(frozen=True)
 class Limits:
     max_tokens: int = 4096  # upper bound for one request's max_tokens
+    max_prompt_tokens: int | None = None  # None: the model's context
     default_max_tokens: int = 16  # completions default, as OpenAI
     max_stop: int = 4
     max_stop_len: int = 256
@@ -141,6 +142,12 @@ def parse_request(
     if len(prompt_ids) >= tok.max_model_len:
         raise _bad(
             f"prompt has {len(prompt_ids)} tokens; the model's context is {tok.max_model_len}",
+            "messages" if chat else "prompt",
+        )
+    if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
+        raise _bad(
+            f"prompt has {len(prompt_ids)} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens}",
             "messages" if chat else "prompt",
         )
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"

@@ -1,0 +1,47 @@
+"""The router's HTTP application: routes, the OpenAI error shape for every failure, API keys.
+
+Middlewares run outermost first: `errors` turns any ApiError (including the 401/429 that
+`auth` raises) and aiohttp's own HTTP errors into the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from services.router.app import Router
+from services.router.auth import ApiKeys, auth_middleware
+from services.router.errors import ApiError
+
+
+def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
+    @web.middleware
+    async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            resp: web.StreamResponse = await handler(request)
+            return resp
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPRequestEntityTooLarge:
+            return ApiError(413, "request body too large").response()
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return ApiError(exc.status, exc.reason or "error").response()
+            raise
+
+    def rejected(status: str) -> None:
+        router.metrics.errors.labels(status).inc()
+
+    # errors first: it turns the ApiError that auth raises into the OpenAI error shape.
+    authenticate = auth_middleware(keys or ApiKeys([]), rejected)
+    app = web.Application(
+        client_max_size=router.config.max_body_bytes, middlewares=[errors, authenticate]
+    )
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat_completions)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/healthz", router.healthz)
+    app.router.add_get("/readyz", router.readyz)
+    app.router.add_get("/metrics", router.metrics_endpoint)
+    return app

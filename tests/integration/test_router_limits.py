@@ -1,0 +1,215 @@
+"""The router process at its edge: API keys, per-key concurrency, every documented limit.
+
+A real `tandem router` (the command, with its options) on a real nats-server; no model
+nodes are needed: each check is decided before any work is queued, except the request
+deadline, for which the test registers a prefill and a decode node that never answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry, node_info
+from shared.bus.server import NatsServer, free_port
+
+pytestmark = pytest.mark.integration
+
+KEY_A = "tk-alpha-0123456789abcdef"
+KEY_B = "tk-bravo-0123456789abcdef"
+MODEL = "smollm2-135m-instruct"
+LIMITS = {
+    "--max-inflight-per-key": "2",
+    "--max-prompt-tokens": "50",
+    "--max-stop": "2",
+    "--max-stop-len": "8",
+    "--max-tokens-limit": "64",
+    "--max-body-bytes": "4096",
+    "--request-timeout": "2",
+}
+
+
+class Router:
+    def __init__(self, url: str, nats: NatsServer, proc: subprocess.Popen[bytes]) -> None:
+        self.url = url
+        self.nats = nats
+        self.proc = proc
+
+    def call(
+        self, path: str, body: Any = None, key: str | None = KEY_A, raw: bytes | None = None
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data)
+        req.add_header("Content-Type", "application/json")
+        if key is not None:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                text = resp.read()
+                status, headers = resp.status, dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            text, status, headers = exc.read(), exc.code, dict(exc.headers)
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = {"text": text.decode(errors="replace")}
+        return status, parsed, headers
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# API keys\n{KEY_A}\n\n{KEY_B}\n")
+    port = free_port()
+    with NatsServer() as nats:
+        argv = ["router", "--nats", nats.url, "--port", str(port), "--api-keys-file", str(keys)]
+        for flag, value in LIMITS.items():
+            argv += [flag, value]
+        env = dict(os.environ, TANDEM_METRICS_AUTH="true")
+        env.pop("TANDEM_API_KEYS", None)
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], env=env)
+        try:
+            r = Router(f"http://127.0.0.1:{port}", nats, proc)
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, "router exited at start"
+                try:
+                    if r.call("/healthz", key=None)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "router did not start"
+                time.sleep(0.2)
+            yield r
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def good(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, **fields}
+
+
+def assert_error(reply: tuple[int, dict[str, Any], dict[str, str]], status: int) -> dict[str, Any]:
+    got, body, _ = reply
+    assert got == status, body
+    err = body["error"]  # the OpenAI error shape
+    assert isinstance(err["message"], str) and err["message"]
+    assert {"type", "param", "code"} <= err.keys()
+    return dict(err)
+
+
+def test_requests_without_a_valid_key_are_refused(router: Router) -> None:
+    for key in (None, "tk-wrong-0123456789abcdef", KEY_A + "x", KEY_A[:-1]):
+        status, body, headers = router.call("/v1/completions", good(), key=key)
+        assert status == 401, (key, body)
+        assert body["error"]["code"] == "invalid_api_key"
+        assert headers.get("WWW-Authenticate") == "Bearer"
+    # A key in a scheme other than Bearer is not a key.
+    req = urllib.request.Request(router.url + "/v1/models")
+    req.add_header("Authorization", f"Basic {KEY_A}")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(req, timeout=10)
+    assert caught.value.code == 401
+    caught.value.close()
+    assert router.call("/v1/models", key=None)[0] == 401
+    assert router.call("/metrics", key=None)[0] == 401  # --metrics-auth (from the env)
+
+
+def test_valid_keys_pass_and_probes_stay_open(router: Router) -> None:
+    for key in (KEY_A, KEY_B):
+        status, body, _ = router.call("/v1/models", key=key)
+        assert status == 200 and body["data"][0]["id"] == MODEL
+    assert router.call("/healthz", key=None)[0] == 200
+    assert router.call("/readyz", key=None)[0] == 503  # open, and honest: no nodes yet
+    status, body, _ = router.call("/metrics", key=KEY_B)
+    assert status == 200 and "tandem_errors_total" in body["text"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param"),
+    [
+        ({"prompt": "word " * 60}, 400, "prompt"),  # over --max-prompt-tokens 50
+        ({"max_tokens": 65}, 400, "max_tokens"),  # over --max-tokens-limit 64
+        ({"n": 2}, 400, "n"),
+        ({"stop": ["a", "b", "c"]}, 400, "stop"),  # over --max-stop 2
+        ({"stop": "123456789"}, 400, "stop"),  # over --max-stop-len 8
+        ({"prompt": "x" * 5000}, 413, None),  # body over --max-body-bytes 4096
+        ({"model": "gpt-unknown"}, 404, "model"),
+        ({"temperature": "hot"}, 400, "temperature"),
+    ],
+)
+def test_every_limit_returns_its_documented_error(
+    router: Router, fields: dict[str, Any], status: int, param: str | None
+) -> None:
+    err = assert_error(router.call("/v1/completions", good(**fields)), status)
+    assert err["param"] == param
+
+
+def test_malformed_bodies_are_400(router: Router) -> None:
+    for raw in (b"{", b"[]", b"\xff\xfe", b'{"model": 1}'):
+        assert_error(router.call("/v1/completions", raw=raw), 400)
+
+
+async def _hold(router: Router, key: str) -> asyncio.StreamWriter:
+    """A request whose body never finishes: it stays in flight as long as we like."""
+    host, port = router.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
+    )
+    await writer.drain()
+    return writer
+
+
+async def test_a_key_over_its_concurrency_gets_429_others_do_not(router: Router) -> None:
+    held = [await _hold(router, KEY_A) for _ in range(2)]  # --max-inflight-per-key 2
+    await asyncio.sleep(0.5)
+    try:
+        reply = await asyncio.to_thread(router.call, "/v1/completions", good(), KEY_A)
+        err = assert_error(reply, 429)
+        assert err["code"] == "too_many_concurrent_requests"
+        assert reply[2].get("Retry-After") == "1"
+        # Another key is not held back by KEY_A's share (no nodes: 503 after admission).
+        other = await asyncio.to_thread(router.call, "/v1/completions", good(), KEY_B)
+        assert other[0] == 503
+    finally:
+        for w in held:
+            w.close()
+    await asyncio.sleep(0.5)  # the held handlers end once their connections close
+    again = await asyncio.to_thread(router.call, "/v1/completions", good(), KEY_A)
+    assert again[0] == 503
+
+
+async def test_a_request_past_its_deadline_ends_with_504(router: Router) -> None:
+    bus = await Bus(router.nats.url, "fake-nodes").connect()
+    try:
+        registry = await NodeRegistry(bus, ttl=60).start()
+        for role in ("prefill", "decode"):  # nodes that take the job and never answer
+            await registry.heartbeat(
+                node_info(f"{role}-mute", role, free_kv_blocks=1000, total_kv_blocks=1000)
+            )
+        deadline = time.monotonic() + 10
+        while router.call("/readyz", key=None)[0] != 200:
+            assert time.monotonic() < deadline, "router never saw the registered nodes"
+            await asyncio.sleep(0.2)
+        started = time.monotonic()
+        reply = await asyncio.to_thread(router.call, "/v1/completions", good(), KEY_A)
+        took = time.monotonic() - started
+        err = assert_error(reply, 504)
+        assert "deadline of 2s" in err["message"]
+        assert took < 10  # --request-timeout 2, not the 120 s first-token timeout
+    finally:
+        await bus.close()

@@ -23,7 +23,7 @@ from shared.bus.tracing import inject_headers
 from shared.errors import TandemError
 from shared.kv.sharding import shard
 from shared.transport.base import Transport
-from shared.transport.frames import make_header
+from shared.transport.frames import make_header, new_secret
 from shared.transport.pending import PendingTransfers
 
 log = logging.getLogger("tandem.kvclient")
@@ -68,7 +68,10 @@ class KVCacheClient:
             raise KVCacheError("blocks must split evenly into one per hash")
         transfer_id = f"put-{uuid.uuid4().hex}"
         announce = KVPut(
-            transfer_id=transfer_id, block_hashes=hashes, block_bytes=len(blocks) // len(hashes)
+            transfer_id=transfer_id,
+            block_hashes=hashes,
+            block_bytes=len(blocks) // len(hashes),
+            transfer_secret=new_secret(),
         )
         reply = await self.bus.nc.request(
             kvcache_subject(node_id, "put"),
@@ -81,17 +84,27 @@ class KVCacheClient:
                 f"kvcache {node_id} refused put: {reply.data.decode(errors='replace')}"
             )
         payload = memoryview(blocks)
-        header = make_header("kvcache-put", transfer_id, payload, chunk_bytes=announce.block_bytes)
+        header = make_header(
+            "kvcache-put",
+            transfer_id,
+            payload,
+            chunk_bytes=announce.block_bytes,
+            secret=announce.transfer_secret,
+        )
         await self.transport.send(address, header, payload, timeout=TRANSFER_TIMEOUT)
 
     async def get(self, node_id: str, hashes: list[bytes], max_bytes: int) -> list[bytes]:
         """The stored blocks of the longest stored prefix of `hashes` (possibly none)."""
         assert self.bus.nc is not None
         transfer_id = f"get-{uuid.uuid4().hex}"
-        arrived = self.pending.expect(transfer_id, max_bytes, TRANSFER_TIMEOUT)
+        secret = new_secret()
+        arrived = self.pending.expect(transfer_id, max_bytes, TRANSFER_TIMEOUT, secret)
         try:
             ask = KVGet(
-                transfer_id=transfer_id, block_hashes=hashes, reply_address=self.transport.address
+                transfer_id=transfer_id,
+                block_hashes=hashes,
+                reply_address=self.transport.address,
+                transfer_secret=secret,
             )
             raw = await self.bus.nc.request(
                 kvcache_subject(node_id, "get"),

@@ -38,7 +38,7 @@ from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferRejected
-from shared.transport.frames import TransferHeader
+from shared.transport.frames import TransferHeader, secret_matches
 
 log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
@@ -50,6 +50,7 @@ class Expected:
     token_subject: str
     deadline: float
     blocks: int
+    secret: str
 
 
 class DecodeWorker:
@@ -122,7 +123,11 @@ class DecodeWorker:
             await msg.respond(b"refused: request larger than this node's KV pool")
             return
         self.expected[assignment.transfer_id] = Expected(
-            snap, assignment.token_subject, assignment.deadline or time.time() + 30, now_blocks
+            snap,
+            assignment.token_subject,
+            assignment.deadline or time.time() + 30,
+            now_blocks,
+            assignment.transfer_secret,
         )
         await msg.respond(b"ok")
 
@@ -183,6 +188,8 @@ class DecodeWorker:
         if time.time() > exp.deadline:
             self.expected.pop(header.transfer_id, None)
             raise TransferRejected("announcement expired", transfer_id=header.transfer_id)
+        if not secret_matches(exp.secret, header):
+            raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
         limit = exp.blocks * self.engine.layout.bytes_per_block + 64 * 1024
         if header.nbytes > limit:
             raise TransferRejected("transfer larger than announced", transfer_id=header.transfer_id)

@@ -26,7 +26,7 @@ from shared.errors import WireFormatError
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, TransferRejected, Transport
-from shared.transport.frames import TransferHeader, make_header
+from shared.transport.frames import TransferHeader, make_header, secret_matches
 
 log = logging.getLogger("tandem.kvcache")
 TRACER = tracer("kvcache")
@@ -144,7 +144,13 @@ class KVCacheWorker:
 
     async def _send(self, get: KVGet, blocks: list[bytes]) -> None:
         payload = memoryview(b"".join(blocks))
-        header = make_header("kvcache-get", get.transfer_id, payload, chunk_bytes=len(blocks[0]))
+        header = make_header(
+            "kvcache-get",
+            get.transfer_id,
+            payload,
+            chunk_bytes=len(blocks[0]),
+            secret=get.transfer_secret,
+        )
         try:
             await self.transport.send(get.reply_address, header, payload, timeout=SEND_TIMEOUT)
         except TransferError as exc:
@@ -159,6 +165,8 @@ class KVCacheWorker:
             self.puts.pop(header.transfer_id, None)
             raise TransferRejected("put was not announced", transfer_id=header.transfer_id)
         put = entry[0]
+        if not secret_matches(put.transfer_secret, header):
+            raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
         if header.nbytes != len(put.block_hashes) * put.block_bytes:
             raise TransferRejected("put size does not match its announcement")
         return memoryview(bytearray(header.nbytes))
@@ -177,6 +185,7 @@ class KVCacheWorker:
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures += 1
+        self.metrics.errors.labels("transfer_" + reason.split(":")[0]).inc()
         log.warning("transfer %s failed: %s", header.transfer_id if header else "?", reason)
 
     def info(self) -> NodeInfo:

@@ -40,7 +40,7 @@ from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, Transport
-from shared.transport.frames import make_header
+from shared.transport.frames import make_header, new_secret
 
 log = logging.getLogger("tandem.prefill")
 TRACER = tracer("prefill")
@@ -300,6 +300,7 @@ class PrefillWorker:
             token_subject=job.job.token_subject,
             prefill_node=self.node_id,
             deadline=time.time() + TRANSFER_TIMEOUT,
+            transfer_secret=new_secret(),
         )
         try:
             reply = await self.bus.nc.request(
@@ -322,6 +323,7 @@ class PrefillWorker:
             chunk_bytes=self.engine.layout.bytes_per_block,
             num_blocks=self.engine.scheduler.blocks_for(snap.num_computed),
             traceparent=inject_headers().get("traceparent", ""),
+            secret=assignment.transfer_secret,
         )
         trace.get_current_span().set_attribute("tandem.blocks", header.num_blocks)
         try:

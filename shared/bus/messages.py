@@ -56,6 +56,7 @@ class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
     token_subject: str = ""
     prefill_node: str = ""
     deadline: float = 0.0
+    transfer_secret: str = ""  # the transfer must carry it (data-plane admission)
 
 
 class TokenDelta(Message, frozen=True, tag="token_delta"):
@@ -134,6 +135,7 @@ class KVPut(Message, frozen=True, tag="kv_put"):
     transfer_id: str = ""
     block_hashes: list[bytes] = []
     block_bytes: int = 0
+    transfer_secret: str = ""
 
 
 class KVGet(Message, frozen=True, tag="kv_get"):
@@ -142,6 +144,7 @@ class KVGet(Message, frozen=True, tag="kv_get"):
     transfer_id: str = ""
     block_hashes: list[bytes] = []
     reply_address: str = ""
+    transfer_secret: str = ""  # the reply transfer carries it back
 
 
 class KVGetReply(Message, frozen=True, tag="kv_get_reply"):

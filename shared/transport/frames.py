@@ -4,10 +4,17 @@ On the wire: `b"TKX1"`, header length (u32 LE), msgpack `TransferHeader`, then `
 payload; the receiver answers with an `Ack`. The payload is cut into `chunk_bytes` chunks
 (one KV block each for KV transfers) and every chunk carries an xxh3-64 checksum in the
 header, so a receiver verifies what it got and rejects a bad transfer whole.
+
+Admission: a receiver takes a transfer only if it was announced over the (authenticated)
+control plane, with a per-transfer `secret` that only the announcing parties know; the
+header must carry that secret. Knowing a transfer id (a request id is not secret) is not
+enough to push bytes into a node.
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import struct
 
 import msgspec
@@ -40,6 +47,16 @@ class TransferHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_start: int = 0
     layer_end: int = 0
     traceparent: str = ""
+    secret: str = ""  # the per-transfer secret from its announcement
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def secret_matches(expected: str, header: TransferHeader) -> bool:
+    """Constant-time: the time a refusal takes says nothing about the secret."""
+    return bool(expected) and hmac.compare_digest(expected.encode(), header.secret.encode())
 
 
 class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -7,13 +7,14 @@ import time
 from dataclasses import dataclass
 
 from shared.transport.base import TransferRejected
-from shared.transport.frames import TransferHeader
+from shared.transport.frames import TransferHeader, secret_matches
 
 
 @dataclass
 class _Expected:
     max_bytes: int
     deadline: float
+    secret: str
     future: asyncio.Future[bytes]
 
 
@@ -24,9 +25,14 @@ class PendingTransfers:
         self.expected: dict[str, _Expected] = {}
         self.refused = 0
 
-    def expect(self, transfer_id: str, max_bytes: int, timeout: float) -> asyncio.Future[bytes]:
+    def expect(
+        self, transfer_id: str, max_bytes: int, timeout: float, secret: str
+    ) -> asyncio.Future[bytes]:
+        """Accept transfer `transfer_id` once, carrying `secret`, of at most `max_bytes`."""
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.expected[transfer_id] = _Expected(max_bytes, time.monotonic() + timeout, future)
+        self.expected[transfer_id] = _Expected(
+            max_bytes, time.monotonic() + timeout, secret, future
+        )
         return future
 
     def forget(self, transfer_id: str) -> None:
@@ -39,6 +45,9 @@ class PendingTransfers:
         if exp is None or time.monotonic() > exp.deadline:
             self.refused += 1
             raise TransferRejected("unexpected transfer", transfer_id=header.transfer_id)
+        if not secret_matches(exp.secret, header):
+            self.refused += 1
+            raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
         if header.nbytes > exp.max_bytes:
             self.refused += 1
             raise TransferRejected("transfer larger than expected", transfer_id=header.transfer_id)

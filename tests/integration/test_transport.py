@@ -19,7 +19,7 @@ import xxhash
 
 from shared.transport.base import BufferHandler, TransferError, TransferRejected, Transport
 from shared.transport.factory import TRANSPORTS, make_transport
-from shared.transport.frames import TransferHeader, make_header
+from shared.transport.frames import TransferHeader, make_header, new_secret
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,7 @@ class Peer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.transport_peer", *args],
             cwd=ROOT,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -54,6 +55,11 @@ class Peer:
                 if key in line:
                     return line
 
+    def tell(self, **fields: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(fields) + "\n")
+        self.proc.stdin.flush()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -62,8 +68,9 @@ class Peer:
     async def close(self) -> None:
         self.kill()
         await self.reader
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        for pipe in (self.proc.stdout, self.proc.stdin):
+            if pipe:
+                pipe.close()
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -189,6 +196,37 @@ async def test_corrupt_and_truncated_frames_are_rejected(
         await sender.send(address, make_header("req", "cut", big), big, timeout=0.02)
     await sender.send(address, make_header("req", "good", payload), payload, timeout=30)
     assert (await peer.next("digest"))["transfer_id"] == "good"
+
+
+async def test_only_announced_transfers_with_their_secret_and_size_get_in(
+    kind: str, sender: Transport
+) -> None:
+    peer = Peer("announced", kind)
+    try:
+        address = (await peer.next("address"))["address"]
+        payload = memoryview(bytearray(os.urandom(MiB)))
+        secret = new_secret()
+        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
+        assert (await peer.next("expecting"))["expecting"] == "kv-1"
+        attempts = [  # (header, why it must be refused)
+            (make_header("r", "kv-0", payload, secret=secret), "never announced"),
+            (make_header("r", "kv-1", payload), "no secret"),
+            (make_header("r", "kv-1", payload, secret=new_secret()), "another secret"),
+        ]
+        for n, (header, why) in enumerate(attempts, start=1):
+            with pytest.raises(TransferRejected):
+                await sender.send(address, header, payload, timeout=30)
+            assert (await peer.next("refused"))["refused"] == n, why
+        big = memoryview(bytearray(2 * MiB))  # announced id and secret, but oversize
+        with pytest.raises(TransferRejected):
+            await sender.send(address, make_header("r", "kv-1", big, secret=secret), big, 30)
+        assert (await peer.next("refused"))["refused"] == 4
+        # The announced transfer still gets in, whole, after all that.
+        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
+        got = await peer.next("digest")
+        assert got == {"transfer_id": "kv-1", "digest": xxhash.xxh3_128_hexdigest(payload)}
+    finally:
+        await peer.close()
 
 
 def _fields(header: TransferHeader) -> dict[str, Any]:

@@ -4,7 +4,10 @@
 one JSON line per completed (`digest` of the payload) or failed transfer. A transfer whose
 request id is `stall` blocks the receiver's event loop in `allocate`, so the payload is
 never read (the parent kills it mid-transfer). `send KIND ADDRESS NBYTES` sends one transfer
-of random bytes and prints `{"sent": ...}` when it starts.
+of random bytes and prints `{"sent": ...}` when it starts. `announced KIND` receives with the
+services' admission rules (PendingTransfers): it reads announcements as JSON lines on stdin
+(what the control plane would tell it), answers `{"expecting": id}`, and prints the digest of
+each announced transfer that arrives and `{"refused": n}` after each refusal.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import xxhash
 from shared.transport.base import BufferHandler
 from shared.transport.factory import make_transport
 from shared.transport.frames import TransferHeader, make_header
+from shared.transport.pending import PendingTransfers
 
 
 def emit(**fields: object) -> None:
@@ -53,6 +57,31 @@ async def receive(kind: str) -> None:
     await asyncio.Event().wait()
 
 
+class ReportingPending(PendingTransfers):
+    def failed(self, header: TransferHeader | None, reason: str) -> None:
+        super().failed(header, reason)
+        emit(refused=self.refused, reason=reason)
+
+
+async def announced(kind: str) -> None:
+    pending = ReportingPending()
+    transport = make_transport(kind)
+    await transport.start(pending)
+    emit(address=transport.address)
+    loop = asyncio.get_running_loop()
+
+    async def report(transfer_id: str, arrived: asyncio.Future[bytes]) -> None:
+        payload = await arrived
+        emit(transfer_id=transfer_id, digest=xxhash.xxh3_128_hexdigest(payload))
+
+    tasks = set()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        ann = json.loads(line)
+        arrived = pending.expect(ann["transfer_id"], ann["max_bytes"], 30.0, ann["secret"])
+        tasks.add(asyncio.create_task(report(ann["transfer_id"], arrived)))
+        emit(expecting=ann["transfer_id"])
+
+
 async def send(kind: str, address: str, nbytes: int) -> None:
     transport = make_transport(kind)
     await transport.start(BufferHandler())
@@ -65,5 +94,7 @@ async def send(kind: str, address: str, nbytes: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "receive":
         asyncio.run(receive(sys.argv[2]))
+    elif sys.argv[1] == "announced":
+        asyncio.run(announced(sys.argv[2]))
     else:
         asyncio.run(send(sys.argv[2], sys.argv[3], int(sys.argv[4])))

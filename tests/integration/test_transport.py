@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,13 +15,21 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 import xxhash
 
 from shared.transport.base import BufferHandler, TransferError, TransferRejected, Transport
 from shared.transport.factory import TRANSPORTS, make_transport
-from shared.transport.frames import TransferHeader, make_header, new_secret
+from shared.transport.frames import (
+    MAGIC,
+    PREFIX,
+    TransferHeader,
+    encode_header,
+    make_header,
+    new_secret,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -227,6 +237,61 @@ async def test_only_announced_transfers_with_their_secret_and_size_get_in(
         assert got == {"transfer_id": "kv-1", "digest": xxhash.xxh3_128_hexdigest(payload)}
     finally:
         await peer.close()
+
+
+async def _raw_messages(kind: str, address: str, messages: list[bytes]) -> None:
+    """Send bytes that are not a well-formed transfer, on a connection of their own."""
+    host, _, port = address.split("://")[1].rpartition(":")
+    if kind == "tcp":
+        _, writer = await asyncio.open_connection(host, int(port))
+        for m in messages:
+            writer.write(m)
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        writer.close()
+        return
+    from shared.transport.ucx import _ucxx
+
+    ep = await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+    for m in messages:  # small messages: eager sends complete without a matching receive
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(ep.send(m), 2)
+    ep.abort()
+
+
+def _garbage(rng: random.Random) -> list[list[bytes]]:
+    """Random bytes, plus near misses: a good prefix with a lying length or a bad header."""
+    good_prefix = PREFIX.pack(MAGIC, 40)
+    cases = [[rng.randbytes(rng.randint(1, 3000))] for _ in range(20)]
+    cases += [
+        [PREFIX.pack(MAGIC, 0)],
+        [PREFIX.pack(MAGIC, 2**32 - 1)],
+        [PREFIX.pack(b"XXXX", 16), rng.randbytes(16)],
+        [good_prefix, rng.randbytes(40)],
+        [good_prefix, msgspec.msgpack.encode({"v": 1, "nbytes": -1}).ljust(40, b"\0")],
+        [good_prefix[:5]],
+    ]
+    for _ in range(10):  # a real header with a few bytes changed
+        header = bytearray(encode_header(make_header("f", "fuzz", memoryview(b"x" * 100))))
+        for _ in range(3):
+            header[rng.randrange(len(header))] = rng.randrange(256)
+        cases.append([bytes(header[: PREFIX.size]), bytes(header[PREFIX.size :])])
+    return cases
+
+
+async def test_random_and_mutated_frames_never_hurt_the_receiver(
+    receiver: tuple[Peer, str], sender: Transport, kind: str
+) -> None:
+    peer, address = receiver
+    for messages in _garbage(random.Random(7)):
+        await _raw_messages(kind, address, messages)
+    assert peer.proc.poll() is None  # alive
+    assert "malformed" in (await peer.next("failed"))["failed"]  # the parser saw them
+    payload = memoryview(bytearray(os.urandom(MiB)))
+    await sender.send(address, make_header("req", "after-fuzz", payload), payload, timeout=30)
+    got = await peer.next("digest")
+    assert got["transfer_id"] == "after-fuzz"
+    assert got["digest"] == xxhash.xxh3_128_hexdigest(payload)
 
 
 def _fields(header: TransferHeader) -> dict[str, Any]:

@@ -27,7 +27,12 @@ from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, PrefillJob, decode
 from shared.bus.registry import node_info
-from shared.bus.topology import assign_subject, cancel_subject, local_prefill_subject
+from shared.bus.topology import (
+    assign_subject,
+    cancel_subject,
+    is_token_subject,
+    local_prefill_subject,
+)
 from shared.bus.tracing import extract_context
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
@@ -110,9 +115,15 @@ class DecodeWorker:
             snap = assignment.snapshot
             if snap is None:
                 raise WireFormatError("assignment without a snapshot")
+            if not is_token_subject(assignment.token_subject):
+                raise WireFormatError(f"bad token subject {assignment.token_subject[:80]!r}")
+            self.engine.validate(snap.request_id, snap.prompt_ids, snap.params, snap.output_ids)
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             await msg.respond(b"refused: malformed assignment")
+            return
+        except TandemError as exc:
+            await msg.respond(b"refused: " + exc.message.encode())
             return
         need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
@@ -137,6 +148,8 @@ class DecodeWorker:
         with TRACER.start_as_current_span("decode.local_prefill", context=ctx) as span:
             try:
                 job = decode(msg.data, PrefillJob)
+                if not is_token_subject(job.token_subject):
+                    raise WireFormatError(f"bad token subject {job.token_subject[:80]!r}")
             except WireFormatError as exc:
                 self.bus.count_drop(msg.subject, str(exc))
                 await msg.respond(b"refused: malformed job")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 
@@ -26,7 +27,7 @@ from services.prefill.prefix import PrefixCache
 from shared.bus.client import Bus
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
-from shared.bus.topology import assign_subject, cancel_subject
+from shared.bus.topology import assign_subject, cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context, inject_headers
 from shared.bus.workqueue import JobConsumer, ReceivedJob, keep_alive
 from shared.deltas import delta_from_output
@@ -121,7 +122,7 @@ class PrefillWorker:
                 continue
             live = []
             for job in jobs:
-                if job.job.request_id in self.cancelled:
+                if job.job.request_id in self.cancelled or not await self._admissible(job):
                     await job.term()
                 elif job.job.deadline and time.time() > job.job.deadline:
                     await self._fail(job, "request expired before prefill")
@@ -228,7 +229,13 @@ class PrefillWorker:
         bind(request_id=job.job.request_id)  # this task's log lines carry the request id
         with TRACER.start_as_current_span("prefill.handoff", context=ctx):
             log.info("prefilled: %d prompt tokens", out.num_prompt_tokens)
-            await self._hand_off(job, out, snap, frame)
+            try:
+                await self._hand_off(job, out, snap, frame)
+            except Exception as exc:  # one request's failure must not stop the node
+                log.exception("hand-off failed")
+                with contextlib.suppress(Exception):
+                    await self._fail(job, f"internal error in prefill hand-off: {exc!r}")
+                    await job.term()
 
     async def _hand_off(
         self, job: ReceivedJob, out: StepOutput, snap: SequenceSnapshot | None, frame: bytes | None
@@ -337,9 +344,23 @@ class PrefillWorker:
         with TRACER.start_as_current_span("prefill.first_token"):
             await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
 
+    async def _admissible(self, job: ReceivedJob) -> bool:
+        """Check one job alone, so a bad one never fails the batch it would have joined."""
+        if not is_token_subject(job.job.token_subject):
+            self.metrics.errors.labels("bad_job").inc()
+            log.warning("job %s names no valid token subject: dropped", job.job.request_id)
+            return False
+        try:
+            j = job.job
+            self.engine.validate(j.request_id, j.prompt_ids, j.sampling_params(), j.output_ids)
+        except TandemError as exc:
+            await self._fail(job, exc.message)
+            return False
+        return True
+
     async def _fail(self, job: ReceivedJob, reason: str) -> None:
         self.metrics.errors.labels("request_failed").inc()
-        if job.job.token_subject:
+        if is_token_subject(job.job.token_subject):
             await self.bus.publish(
                 job.job.token_subject,
                 TokenDelta(request_id=job.job.request_id, error=reason, node_id=self.node_id),

@@ -36,6 +36,20 @@ def token_subject(request_id: str) -> str:
     return f"tandem.tokens.{request_id}"
 
 
+def is_token_subject(subject: str) -> bool:
+    """Whether a job's reply subject is one a node may publish tokens to: a plain subject
+    under `tandem.tokens.` (a job naming another subject, a wildcard or an empty token is
+    refused, so no message can make a node publish elsewhere)."""
+    prefix = "tandem.tokens."
+    rest = subject[len(prefix) :]
+    return (
+        subject.startswith(prefix)
+        and 0 < len(subject) <= 256
+        and all(part and part not in ("*", ">") for part in rest.split("."))
+        and not any(c.isspace() for c in subject)
+    )
+
+
 def cancel_subject() -> str:
     return "tandem.cancel"
 

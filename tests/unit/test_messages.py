@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.bus import messages as m
+from shared.bus.topology import is_token_subject, token_subject
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
 from shared.errors import WireFormatError
@@ -74,3 +75,22 @@ def test_mutated_messages_raise_only_wire_errors(i: int, data: st.DataObject) ->
     except WireFormatError:
         return
     assert isinstance(out, KINDS[i])
+
+
+@pytest.mark.parametrize(
+    ("subject", "ok"),
+    [
+        (token_subject("cmpl-abc123"), True),
+        ("tandem.tokens.x.y", True),
+        ("", False),
+        ("tandem.tokens.", False),
+        ("tandem.tokens.*", False),
+        ("tandem.tokens.>", False),
+        ("tandem.tokens.a..b", False),
+        ("tandem.tokens.a b", False),
+        ("tandem.cancel", False),  # a job must not make a node publish elsewhere
+        ("tandem.tokens." + "x" * 300, False),
+    ],
+)
+def test_only_token_subjects_are_accepted_as_reply_subjects(subject: str, ok: bool) -> None:
+    assert is_token_subject(subject) is ok

@@ -96,9 +96,10 @@ class NodeRuntime:
     async def live(self, info: Callable[[], NodeInfo], metrics: NodeMetrics) -> None:
         assert self.registry is not None
         self._beats = asyncio.create_task(self.registry.run_heartbeats(info))
-        port = metrics.serve(self.args.metrics_port)
+        host = getattr(self.args, "metrics_host", "127.0.0.1")
+        port = metrics.serve(self.args.metrics_port, host)
         if port is not None:
-            log.info("metrics on http://127.0.0.1:%d/metrics", port)
+            log.info("metrics on http://%s:%d/metrics", host, port)
 
     async def close(self) -> None:
         if self._beats is not None:

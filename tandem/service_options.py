@@ -21,12 +21,21 @@ def add_nats_auth_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--nats-tls-ca", default=None, help="CA file: connect to NATS over TLS")
 
 
-def add_node_options(p: argparse.ArgumentParser, model: bool = True) -> None:
+def add_node_options(
+    p: argparse.ArgumentParser, model: bool = True, metrics_port: bool = True
+) -> None:
     add_option(p, "--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     add_nats_auth_options(p)
     add_option(p, "--node-id", default=None, help="unique node name (default: role-host-random)")
     add_option(p, "--log-level", default="INFO")
-    add_option(p, "--metrics-port", type=int, default=None, help="serve /metrics (0: any port)")
+    if metrics_port:  # the router serves /metrics on its API port instead
+        add_option(p, "--metrics-port", type=int, default=None, help="serve /metrics (0: any port)")
+        add_option(
+            p,
+            "--metrics-host",
+            default="127.0.0.1",
+            help="address /metrics listens on (0.0.0.0 for a Prometheus elsewhere)",
+        )
     if model:
         add_model_options(p)
 

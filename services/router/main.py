@@ -30,7 +30,7 @@ INDEX_GRACE = 60.0  # seconds a departed node's KV index entries are kept for it
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("router", help="run the HTTP router (OpenAI-compatible API)")
-    add_node_options(p, model=False)
+    add_node_options(p, model=False, metrics_port=False)
     add_option(p, "--model", default="smollm2-135m-instruct", help="served model (tokenizer)")
     add_option(p, "--host", default="127.0.0.1")
     add_option(p, "--port", type=int, default=8000)

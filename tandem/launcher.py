@@ -211,6 +211,13 @@ class Stack:
         if c.pump is not None:
             c.pump.join(timeout=2)
 
+    def terminate(self, name: str) -> None:
+        """SIGTERM one service: a graceful stop (a decode node drains first)."""
+        c = self.child(name)
+        assert c.proc is not None
+        c.reported = True  # an exit we asked for
+        c.proc.terminate()
+
     def restart(self, name: str) -> None:
         c = self.child(name)
         if c.proc is not None and c.proc.poll() is None:

@@ -10,6 +10,7 @@ from shared.kv_uploader import BlockUploader
 from shared.kvclient import KVCacheClient
 from shared.node import NodeRuntime
 from shared.transport.pending import PendingTransfers
+from tandem.options import add_option
 from tandem.service_options import (
     add_data_plane_options,
     add_engine_options,
@@ -26,6 +27,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_node_options(p)
     add_data_plane_options(p)
     add_engine_options(p)
+    add_option(
+        p,
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, finish running requests for up to this long (then hand them off)",
+    )
     p.set_defaults(func=run)
 
 
@@ -38,8 +46,16 @@ async def serve(args: argparse.Namespace) -> None:
         client = KVCacheClient(rt.bus, rt.transport, PendingTransfers(), rt.registry)
         uploader = BlockUploader(client)
     worker = DecodeWorker(
-        engine, rt.bus, rt.node_id, transport_name=args.transport, uploader=uploader
+        engine,
+        rt.bus,
+        rt.node_id,
+        transport_name=args.transport,
+        uploader=uploader,
+        drain_timeout=args.drain_timeout,
     )
+    registry = rt.registry
+    assert registry is not None
+    worker.announce = lambda: registry.heartbeat(worker.info())
     try:
         await rt.transport.start(worker)
         worker.data_address = rt.transport.address

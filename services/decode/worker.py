@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.decode.receiver import Expected, KVReceiver
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, PrefillJob, decode
@@ -36,29 +38,17 @@ from shared.bus.topology import (
 from shared.bus.tracing import extract_context
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
-from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError, WireFormatError
 from shared.kv_uploader import BlockUploader
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
-from shared.transport.base import TransferRejected
-from shared.transport.frames import TransferHeader, secret_matches
 
 log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
 
 
-@dataclass
-class Expected:
-    snapshot: SequenceSnapshot
-    token_subject: str
-    deadline: float
-    blocks: int
-    secret: str
-
-
-class DecodeWorker:
+class DecodeWorker(KVReceiver):
     def __init__(
         self,
         engine: Engine,
@@ -67,8 +57,13 @@ class DecodeWorker:
         data_address: str = "",
         transport_name: str = "",
         uploader: BlockUploader | None = None,
+        drain_timeout: float = 30.0,
     ) -> None:
         self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.draining = False
+        # Set by the service: publishes a heartbeat now (routers learn of the drain at once).
+        self.announce: Callable[[], Awaitable[None]] | None = None
         # Blocks this node fills (generated tokens) go to the kvcache service, so the next
         # turn of a conversation finds its whole history cached.
         self.uploader = uploader
@@ -125,6 +120,9 @@ class DecodeWorker:
         except TandemError as exc:
             await msg.respond(b"refused: " + exc.message.encode())
             return
+        if self.draining:
+            await msg.respond(b"refused: draining")
+            return
         need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
         if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
@@ -153,6 +151,9 @@ class DecodeWorker:
             except WireFormatError as exc:
                 self.bus.count_drop(msg.subject, str(exc))
                 await msg.respond(b"refused: malformed job")
+                return
+            if self.draining:
+                await msg.respond(b"refused: draining")
                 return
             prompt_blocks = self.engine.scheduler.blocks_for(len(job.prompt_ids))
             if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
@@ -192,72 +193,6 @@ class DecodeWorker:
             await self._run(self.engine.abort, cancel.request_id)
             log.info("cancelled %s: %s", cancel.request_id, cancel.reason)
 
-    # ---- data plane (ReceiveHandler) ------------------------------------------------------
-
-    def allocate(self, header: TransferHeader) -> memoryview:
-        exp = self.expected.get(header.transfer_id)
-        if exp is None:
-            raise TransferRejected("transfer was not announced", transfer_id=header.transfer_id)
-        if time.time() > exp.deadline:
-            self.expected.pop(header.transfer_id, None)
-            raise TransferRejected("announcement expired", transfer_id=header.transfer_id)
-        if not secret_matches(exp.secret, header):
-            raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
-        limit = exp.blocks * self.engine.layout.bytes_per_block + 64 * 1024
-        if header.nbytes > limit:
-            raise TransferRejected("transfer larger than announced", transfer_id=header.transfer_id)
-        self.receive_started[header.transfer_id] = time.time_ns()
-        return memoryview(bytearray(header.nbytes))
-
-    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
-        now = time.time_ns()
-        started = self.receive_started.pop(header.transfer_id, now)
-        ctx = extract_context({"traceparent": header.traceparent} if header.traceparent else None)
-        received = TRACER.start_span(
-            "kv.transfer.receive",
-            context=ctx,
-            start_time=started,
-            attributes={
-                "tandem.bytes": header.nbytes,
-                "tandem.blocks": header.num_blocks,
-                "tandem.transport": self.transport_name,
-                "tandem.gbps": header.nbytes / max(now - started, 1),
-                "tandem.node_id": self.node_id,
-            },
-        )
-        received.end(end_time=now)
-        self.metrics.transfer_bytes.labels("receive").inc(header.nbytes)
-        self.metrics.transfer_seconds.labels("receive").observe((now - started) / 1e9)
-        exp = self.expected.pop(header.transfer_id, None)
-        if exp is None:
-            raise TransferRejected("transfer cancelled", transfer_id=header.transfer_id)
-        rid = exp.snapshot.request_id
-        bind(request_id=rid)
-        with TRACER.start_as_current_span("decode.admission", context=ctx) as admission:
-            try:
-                await self._run(self.engine.add_snapshot, exp.snapshot, bytes(payload))
-            except TandemError as exc:
-                admission.set_status(Status(StatusCode.ERROR, exc.message))
-                raise TransferRejected(exc.message, request_id=rid) from exc
-            admission.set_attribute("tandem.running", self.engine.num_running)
-            log.info(
-                "admitted: %d KV tokens, %d running",
-                exp.snapshot.num_computed,
-                self.engine.num_running,
-            )
-        self.stream_spans[rid] = TRACER.start_span(
-            "decode.stream", context=ctx, attributes={"tandem.node_id": self.node_id}
-        )
-        self.subjects[rid] = exp.token_subject
-        self.wake.set()
-
-    def failed(self, header: TransferHeader | None, reason: str) -> None:
-        self.failures += 1
-        if header is not None:  # a transfer that dies after allocate never reaches complete
-            self.receive_started.pop(header.transfer_id, None)
-        self.metrics.errors.labels("transfer_" + reason.split(":")[0]).inc()
-        log.warning("transfer %s failed: %s", header.transfer_id if header else "?", reason)
-
     # ---- the batch loop -----------------------------------------------------------------
 
     async def _publish(self, out: StepOutput) -> None:
@@ -280,15 +215,39 @@ class DecodeWorker:
         if self.uploader is not None:
             self.uploader.start()
         try:
-            await self._run_steps(stop)
+            await self._run_steps(stop.is_set, stop)
+            await self._drain()
         finally:
             if self.uploader is not None:
                 await self.uploader.drain(2.0)
                 await self.uploader.close()
             await self.events.close()
 
-    async def _run_steps(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def _drain(self) -> None:
+        """Stop taking work and finish what runs, for at most `drain_timeout`; then the node
+        leaves the registry and the routers resume whatever still runs on other nodes."""
+        self.draining = True
+        if self.announce is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.announce(), 1.0)
+        deadline = time.monotonic() + self.drain_timeout
+
+        def busy() -> bool:
+            return self.engine.has_unfinished() or bool(self.expected)
+
+        if busy():
+            log.info(
+                "draining: %d sequences running, %d arriving; up to %.0fs",
+                self.engine.num_running + self.engine.num_waiting,
+                len(self.expected),
+                self.drain_timeout,
+            )
+        await self._run_steps(lambda: not busy() or time.monotonic() > deadline, asyncio.Event())
+        if busy():
+            log.warning("drain timed out: the routers resume the rest elsewhere")
+
+    async def _run_steps(self, done: Callable[[], bool], stop: asyncio.Event) -> None:
+        while not done():
             if not self.engine.has_unfinished():
                 self.wake.clear()
                 waiter = asyncio.create_task(self.wake.wait())
@@ -352,6 +311,7 @@ class DecodeWorker:
             total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_extra.decode(),
             block_size=self.engine.config.block_size,
+            draining=self.draining,
         )
 
     async def subscribe(self) -> None:

@@ -269,7 +269,11 @@ class PrefillWorker:
             await job.nak(delay=RETRY_DELAY)
 
     async def _decode_candidates(self, preferred: str) -> list[NodeInfo]:
-        nodes = [n for n in (await self.registry.nodes()).values() if n.role == "decode"]
+        nodes = [
+            n
+            for n in (await self.registry.nodes()).values()
+            if n.role == "decode" and not n.draining
+        ]
         nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))
         return nodes
 

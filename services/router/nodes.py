@@ -49,7 +49,8 @@ class NodeTable:
                 await asyncio.sleep(0.5)
 
     def by_role(self, role: str) -> list[NodeInfo]:
-        return [n for n in self.nodes.values() if n.role == role]
+        """The nodes of a role that take new work (a draining node only finishes its own)."""
+        return [n for n in self.nodes.values() if n.role == role and not n.draining]
 
     def ready(self) -> bool:
         return bool(self.by_role("prefill")) and bool(self.by_role("decode"))

@@ -93,6 +93,7 @@ class NodeInfo(Message, frozen=True, tag="node_info"):
     total_kv_blocks: int = 0
     hash_key: str = ""  # what keys its block hashes (model, dtype): routers hash prompts alike
     block_size: int = 0
+    draining: bool = False  # shutting down: finishing its work, taking none
     timestamp: float = 0.0
 
 

@@ -31,16 +31,23 @@ PROMPTS = [
 MAX_TOKENS = 80
 
 
-def failovers(stack: Stack) -> float:
+def router_metric(stack: Stack, name: str, **labels: str) -> float:
     with urllib.request.urlopen(stack.url + "/metrics", timeout=5) as r:
         for family in text_string_to_metric_families(r.read().decode()):
             for s in family.samples:
-                if s.name == "tandem_failovers_total":
+                if s.name == name and labels.items() <= s.labels.items():
                     return float(s.value)
     return 0.0
 
 
-async def run_all(stack: Stack, kill_after: int | None) -> list[str]:
+def failovers(stack: Stack) -> float:
+    return router_metric(stack, "tandem_failovers_total")
+
+
+REFERENCE: list[str] = []  # the uninterrupted texts, computed once
+
+
+async def run_all(stack: Stack, kill_after: int | None, signal: str = "kill") -> list[str]:
     c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0, timeout=300)
     counts = [0] * len(PROMPTS)
     killed = asyncio.Event()
@@ -60,7 +67,8 @@ async def run_all(stack: Stack, kill_after: int | None) -> list[str]:
             counts[i] += 1
             if kill_after is not None and not killed.is_set() and min(counts) >= kill_after:
                 killed.set()
-                await asyncio.to_thread(stack.kill, "decode-1")
+                stop = stack.kill if signal == "kill" else stack.terminate
+                await asyncio.to_thread(stop, "decode-1")
         return "".join(parts)
 
     try:
@@ -71,6 +79,7 @@ async def run_all(stack: Stack, kill_after: int | None) -> list[str]:
 
 async def test_decode_node_killed_mid_stream_resumes_exactly(stack: Stack) -> None:
     reference = await run_all(stack, kill_after=None)
+    REFERENCE[:] = reference
     before = failovers(stack)
     started = time.monotonic()
     try:
@@ -82,6 +91,30 @@ async def test_decode_node_killed_mid_stream_resumes_exactly(stack: Stack) -> No
     print(f"4 streams with a decode node killed finished in {time.monotonic() - started:.1f}s")
     await asyncio.to_thread(wait_for_every_node, stack, 300)
     for _ in range(100):  # the restarted node is back in the registry before others run
+        with urllib.request.urlopen(stack.url + "/readyz", timeout=5) as r:
+            if b'"decode": 2' in r.read():
+                break
+        await asyncio.sleep(0.2)
+
+
+async def test_decode_node_stopped_gracefully_finishes_its_streams(stack: Stack) -> None:
+    """SIGTERM: the node stops taking work, finishes what it runs, then exits cleanly."""
+    reference = REFERENCE or await run_all(stack, kill_after=None)
+    before = failovers(stack)
+    served = {"name": "tandem_node_requests_total", "role": "decode", "node": "decode-1"}
+    served_before = router_metric(stack, **served)
+    try:
+        drained = await run_all(stack, kill_after=12, signal="term")
+        proc = stack.child("decode-1").proc
+        assert proc is not None
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+    finally:
+        stack.restart("decode-1")
+    assert drained == reference
+    assert router_metric(stack, **served) > served_before  # decode-1 was serving some
+    assert failovers(stack) == before  # finished where they ran: nothing was handed off
+    await asyncio.to_thread(wait_for_every_node, stack, 300)
+    for _ in range(100):
         with urllib.request.urlopen(stack.url + "/readyz", timeout=5) as r:
             if b'"decode": 2' in r.read():
                 break

@@ -201,6 +201,11 @@ class Stack:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def add(self, child: Child) -> None:
+        """Start one more service while the stack runs (the autoscaler's local backend)."""
+        self._spawn(child)
+        self.children.append(child)
+
     def kill(self, name: str) -> None:
         """SIGKILL one service (chaos tests); `restart` brings it back with the same options."""
         c = self.child(name)

@@ -1,0 +1,1 @@
+"""`tandem autoscale`: scale prefill and decode capacity on load, never dropping a request."""

@@ -1,0 +1,139 @@
+"""The autoscaler's loop: sample the cluster, ask the policy, have the backend act.
+
+Every `interval` it reads the node registry (running sequences, KV blocks, draining), the
+prefill work queue's backlog (JetStream consumer info) and, when given a router URL, the
+router's time-to-first-token histogram (p90 over the last interval, from bucket deltas).
+Sampling failures are logged and skipped: a missed tick changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry
+from shared.bus.topology import PREFILL_CONSUMER, PREFILL_STREAM
+from tandem.autoscale.types import ROLES, Backend, Decision, NodeSample, Observation
+
+log = logging.getLogger("tandem.autoscale")
+TTFT = "tandem_time_to_first_token_seconds"
+
+
+class Deciding(Protocol):
+    """What the controller needs of a policy (tandem/autoscale/policy.py's Policy)."""
+
+    def observe(self, obs: Observation, current: dict[str, int]) -> list[Decision]: ...
+
+
+def ttft_buckets(metrics_text: str) -> dict[float, float]:
+    """Cumulative counts of the router's TTFT histogram by upper bound."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == TTFT + "_bucket":
+                out[float(s.labels["le"])] = s.value
+    return out
+
+
+def p90_between(before: dict[float, float], now: dict[float, float]) -> float | None:
+    """The 90th percentile of what was observed between two histogram readings, as the
+    upper bound of the bucket holding it (None: nothing observed)."""
+    bounds = sorted(now)
+    deltas = [now[b] - before.get(b, 0.0) for b in bounds]
+    if not deltas or deltas[-1] <= 0:
+        return None
+    target = 0.9 * deltas[-1]
+    for bound, count in zip(bounds, deltas, strict=True):
+        if count >= target:
+            return bound
+    return bounds[-1]
+
+
+@dataclass
+class Controller:
+    bus: Bus
+    backend: Backend
+    policy: Deciding
+    router_url: str | None = None
+    interval: float = 1.0
+    decisions: deque[tuple[float, Decision]] = field(default_factory=lambda: deque(maxlen=1000))
+    history: deque[Observation] = field(default_factory=lambda: deque(maxlen=3600))
+    on_decision: Callable[[Decision], None] | None = None
+    _registry: NodeRegistry | None = None
+    _buckets: dict[float, float] = field(default_factory=dict)
+
+    async def sample(self) -> Observation:
+        if self._registry is None:
+            self._registry = await NodeRegistry(self.bus).start()
+        nodes = [
+            NodeSample(
+                node_id=n.node_id,
+                role=n.role,
+                running=n.running if n.role == "decode" else n.load,
+                free_kv_blocks=n.free_kv_blocks,
+                total_kv_blocks=n.total_kv_blocks,
+                draining=n.draining,
+            )
+            for n in (await self._registry.nodes()).values()
+            if n.role in ROLES
+        ]
+        return Observation(
+            time=time.monotonic(),
+            nodes=nodes,
+            prefill_queue=await self._queue_depth(),
+            ttft_p90=await self._ttft_p90(),
+        )
+
+    async def _queue_depth(self) -> int:
+        assert self.bus.js is not None
+        info = await self.bus.js.consumer_info(PREFILL_STREAM, PREFILL_CONSUMER)
+        return int(info.num_pending or 0)
+
+    async def _ttft_p90(self) -> float | None:
+        if not self.router_url:
+            return None
+        url = self.router_url.rstrip("/") + "/metrics"
+
+        def fetch() -> str:
+            with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - operator's URL
+                return str(resp.read().decode())
+
+        now = ttft_buckets(await asyncio.to_thread(fetch))
+        before, self._buckets = self._buckets, now
+        return p90_between(before, now) if before else None
+
+    async def tick(self) -> list[Decision]:
+        obs = await self.sample()
+        self.history.append(obs)
+        current = {role: self.backend.count(role) for role in ROLES}
+        decisions = self.policy.observe(obs, current)
+        for d in decisions:
+            log.info("autoscale %s %+d: %s", d.role, d.delta, d.reason)
+            if d.delta > 0:
+                started = await asyncio.to_thread(self.backend.scale_up, d.role, d.delta)
+                log.info("started %s", ", ".join(started))
+            elif d.remove:
+                await asyncio.to_thread(self.backend.scale_down, d.role, list(d.remove))
+            self.decisions.append((obs.time, d))
+            if self.on_decision is not None:
+                self.on_decision(d)
+        return decisions
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception as exc:  # NATS away, router restarting: try again next tick
+                log.warning("autoscale tick failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)

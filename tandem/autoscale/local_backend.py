@@ -1,0 +1,64 @@
+"""The local backend: model nodes as child processes of a `tandem up` stack.
+
+A new node is a copy of the stack's first node of that role (same model, transport and
+engine options) under a fresh name and metrics port; removing one sends it SIGTERM, so a
+decode node drains (finishes its streams, takes no new ones) before it exits, and the
+routers resume anything left when it leaves.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from shared.bus.server import free_port
+from tandem.launcher import Child, Stack
+
+
+class LocalBackend:
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.stopping: set[str] = set()  # names asked to stop (they may still be draining)
+        self.lock = threading.Lock()
+
+    def _alive(self, role: str) -> list[Child]:
+        return [
+            c
+            for c in self.stack.children
+            if c.name.startswith(role + "-")
+            and c.proc is not None
+            and c.proc.poll() is None
+            and c.name not in self.stopping
+        ]
+
+    def count(self, role: str) -> int:
+        return len(self._alive(role))
+
+    def _new_child(self, role: str) -> Child:
+        template = next(c for c in self.stack.children if c.name.startswith(role + "-"))
+        taken = {c.name for c in self.stack.children}
+        index = 1
+        while f"{role}-{index}" in taken:
+            index += 1
+        name = f"{role}-{index}"
+        argv = list(template.argv)
+        argv[argv.index("--node-id") + 1] = name
+        port = free_port()
+        argv[argv.index("--metrics-port") + 1] = str(port)
+        self.stack.metrics_ports[name] = port
+        return Child(name, argv)
+
+    def scale_up(self, role: str, n: int) -> list[str]:
+        started = []
+        with self.lock:
+            for _ in range(n):
+                child = self._new_child(role)
+                self.stack.add(child)
+                started.append(child.name)
+        return started
+
+    def scale_down(self, role: str, node_ids: list[str]) -> None:
+        with self.lock:
+            for name in node_ids:
+                if any(c.name == name for c in self.stack.children):
+                    self.stopping.add(name)
+                    self.stack.terminate(name)

@@ -12,11 +12,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from nats.aio.msg import Msg
+
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry
-from shared.bus.topology import TopologyConfig, ensure_topology
+from shared.bus.topology import TopologyConfig, ensure_topology, ping_subject
 from shared.telemetry.logs import setup_logs
 from shared.telemetry.metrics import NodeMetrics
 from shared.transport.base import Transport
@@ -94,7 +96,12 @@ class NodeRuntime:
         return rt
 
     async def live(self, info: Callable[[], NodeInfo], metrics: NodeMetrics) -> None:
-        assert self.registry is not None
+        assert self.registry is not None and self.bus is not None and self.bus.nc is not None
+
+        async def pong(msg: Msg) -> None:
+            await msg.respond(b"ok")
+
+        await self.bus.nc.subscribe(ping_subject(self.node_id), cb=pong)
         self._beats = asyncio.create_task(self.registry.run_heartbeats(info))
         host = getattr(self.args, "metrics_host", "127.0.0.1")
         port = metrics.serve(self.args.metrics_port, host)

@@ -73,7 +73,7 @@ class Router:
         self.inflight = 0
         # request id → its failover state (told when the node serving it leaves)
         self.failovers: dict[str, Failover] = {}
-        nodes.on_leave.append(self._node_left)
+        nodes.on_leave.append(self.node_lost)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -313,7 +313,8 @@ class Router:
                 # client gone, error or timeout: every node drops the request, blocks freed
                 await self._cancel(rid, "client disconnected or request failed")
 
-    def _node_left(self, node_id: str) -> None:
+    def node_lost(self, node_id: str) -> None:
+        """A node left or was declared dead: its requests fail over."""
         for failover in self.failovers.values():
             failover.node_left(node_id)
 

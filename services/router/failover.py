@@ -39,12 +39,26 @@ class Failover:
         self.blocks = blocks
         self.lost = asyncio.Event()
         self.attempts = 0
+        # Nodes this request already moved away from: their later "left" (a probe found the
+        # node dead, then its registry entry expires) must not resume it a second time.
+        self.abandoned: set[str] = set()
 
     def node_left(self, node_id: str) -> None:
         """The registry lost a node: if it was serving this request, resume elsewhere."""
+        if node_id in self.abandoned:
+            return
         serving = self.stream.node_id
         if node_id == serving or (node_id == self.job.decode_node and self.stream.next_seq <= 1):
             self.lost.set()  # the prefill node sent token 0, the decode node had the rest
+
+    def expected_sender(self) -> str:
+        """The node the next token should come from ("" while a prefill node, unknown to
+        the router, works on it: JetStream redelivers a dead prefill node's job)."""
+        if self.stream.next_seq <= 1:  # token 0 comes from prefill, the rest from decode
+            return self.job.decode_node if self.stream.next_seq == 1 else ""
+        if self.stream.node_id in self.abandoned:  # resumed: the new node sends next
+            return self.job.decode_node
+        return self.stream.node_id
 
     async def resume(self, reason: str) -> bool:
         """Resubmit the request after the tokens delivered so far; False if it cannot be."""
@@ -59,6 +73,7 @@ class Failover:
         if node is None:
             return False
         self.attempts += 1
+        self.abandoned |= exclude
         delivered = list(self.stream.token_ids)
         self.job = msgspec.structs.replace(self.job, decode_node=node.node_id)
         job = msgspec.structs.replace(

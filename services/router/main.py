@@ -11,6 +11,7 @@ from aiohttp import web
 from services.router.app import Router, RouterConfig
 from services.router.auth import ApiKeys, read_keys
 from services.router.http_app import build_app
+from services.router.liveness import LivenessProbe
 from services.router.nodes import NodeTable
 from services.router.routing import PrefixRouter
 from services.router.validation import Limits
@@ -42,6 +43,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_option(p, "--max-stop-len", type=int, default=256, help="characters per stop string")
     add_option(p, "--first-token-timeout", type=float, default=120.0)
     add_option(p, "--stall-timeout", type=float, default=30.0)
+    add_option(
+        p,
+        "--probe-after",
+        type=float,
+        default=0.5,
+        help="ping the node a stream waits on after this long without a token (0: never)",
+    )
     add_option(
         p, "--request-timeout", type=float, default=600.0, help="deadline of a whole request"
     )
@@ -112,9 +120,14 @@ async def serve(args: argparse.Namespace) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     log.info("router %s listening on http://%s:%d", node_id, args.host, args.port)
+    probe = None
+    if args.probe_after > 0:
+        probe = asyncio.create_task(LivenessProbe(router, args.probe_after).run(stop))
     try:
         await stop.wait()
     finally:
+        if probe is not None:
+            await probe
         await runner.cleanup()
         await nodes.close()
         await bus.close()

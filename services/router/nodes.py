@@ -78,6 +78,12 @@ class NodeTable:
             self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
         return choice
 
+    def suspect(self, node_id: str) -> None:
+        """Stop choosing a node declared dead by a probe; its next heartbeat (if it is alive
+        after all) brings it back, and its registry expiry is then a no-op."""
+        self.nodes.pop(node_id, None)
+        self.inflight.pop(node_id, None)
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from nats.aio.msg import Msg
@@ -40,6 +41,7 @@ class RequestStream:
         self.duplicates = 0
         self.token_ids: list[int] = []  # of every in-order delta: what a failover resumes after
         self.node_id = ""  # the node that sent the latest in-order delta
+        self.last_delta_at = time.monotonic()  # when the latest in-order delta arrived
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
@@ -66,6 +68,7 @@ class RequestStream:
             self.next_seq += 1
             self.token_ids.extend(ready.token_ids)
             self.node_id = ready.node_id
+            self.last_delta_at = time.monotonic()
             self.queue.put_nowait(ready)
 
     async def deltas(

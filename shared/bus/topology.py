@@ -66,6 +66,12 @@ def local_prefill_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.prefill"
 
 
+def ping_subject(node_id: str) -> str:
+    """Every node answers here: a router probes a node whose stream went quiet. A dead
+    node's subscription is gone, so NATS answers "no responders" at once."""
+    return f"tandem.node.{node_id}.ping"
+
+
 def assign_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.assign"
 

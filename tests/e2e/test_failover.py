@@ -45,12 +45,14 @@ def failovers(stack: Stack) -> float:
 
 
 REFERENCE: list[str] = []  # the uninterrupted texts, computed once
+GAPS: list[float] = []  # per stream: the longest wait for a chunk after the kill
 
 
 async def run_all(stack: Stack, kill_after: int | None, signal: str = "kill") -> list[str]:
     c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0, timeout=300)
     counts = [0] * len(PROMPTS)
     killed = asyncio.Event()
+    killed_at = [0.0]
 
     async def one(i: int) -> str:
         stream = await c.completions.create(
@@ -62,13 +64,22 @@ async def run_all(stack: Stack, kill_after: int | None, signal: str = "kill") ->
             extra_body={"ignore_eos": True},
         )
         parts = []
+        last = time.monotonic()
+        gap = 0.0
         async for chunk in stream:
+            now = time.monotonic()
+            if killed.is_set() and now >= killed_at[0]:
+                gap = max(gap, now - max(last, killed_at[0]))
+            last = now
             parts.append(chunk.choices[0].text if chunk.choices else "")
             counts[i] += 1
             if kill_after is not None and not killed.is_set() and min(counts) >= kill_after:
                 killed.set()
+                killed_at[0] = time.monotonic()
                 stop = stack.kill if signal == "kill" else stack.terminate
                 await asyncio.to_thread(stop, "decode-1")
+        if killed.is_set():
+            GAPS.append(gap)
         return "".join(parts)
 
     try:
@@ -81,13 +92,18 @@ async def test_decode_node_killed_mid_stream_resumes_exactly(stack: Stack) -> No
     reference = await run_all(stack, kill_after=None)
     REFERENCE[:] = reference
     before = failovers(stack)
+    probed = router_metric(stack, "tandem_errors_total", type="node_unresponsive")
     started = time.monotonic()
+    GAPS.clear()
     try:
         resumed = await run_all(stack, kill_after=12)
     finally:
         stack.restart("decode-1")
     assert resumed == reference  # no gap, no repeat, same tokens
     assert failovers(stack) - before >= 1  # decode-1 was serving some of them
+    # Found dead by a probe of its quiet streams, not by waiting for its registry entry.
+    assert router_metric(stack, "tandem_errors_total", type="node_unresponsive") > probed
+    print(f"longest wait for a token after the kill, per stream: {sorted(GAPS)}")
     print(f"4 streams with a decode node killed finished in {time.monotonic() - started:.1f}s")
     await asyncio.to_thread(wait_for_every_node, stack, 300)
     for _ in range(100):  # the restarted node is back in the registry before others run

@@ -1,0 +1,98 @@
+"""Fast failure detection: probe a node whose stream went quiet, instead of waiting for its
+registry entry to expire.
+
+Heartbeat expiry takes the registry TTL (seconds); a decode step takes ~0.1 s. So when a
+stream has had no token for `probe_after`, the router pings the node that should send the
+next one (`tandem.node.<id>.ping`, answered by every node's event loop, which stays free
+while its engine computes). A SIGKILLed node's subscription is gone with its connection,
+and NATS answers "no responders" at once: the node is declared dead and its requests fail
+over right away. A node cut off without closing its connection (a pulled cable) answers
+nothing: after `misses` timed-out probes in a row it is declared dead too. A node that
+answers is alive however slow its stream: the stall timeout still bounds that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from shared.bus.topology import ping_subject
+
+if TYPE_CHECKING:
+    from services.router.app import Router
+
+log = logging.getLogger("tandem.router.liveness")
+
+
+class LivenessProbe:
+    def __init__(
+        self,
+        router: Router,
+        probe_after: float = 0.5,
+        timeout: float = 0.25,
+        misses: int = 3,
+        interval: float = 0.1,
+    ) -> None:
+        self.router = router
+        self.probe_after = probe_after
+        self.timeout = timeout
+        self.misses = misses
+        self.interval = interval
+        self.missed: dict[str, int] = {}  # node → probes unanswered in a row
+        self.probing: set[str] = set()
+        self.dead: dict[str, float] = {}  # node → when declared dead (not probed again soon)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def quiet_nodes(self, now: float) -> set[str]:
+        """Nodes some in-flight stream has waited on for longer than `probe_after`."""
+        out = set()
+        for failover in list(self.router.failovers.values()):
+            node = failover.expected_sender()
+            if node and now - failover.stream.last_delta_at > self.probe_after:
+                out.add(node)
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            now = time.monotonic()
+            for node in self.quiet_nodes(now) - self.probing:
+                if now - self.dead.get(node, -1e9) < 5.0:
+                    continue  # just declared dead: its requests are moving already
+                self.probing.add(node)
+                task = asyncio.create_task(self._probe(node))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _probe(self, node: str) -> None:
+        assert self.router.bus.nc is not None
+        try:
+            await self.router.bus.nc.request(ping_subject(node), b"", timeout=self.timeout)
+            self.missed.pop(node, None)
+        except NoRespondersError:
+            self._declare_dead(node, "no responders")
+        except (NatsTimeout, TimeoutError):
+            self.missed[node] = self.missed.get(node, 0) + 1
+            if self.missed[node] >= self.misses:
+                self._declare_dead(node, f"{self.misses} probes unanswered")
+        except Exception as exc:  # NATS itself away: no verdict on the node
+            log.debug("probe of %s failed: %r", node, exc)
+        finally:
+            self.probing.discard(node)
+
+    def _declare_dead(self, node: str, why: str) -> None:
+        self.missed.pop(node, None)
+        self.dead[node] = time.monotonic()
+        log.warning("node %s declared dead (%s): failing its requests over", node, why)
+        self.router.metrics.errors.labels("node_unresponsive").inc()
+        self.router.nodes.suspect(node)
+        self.router.node_lost(node)

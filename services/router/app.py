@@ -51,6 +51,7 @@ class RouterConfig:
     stall_timeout: float = 30.0
     request_timeout: float = 600.0  # whole request, streaming included
     limits: Limits = field(default_factory=Limits)
+    colocated: bool = False  # no prefill nodes: decode nodes prefill every request
 
 
 class Router:
@@ -197,6 +198,12 @@ class Router:
             route = "disaggregated"
             if local_node is not None and await self._send_local(local_node, job):
                 route = "local"
+            elif self.config.colocated:  # no prefill node to fall back on
+                admission.end()
+                raise ApiError(
+                    503, "no decode node took the request; retry shortly",
+                    headers={"Retry-After": "1"},
+                )  # fmt: skip
             else:
                 if local_node is not None:  # refused: the usual path, decode chosen by load
                     decode_node = self.nodes.pick_decode(blocks) or local_node
@@ -321,11 +328,16 @@ class Router:
     async def _send_local(self, node: NodeInfo, job: PrefillJob) -> bool:
         """Ask a decode node holding the prompt's prefix to prefill the rest itself."""
         assert self.bus.nc is not None
+        # The node answers once the request is queued in its engine, after the step running
+        # now. Colocated, that step may be a long prefill and there is no other path: wait.
+        timeout = (
+            self.config.first_token_timeout if self.config.colocated else LOCAL_PREFILL_TIMEOUT
+        )
         try:
             reply = await self.bus.nc.request(
                 local_prefill_subject(node.node_id),
                 encode(job),
-                timeout=LOCAL_PREFILL_TIMEOUT,
+                timeout=timeout,
                 headers=inject_headers(),
             )
         except Exception as exc:  # gone or slow: the disaggregated path still serves it

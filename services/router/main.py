@@ -65,6 +65,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="send a request to the decode node caching its prefix when at most this many "
         "prompt tokens are uncached there (0: always disaggregate)",
     )
+    add_option(
+        p,
+        "--colocated",
+        action="store_true",
+        help="no prefill nodes: every request is prefilled on a decode node (the baseline)",
+    )
     p.set_defaults(func=run)
 
 
@@ -83,7 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
     stop = stop_on_signals()
     bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
     registry = await NodeRegistry(bus).start()
-    nodes = await NodeTable(registry).start()
+    nodes = await NodeTable(registry, colocated=args.colocated).start()
     journal = await RequestJournal(bus).start()
     config = RouterConfig(
         node_id=node_id,
@@ -98,6 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
             max_stop=args.max_stop,
             max_stop_len=args.max_stop_len,
         ),
+        colocated=args.colocated,
     )
     index = KVIndex()
     await index.follow(bus)
@@ -111,7 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop.call_later(INDEX_GRACE, forget, node_id)
 
     nodes.on_leave.append(forget_later)
-    routing = PrefixRouter(nodes, index, args.local_prefill_max_tokens)
+    routing = PrefixRouter(nodes, index, args.local_prefill_max_tokens, colocated=args.colocated)
     router = Router(config, bus, tokenizer, nodes, journal, routing)
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.

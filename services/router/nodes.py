@@ -14,8 +14,9 @@ log = logging.getLogger("tandem.router.nodes")
 
 
 class NodeTable:
-    def __init__(self, registry: NodeRegistry) -> None:
+    def __init__(self, registry: NodeRegistry, colocated: bool = False) -> None:
         self.registry = registry
+        self.colocated = colocated  # decode nodes prefill every request: no prefill node needed
         self.nodes: dict[str, NodeInfo] = {}
         self._task: asyncio.Task[None] | None = None
         # Requests sent to a decode node since its last heartbeat: keeps a burst from all
@@ -53,9 +54,17 @@ class NodeTable:
         return [n for n in self.nodes.values() if n.role == role and not n.draining]
 
     def ready(self) -> bool:
-        return bool(self.by_role("prefill")) and bool(self.by_role("decode"))
+        prefill = self.colocated or bool(self.by_role("prefill"))
+        return prefill and bool(self.by_role("decode"))
 
     def pick_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
+        """The least loaded decode node (`best_decode`), counted as sent one more request."""
+        choice = self.best_decode(blocks_needed, exclude)
+        if choice is not None:
+            self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
+        return choice
+
+    def best_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
         """The decode node with the most free blocks per running sequence.
 
         Free blocks are estimated from the last heartbeat less what this router sent since;
@@ -74,8 +83,6 @@ class NodeTable:
             score = free / max(1, node.total_kv_blocks) - 0.05 * (node.running + sent)
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node
-        if choice is not None:
-            self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
         return choice
 
     def suspect(self, node_id: str) -> None:

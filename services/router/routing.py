@@ -10,6 +10,10 @@ come from the decode nodes' registry entries) and looks them up in the KV-event 
 - otherwise the request takes the disaggregated path: a prefill node computes what the
   kvcache service does not hold (it loads the rest) and the decode node is chosen by load.
 
+In colocated mode (`tandem router --colocated`, no prefill nodes) every request takes the
+local path: to the decode node holding the most of its prompt, else to the least loaded
+one, which prefills the whole prompt itself, in the same engine as its running decodes.
+
 Expected cached tokens for both paths are reported on the admission span and in metrics.
 """
 
@@ -32,10 +36,13 @@ class RoutePlan:
 
 
 class PrefixRouter:
-    def __init__(self, nodes: NodeTable, index: KVIndex, local_max_tokens: int = 96) -> None:
+    def __init__(
+        self, nodes: NodeTable, index: KVIndex, local_max_tokens: int = 96, colocated: bool = False
+    ) -> None:
         self.nodes = nodes
         self.index = index
         self.local_max_tokens = local_max_tokens
+        self.colocated = colocated
 
     def plan(self, prompt_ids: list[int], blocks_needed: int) -> RoutePlan:
         decoders = self.nodes.by_role("decode")
@@ -68,6 +75,9 @@ class PrefixRouter:
             if best is None or score < best:
                 best = score
                 plan.local_node, plan.decode_cached_tokens = node, cached
-        if best is None or best[0] > self.local_max_tokens:
+        if self.colocated:  # there is no other path: any uncached tail is prefilled locally
+            if plan.local_node is None:
+                plan.local_node = self.nodes.best_decode(blocks_needed)
+        elif best is None or best[0] > self.local_max_tokens:
             plan.local_node = None
         return plan

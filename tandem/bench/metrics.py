@@ -1,0 +1,159 @@
+"""Serving metrics as pure functions of per-request timelines (seconds on one clock).
+
+Definitions (also in docs/benchmarks.md):
+- TTFT: first content chunk − send.
+- TPOT: (E2E − TTFT) / (output tokens − 1); undefined for a one-token answer.
+- ITL: the gaps between consecutive content chunks.
+- E2E: end of the response − send.
+- SLO attainment: the share of all requests sent (failures count as misses) whose TTFT and
+  TPOT both meet their targets; a request with no TPOT meets that target trivially.
+- Goodput: the highest swept request rate at which attainment ≥ the target share, every
+  lower swept rate included (one lucky point above a failing one is noise, not capacity).
+Percentiles interpolate linearly between closest ranks (numpy's default), so small
+samples give the numbers other tools print too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """One request's timeline. The client fills it in; it never raises, it records."""
+
+    prompt_tokens: int
+    max_tokens: int
+    sent: float = 0.0
+    chunks: list[float] = field(default_factory=list)  # arrival of each content chunk
+    done: float = 0.0  # the stream ended ([DONE], or the error)
+    output_tokens: int = 0  # usage.completion_tokens when reported, else len(chunks)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunks)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft: float = 2.0  # seconds
+    tpot: float = 0.1  # seconds per output token
+    attainment: float = 0.9  # share of requests that must meet both, for goodput
+
+
+@dataclass
+class Summary:
+    n: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+
+@dataclass
+class RunMetrics:
+    requests: int
+    completed: int
+    failed: int
+    duration: float  # first send → last response end
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens of completed requests / s
+    total_token_throughput: float  # prompt + output tokens of completed requests / s
+    ttft: Summary
+    tpot: Summary
+    itl: Summary
+    e2e: Summary
+    slo_attainment: float
+    good_request_rate: float  # requests meeting the SLO / s
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} outside 0-100")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    if not values:
+        return Summary(0, None, None, None, None, None)
+    return Summary(
+        n=len(values),
+        mean=sum(values) / len(values),
+        p50=percentile(values, 50),
+        p90=percentile(values, 90),
+        p99=percentile(values, 99),
+        max=max(values),
+    )
+
+
+def ttft(r: RequestRecord) -> float:
+    return r.chunks[0] - r.sent
+
+
+def e2e(r: RequestRecord) -> float:
+    return r.done - r.sent
+
+
+def tpot(r: RequestRecord) -> float | None:
+    if r.output_tokens < 2:
+        return None
+    return (e2e(r) - ttft(r)) / (r.output_tokens - 1)
+
+
+def itls(r: RequestRecord) -> list[float]:
+    return [b - a for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
+
+
+def meets(r: RequestRecord, slo: Slo) -> bool:
+    if not r.ok or ttft(r) > slo.ttft:
+        return False
+    per_token = tpot(r)
+    return per_token is None or per_token <= slo.tpot
+
+
+def run_metrics(records: Sequence[RequestRecord], slo: Slo) -> RunMetrics:
+    done = [r for r in records if r.ok]
+    duration = max(r.done for r in records) - min(r.sent for r in records) if records else 0.0
+    per_s = 1 / duration if duration > 0 else 0.0
+    output = sum(r.output_tokens for r in done)
+    good = sum(1 for r in records if meets(r, slo))
+    return RunMetrics(
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        duration=duration,
+        request_throughput=len(done) * per_s,
+        output_throughput=output * per_s,
+        total_token_throughput=(output + sum(r.prompt_tokens for r in done)) * per_s,
+        ttft=summarize([ttft(r) for r in done]),
+        tpot=summarize([t for r in done if (t := tpot(r)) is not None]),
+        itl=summarize([gap for r in done for gap in itls(r)]),
+        e2e=summarize([e2e(r) for r in done]),
+        slo_attainment=good / len(records) if records else 0.0,
+        good_request_rate=good * per_s,
+    )
+
+
+def goodput(points: Sequence[tuple[float, float]], target: float) -> float | None:
+    """Highest rate whose attainment, and that of every lower rate, is ≥ target.
+
+    `points` are (request rate, SLO attainment) pairs from a sweep, in any order; None when
+    even the lowest rate misses the target.
+    """
+    best = None
+    for rate, attainment in sorted(points):
+        if attainment < target:
+            break
+        best = rate
+    return best

@@ -10,6 +10,8 @@ from services.kvcache import main as kvcache_main
 from services.prefill import main as prefill_main
 from services.router import main as router_main
 from tandem import __version__, generate, launcher
+from tandem.autoscale import command as autoscale_command
+from tandem.bench import cli as bench_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_main.add_parser(sub)
     decode_main.add_parser(sub)
     kvcache_main.add_parser(sub)
+    bench_cli.add_parser(sub)
+    autoscale_command.add_parser(sub)
     return parser
 
 

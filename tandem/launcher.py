@@ -6,11 +6,17 @@ returns control (prints the URL) once the router answers /readyz; prefixes every
 lines with its name; reports loudly a child that dies; on SIGINT/SIGTERM stops every child
 (SIGTERM, then SIGKILL after a grace period) and the NATS server, leaving no process behind.
 Children also get PR_SET_PDEATHSIG, so even a SIGKILLed launcher takes them down.
+
+`--colocated` (or `--prefill 0`) starts no prefill node: each decode node prefills its own
+requests, the one-engine baseline `tandem bench compare` measures disaggregation against.
+`--pin-cores` pins each model node to one core of its own (round-robin), so N nodes on N
+cores share the same hardware as one node on all of them, without stealing each other's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from shared.bus.auth import BusAuth
 from shared.bus.server import NatsServer, free_port
 from shared.procs import die_with_parent
+from tandem.autoscale.command import add_policy_options
 from tandem.options import add_model_options, add_option
 from tandem.service_options import add_nats_auth_options
 
@@ -51,6 +58,7 @@ class Stack:
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # node name → its /metrics port
         self.env: dict[str, str] = {}  # extra environment for every service (benchmarks)
+        self.affinity: dict[str, set[int]] = {}  # child name → the CPUs it may run on
         self.out = sys.stdout
         self.lock = threading.Lock()
 
@@ -87,8 +95,21 @@ class Stack:
 
     def plan(self) -> list[Child]:
         a = self.args
-        workers = a.prefill + a.decode
-        threads = a.threads or max(1, len(os.sched_getaffinity(0)) // workers)
+        prefill = prefill_nodes(a)
+        workers = prefill + a.decode
+        cpus = sorted(os.sched_getaffinity(0))
+        if a.pin_cores:
+            names = [f"prefill-{i + 1}" for i in range(prefill)]
+            names += [f"decode-{i + 1}" for i in range(a.decode)]
+            for k, name in enumerate(names):
+                self.affinity.setdefault(name, {cpus[k % len(cpus)]})
+
+        def threads(name: str) -> int:
+            # One torch thread per core a node may use: more would oversubscribe them.
+            if name in self.affinity:
+                return int(a.threads or len(self.affinity[name]))
+            return int(a.threads or max(1, len(cpus) // workers))
+
         data = [
             "--transport",
             a.transport,
@@ -114,14 +135,14 @@ class Stack:
                     ],
                 )
             )
-        for i in range(a.prefill):
+        for i in range(prefill):
             out.append(
                 Child(
                     f"prefill-{i + 1}",
                     [
                         "prefill",
                         *self._common(f"prefill-{i + 1}"),
-                        *self._model(threads),
+                        *self._model(threads(f"prefill-{i + 1}")),
                         *data,
                     ],
                 )
@@ -133,7 +154,7 @@ class Stack:
                     [
                         "decode",
                         *self._common(f"decode-{i + 1}"),
-                        *self._model(threads),
+                        *self._model(threads(f"decode-{i + 1}")),
                         *data,
                     ],
                 )
@@ -153,6 +174,7 @@ class Stack:
                     "--port",
                     str(a.port),
                     *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
+                    *(["--colocated"] if prefill == 0 else []),
                 ],
             )
         )
@@ -187,7 +209,7 @@ class Stack:
             # Own session: terminal signals reach only this launcher, which stops the
             # services first and NATS last; PDEATHSIG covers a launcher that is killed.
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(_child_setup, self.affinity.get(child.name)),
         )
 
         def pump() -> None:
@@ -278,12 +300,35 @@ class Stack:
             self.nats = None
 
 
+def _child_setup(cpus: set[int] | None) -> None:
+    """preexec_fn: die with the launcher; run only on `cpus` when given."""
+    die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def prefill_nodes(args: argparse.Namespace) -> int:
+    """Prefill nodes to start: none when colocated, else --prefill (default 1)."""
+    if args.colocated:
+        return 0
+    return 1 if args.prefill is None else int(args.prefill)
+
+
 def _code(child: Child) -> str:
     return str(child.proc.returncode) if child.proc is not None else "?"
 
 
 def add_up_options(p: argparse.ArgumentParser) -> None:
-    add_option(p, "--prefill", type=int, default=1, help="prefill nodes")
+    add_option(
+        p, "--prefill", type=int, default=None, help="prefill nodes (default 1; 0: colocated)"
+    )
+    add_option(
+        p,
+        "--colocated",
+        action="store_true",
+        help="no prefill node: each decode node prefills its own requests (the baseline)",
+    )
+    add_option(p, "--pin-cores", action="store_true", help="pin each model node to its own core")
     add_option(p, "--decode", type=int, default=1, help="decode nodes")
     add_option(p, "--kvcache", type=int, default=1, help="KV-cache nodes")
     add_option(p, "--kvcache-mb", type=int, default=1024, help="memory per KV-cache node")
@@ -299,7 +344,14 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     add_option(p, "--log-level", default="INFO")
     add_option(p, "--otlp-endpoint", default=None, help="export traces over OTLP (e.g. Jaeger)")
+    add_option(
+        p,
+        "--autoscale",
+        action="store_true",
+        help="scale prefill and decode nodes with load (see the --decode-max ... options)",
+    )
     add_model_options(p)
+    add_policy_options(p)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -309,10 +361,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
-        if value < 1:
-            print(f"error: {flag} must be at least 1", file=sys.stderr)
-            return 2
+    if args.decode < 1:
+        print("error: --decode must be at least 1", file=sys.stderr)
+        return 2
+    if args.prefill is not None and (args.prefill < 0 or (args.colocated and args.prefill)):
+        print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
+        return 2
     stack = Stack(args)
     stopping = threading.Event()
 
@@ -330,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
             )
         stack.start()
         stack.say(
-            f"[up] starting {args.kvcache} kvcache, {args.prefill} prefill and "
+            f"[up] starting {args.kvcache} kvcache, {prefill_nodes(args)} prefill and "
             f"{args.decode} decode node(s); "
             f"waiting for {stack.url}/readyz"
         )
@@ -341,6 +395,14 @@ def run(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 if "exited" in str(exc):
                     raise
+        if not stopping.is_set() and args.autoscale:
+            from tandem.autoscale.command import start_local
+
+            start_local(stack, args, stopping)
+            stack.say(
+                f"[up] autoscaling: decode {args.decode_min}..{args.decode_max}, "
+                f"prefill {args.prefill_min}..{args.prefill_max} nodes"
+            )
         if not stopping.is_set():
             stack.say(
                 f"[up] Tandem is ready: {stack.url}  (OpenAI API at {stack.url}/v1; Ctrl-C stops)"

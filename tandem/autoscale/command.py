@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import threading
+from threading import Thread
+from typing import TYPE_CHECKING
 
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
@@ -22,6 +25,9 @@ from tandem.autoscale.policy import Policy, PolicyConfig
 from tandem.autoscale.types import Backend, RoleBounds
 from tandem.options import add_option
 from tandem.service_options import add_nats_auth_options, run_service
+
+if TYPE_CHECKING:
+    from tandem.launcher import Stack
 
 log = logging.getLogger("tandem.autoscale")
 
@@ -90,6 +96,24 @@ async def run_controller(
         await controller.run(stop)
     finally:
         await bus.close()
+
+
+def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Event) -> Thread:
+    """`tandem up --autoscale`: the controller on a thread of its own, scaling the stack's
+    processes until `stopping` is set."""
+    from tandem.autoscale.local_backend import LocalBackend
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(
+            target=lambda: (stopping.wait(), loop.call_soon_threadsafe(stop.set)), daemon=True
+        ).start()
+        await run_controller(args, LocalBackend(stack), stack.nats_url, stack.auth, stack.url, stop)
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), name="autoscale", daemon=True)
+    thread.start()
+    return thread
 
 
 async def serve(args: argparse.Namespace) -> None:

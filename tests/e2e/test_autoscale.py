@@ -1,0 +1,145 @@
+"""The autoscaler on real processes: a load spike adds a decode node, the end of it takes the
+node away again, and no request fails or loses a token on the way.
+
+Its own small stack (1 prefill, 1 decode, thresholds low enough for a 2-core machine), the
+real controller and policy, and the local backend (child processes of the stack; removal is
+SIGTERM, so the node drains first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from shared.bus.client import Bus
+from shared.bus.server import free_port
+from tandem.autoscale.controller import Controller
+from tandem.autoscale.local_backend import LocalBackend
+from tandem.autoscale.policy import Policy, PolicyConfig
+from tandem.autoscale.types import Observation, RoleBounds
+from tandem.cli import build_parser
+from tandem.launcher import Stack
+from tests.e2e.test_api import MODEL
+from tests.e2e.test_failover import router_metric
+
+pytestmark = pytest.mark.e2e
+
+STREAMS = 8
+TOKENS = 48
+HIGH = 3  # running sequences per decode node that call for another one
+
+
+@pytest.fixture(scope="module")
+def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--prefill", "1",
+            "--decode", "1",
+            "--port", str(free_port()),
+            "--transport", "tcp",
+            "--kv-cache-mb", "128",
+            "--kvcache-mb", "128",
+            "--heartbeat-ttl", "2",
+        ]
+    )  # fmt: skip
+    log: Path = tmp_path_factory.mktemp("autoscale") / "stack.log"
+    s = Stack(args)
+    with log.open("w") as out:
+        s.out = out
+        s.start()
+        try:
+            s.wait_ready(timeout=300)
+            yield s
+        finally:
+            s.stop()
+            if any(c.proc is not None and c.proc.returncode not in (0, -15) for c in s.children):
+                print(log.read_text()[-5000:])
+
+
+def crossing(history: list[Observation]) -> float | None:
+    """When mean running sequences per serving decode node first reached HIGH."""
+    for obs in history:
+        nodes = obs.serving("decode")
+        if nodes and sum(n.running for n in nodes) / len(nodes) >= HIGH:
+            return obs.time
+    return None
+
+
+async def test_spike_scales_decode_up_and_back_down_without_failures(
+    small_stack: Stack,
+) -> None:
+    policy = Policy(
+        PolicyConfig(
+            decode_running_high=HIGH,
+            decode_running_low=1,
+            up_window=1.0,
+            down_window=4.0,
+            cooldown=2.0,
+            down_after_up=5.0,
+            bounds={"decode": RoleBounds(1, 2), "prefill": RoleBounds(1, 1)},
+        )
+    )
+    backend = LocalBackend(small_stack)
+    bus = await Bus(small_stack.nats_url, "autoscaler", small_stack.auth).connect()
+    controller = Controller(bus, backend, policy, small_stack.url, interval=0.5)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(controller.run(stop))
+    c = openai.AsyncOpenAI(
+        base_url=small_stack.url + "/v1", api_key="-", max_retries=0, timeout=600
+    )
+
+    async def one(i: int) -> tuple[int, str]:
+        done = await c.completions.create(
+            model=MODEL,
+            prompt=f"Story number {i}: once upon a time",
+            max_tokens=TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert done.usage is not None
+        return done.usage.completion_tokens, done.choices[0].text
+
+    try:
+        first = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+        deadline = time.monotonic() + 180
+        while not (controller.history and len(controller.history[-1].serving("decode")) == 2):
+            assert time.monotonic() < deadline, "no second decode node registered"
+            await asyncio.sleep(0.5)
+        # A second wave once the new node serves: the router spreads it over both.
+        second = [asyncio.create_task(one(STREAMS + i)) for i in range(STREAMS)]
+        results = await asyncio.gather(*first, *second)
+        # Every request completed whole, with no error, across the scaling.
+        assert [n for n, _ in results] == [TOKENS] * (2 * STREAMS)
+        ups = [(t, d) for t, d in controller.decisions if d.role == "decode" and d.delta > 0]
+        assert ups, "decode was never scaled up"
+        crossed = crossing(list(controller.history))
+        assert crossed is not None
+        assert ups[0][0] - crossed <= 10.0  # decided within 10 s of crossing
+        added = [c for c in small_stack.children if c.name == "decode-2"]
+        assert added, "the new decode node was not started"
+        served = {"role": "decode", "node": "decode-2"}
+        assert router_metric(small_stack, "tandem_node_requests_total", **served) > 0
+        # Load over: back to the minimum, by draining the node away (exit code 0).
+        deadline = time.monotonic() + 120
+        while backend.count("decode") > 1:
+            assert time.monotonic() < deadline, "decode was not scaled back down"
+            await asyncio.sleep(0.5)
+        downs = [d for _, d in controller.decisions if d.role == "decode" and d.delta < 0]
+        assert len(downs) == 1
+        victim = small_stack.child(downs[0].remove[0])
+        assert victim.proc is not None
+        assert await asyncio.to_thread(victim.proc.wait, 60) == 0
+        # Nothing flapped: exactly one step up and one step down.
+        assert [d.delta for _, d in controller.decisions if d.role == "decode"] == [1, -1]
+    finally:
+        stop.set()
+        await loop_task
+        await c.close()
+        await bus.close()
+    print(f"decisions: {[(round(t - crossed, 1), d.reason) for t, d in controller.decisions]}")

@@ -1,0 +1,190 @@
+"""Failover: recovery time and recomputed tokens, checkpointed resume vs full recompute;
+and what checkpointing costs a decode node.
+
+Two stacks side by side (1 prefill, 2 decode; the same UCX data plane), used in turn:
+  checkpointed:  decode nodes store every KV block they fill in the kvcache service, so a
+                 resume loads the prompt's and the generated tokens' blocks and recomputes
+                 only the tail after the last full block;
+  recompute:     no kvcache service and no prefix reuse: a resume recomputes the prompt
+                 and every generated token.
+Part 1, for prompts of 512 and 2,048 tokens: one greedy stream of 64 tokens; after 32 the
+decode node serving it is SIGKILLed. Recovery = the client's wait between the last token
+before the kill and the next one; recomputed tokens = the tokens the prefill node computed
+for the resume (context tokens minus those it found cached, from its metrics). The killed
+node is restarted between rounds.
+Part 2: decode throughput, 8 streams x 128 tokens, checkpoint uploads on vs off.
+
+    python benchmarks/failover.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.bus.server import free_port
+from tandem.cli import build_parser
+from tandem.launcher import Stack
+
+MODEL = "smollm2-135m-instruct"
+WORDS = ["river", "stone", "cloud", "amber", "quiet", "north", "lantern", "orbit", "maple"]
+KILL_AFTER = 32
+TOKENS = 64
+
+
+def make_stack(log: Path, checkpoints: bool) -> Stack:
+    argv = ["up", "--prefill", "1", "--decode", "2", "--kvcache", "1" if checkpoints else "0"]
+    argv += ["--port", str(free_port()), "--transport", "ucx", "--kv-cache-mb", "200"]
+    argv += ["--threads", "1", "--heartbeat-ttl", "2"]
+    stack = Stack(build_parser().parse_args(argv))
+    if not checkpoints:
+        stack.env = {"TANDEM_NO_PREFIX_CACHING": "1", "TANDEM_NO_KVCACHE": "1"}
+    stack.out = log.open("w")
+    stack.start()
+    return stack
+
+
+def node_metric(stack: Stack, node: str, name: str) -> float:
+    url = f"http://127.0.0.1:{stack.metrics_ports[node]}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == name:
+                    return float(s.value)
+    return 0.0
+
+
+def serving_decode(stack: Stack) -> str:
+    for name in ("decode-1", "decode-2"):
+        if node_metric(stack, name, "tandem_decode_running_sequences") > 0:
+            return name
+    raise RuntimeError("no decode node is running the stream")
+
+
+def wait_for_node(stack: Stack, name: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            node_metric(stack, name, "tandem_kv_blocks_free")
+            with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
+                if b'"decode": 2' in r.read():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{name} did not come back")
+
+
+async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[float, float]:
+    """(recovery seconds, recomputed tokens) for one stream whose decode node is killed."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+    body |= {"stream": True, "ignore_eos": True}
+    hit = "tandem_prefix_cache_hit_tokens_total"
+    count = 0
+    last = time.perf_counter()
+    recovery = 0.0
+    killed_at = 0.0
+    hits_before = 0.0
+    url = stack.url + "/v1/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.perf_counter()
+            if killed_at and not recovery:
+                recovery = now - last
+            last = now
+            count += 1
+            if count == KILL_AFTER:
+                victim = await asyncio.to_thread(serving_decode, stack)
+                hits_before = node_metric(stack, "prefill-1", hit)
+                await asyncio.to_thread(stack.kill, victim)
+                killed_at = time.perf_counter()
+    assert count == TOKENS, f"{count} tokens streamed"
+    cached = node_metric(stack, "prefill-1", hit) - hits_before
+    context = prompt_tokens + KILL_AFTER  # what the resume's prefill had to have in KV
+    stack.restart(victim)
+    await asyncio.to_thread(wait_for_node, stack, victim)
+    return recovery, context - cached
+
+
+async def throughput(stack: Stack) -> float:
+    """Output tokens per second of 8 concurrent 128-token streams."""
+    body = {"model": MODEL, "max_tokens": 128, "temperature": 0, "ignore_eos": True}
+    rng = random.Random(3)
+    async with aiohttp.ClientSession() as s:
+
+        async def one() -> None:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(100))
+            async with s.post(stack.url + "/v1/completions", json=body | {"prompt": prompt}) as r:
+                r.raise_for_status()
+                assert json.loads(await r.read())["usage"]["completion_tokens"] == 128
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(8)))
+        return 8 * 128 / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    logs = Path("bench-results")
+    logs.mkdir(exist_ok=True)
+    stacks = {
+        "checkpointed": make_stack(logs / "failover-ckpt.log", checkpoints=True),
+        "recompute": make_stack(logs / "failover-recompute.log", checkpoints=False),
+    }
+    rng = random.Random(1)
+    part1: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    part2: dict[str, list[float]] = {name: [] for name in stacks}
+    try:
+        for stack in stacks.values():
+            stack.wait_ready()
+            for name in ("decode-1", "decode-2"):
+                wait_for_node(stack, name)
+        for size in (512, 2048):
+            for r in range(args.rounds):
+                prompt = " ".join(rng.choice(WORDS) for _ in range(size))
+                order = list(stacks) if r % 2 == 0 else list(stacks)[::-1]
+                for name in order:
+                    got = asyncio.run(one_failover(stacks[name], prompt, size))
+                    part1.setdefault((name, size), []).append(got)
+                    print(f"  {size} tokens, {name}: recovery {got[0]:.2f}s, "
+                          f"recomputed {got[1]:.0f} tokens", flush=True)  # fmt: skip
+        for r in range(args.rounds):
+            for name in list(stacks) if r % 2 == 0 else list(stacks)[::-1]:
+                part2[name].append(asyncio.run(throughput(stacks[name])))
+                print(f"  throughput {name}: {part2[name][-1]:.1f} tokens/s", flush=True)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    print("\n| prompt | mode | recovery p50 s | recovery max s | recomputed tokens p50 |")
+    print("|---:|---|---:|---:|---:|")
+    for (name, size), runs in sorted(part1.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        rec = [x for x, _ in runs]
+        print(f"| {size} | {name} | {statistics.median(rec):.2f} | {max(rec):.2f} "
+              f"| {statistics.median(t for _, t in runs):.0f} |")  # fmt: skip
+    on = statistics.median(part2["checkpointed"])
+    off = statistics.median(part2["recompute"])
+    print("\n| decode, 8 x 128 tokens | median tokens/s |")
+    print("|---|---:|")
+    print(f"| checkpoint uploads on | {on:.1f} |\n| off | {off:.1f} |")
+    print(f"| overhead | {(1 - on / off) * 100:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

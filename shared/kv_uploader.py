@@ -3,6 +3,9 @@
 Prefill and decode nodes hand over blocks they filled and go on: the engine never waits on
 cache I/O. Pending bytes are bounded; past the bound new blocks are dropped (counted), since
 a block missing from the cache only costs a later recompute.
+
+Each batch written is a `kv.checkpoint` span (blocks, bytes, stored), linked to the spans
+of the requests whose blocks it carries, so a request's trace leads to its checkpoints.
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext
+
 from shared.kvclient import KVCacheClient
+from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.kv_uploader")
+TRACER = tracer("kv_uploader")
+MAX_LINKS = 64  # of one checkpoint span: the requests it covers, bounded
 
 MAX_BLOCKS_PER_PUT = 256
 
@@ -32,9 +41,19 @@ class BlockUploader:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._links: dict[tuple[int, int], SpanContext] = {}  # of the next batch's span
 
-    def submit(self, hashes: Sequence[bytes], blocks: Sequence[bytes | memoryview]) -> int:
-        """Queue blocks for storing; returns how many were accepted."""
+    def submit(
+        self,
+        hashes: Sequence[bytes],
+        blocks: Sequence[bytes | memoryview],
+        requests: Sequence[SpanContext] = (),
+    ) -> int:
+        """Queue blocks for storing; returns how many were accepted. `requests`: the span
+        contexts of the requests the blocks belong to (linked from the checkpoint span)."""
+        for ctx in requests:
+            if len(self._links) < MAX_LINKS and ctx.is_valid:
+                self._links[(ctx.trace_id, ctx.span_id)] = ctx
         accepted = 0
         for h, b in zip(hashes, blocks, strict=True):
             if self.pending_bytes + len(b) > self.max_pending_bytes:
@@ -60,12 +79,23 @@ class BlockUploader:
                 batch = [
                     self.queue.popleft() for _ in range(min(MAX_BLOCKS_PER_PUT, len(self.queue)))
                 ]
-                try:
-                    self.stored += await self.client.store(
-                        [h for h, _ in batch], [b for _, b in batch]
-                    )
-                except Exception as exc:  # the client logs node failures; this is a bug guard
-                    log.warning("storing %d blocks failed: %r", len(batch), exc)
+                links, self._links = [Link(c) for c in self._links.values()], {}
+                nbytes = sum(len(b) for _, b in batch)
+                with TRACER.start_as_current_span(
+                    "kv.checkpoint",
+                    context=trace.set_span_in_context(trace.INVALID_SPAN),  # a trace of its own
+                    links=links,
+                    attributes={"tandem.blocks": len(batch), "tandem.bytes": nbytes},
+                ) as span:
+                    try:
+                        stored = await self.client.store(
+                            [h for h, _ in batch], [b for _, b in batch]
+                        )
+                        self.stored += stored
+                        span.set_attribute("tandem.stored", stored)
+                    except Exception as exc:  # the client logs node failures; a bug guard
+                        log.warning("storing %d blocks failed: %r", len(batch), exc)
+                        span.record_exception(exc)
                 self.pending_bytes -= sum(len(b) for _, b in batch)
             self._idle.set()
 

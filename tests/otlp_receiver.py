@@ -30,6 +30,7 @@ class CollectedSpan:
     end: int
     attributes: dict[str, Any] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)  # name → time (ns)
+    links: list[str] = field(default_factory=list)  # trace ids of linked spans
     status_code: int = 0
 
 
@@ -69,6 +70,7 @@ class OtlpReceiver:
                             end=sp.end_time_unix_nano,
                             attributes={a.key: _value(a.value) for a in sp.attributes},
                             events={e.name: e.time_unix_nano for e in sp.events},
+                            links=[link.trace_id.hex() for link in sp.links],
                             status_code=sp.status.code,
                         )
                     )

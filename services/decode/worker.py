@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -278,8 +278,15 @@ class DecodeWorker(KVReceiver):
         if self.uploader is not None:
             hashes, blocks = self.engine.take_filled_blocks()
             if hashes:
-                self.loop.call_soon_threadsafe(self.uploader.submit, hashes, blocks)
+                self.loop.call_soon_threadsafe(self._checkpoint, hashes, blocks)
         return outs
+
+    def _checkpoint(self, hashes: Sequence[bytes], blocks: list[bytes]) -> None:
+        """On the event loop (it owns `stream_spans`): hand filled blocks to the uploader,
+        linked to the requests running now (those that filled them)."""
+        assert self.uploader is not None
+        running = [span.get_span_context() for span in self.stream_spans.values()]
+        self.uploader.submit(hashes, blocks, running)
 
     def _publish_kv_events(self, evicted: list[bytes], named: list[bytes]) -> None:
         self.events.evicted(evicted)  # evictions first: a block may be evicted and reused

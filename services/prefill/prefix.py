@@ -9,6 +9,7 @@ the prompt's full blocks that no cache supplied are queued for upload in the bac
 from __future__ import annotations
 
 from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanContext
 
 from shared.engine.engine import Engine, StepOutput
 from shared.kv.block_hash import BlockHash, block_hashes
@@ -76,7 +77,13 @@ class PrefixCache:
             self.loaded_blocks += len(blocks)
             return hashes[local : local + len(blocks)], blocks
 
-    def store(self, token_ids: list[int], out: StepOutput, frame: bytes) -> None:
+    def store(
+        self,
+        token_ids: list[int],
+        out: StepOutput,
+        frame: bytes,
+        request: SpanContext | None = None,
+    ) -> None:
         """Queue the full blocks of `token_ids` that did not come from a cache for kvcache."""
         if self.uploader is None:
             return
@@ -88,5 +95,7 @@ class PrefixCache:
         _, payload = split_frame(frame)
         size = self.engine.layout.bytes_per_block
         self.uploader.submit(
-            hashes[first:], [payload[i * size : (i + 1) * size] for i in range(first, len(hashes))]
+            hashes[first:],
+            [payload[i * size : (i + 1) * size] for i in range(first, len(hashes))],
+            [request] if request is not None else [],
         )

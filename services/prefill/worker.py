@@ -34,7 +34,7 @@ from shared.deltas import delta_from_output
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
-from shared.errors import TandemError, WireFormatError
+from shared.errors import CapacityError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient import KVCacheClient
 from shared.telemetry.logs import bind
@@ -129,6 +129,7 @@ class PrefillWorker:
                     await job.term()
                 else:
                     live.append(job)
+            live = await self._one_per_request(live)
             if live:
                 self.queue_depth = len(live)
                 alive = asyncio.create_task(keep_alive(live, KEEP_ALIVE_INTERVAL))
@@ -182,8 +183,11 @@ class PrefillWorker:
             for j in jobs:
                 compute[j.job.request_id].set_status(Status(StatusCode.ERROR, exc.message))
                 compute[j.job.request_id].end()
-                await self._fail(j, exc.message)
-                await j.term()
+                if isinstance(exc, CapacityError):  # this batch did not fit: retry, maybe
+                    await j.nak(delay=RETRY_DELAY)  # smaller or on another node
+                else:
+                    await self._fail(j, exc.message)
+                    await j.term()
             return
         for span in compute.values():
             span.end()
@@ -197,7 +201,8 @@ class PrefillWorker:
         for out, _, frame in results:
             if frame is not None:
                 job = by_id[out.request_id].job
-                self.prefix.store(job.prompt_ids + job.output_ids, out, frame)
+                request = compute[out.request_id].get_span_context()
+                self.prefix.store(job.prompt_ids + job.output_ids, out, frame, request)
         await asyncio.gather(
             *(
                 self._traced_hand_off(
@@ -347,6 +352,19 @@ class PrefillWorker:
     async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
         with TRACER.start_as_current_span("prefill.first_token"):
             await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
+
+    async def _one_per_request(self, jobs: list[ReceivedJob]) -> list[ReceivedJob]:
+        """One job per request id in a batch: a failover resubmits a request (with the
+        tokens delivered so far) that may still be queued; the resumed one wins."""
+        kept: dict[str, ReceivedJob] = {}
+        for job in jobs:
+            other = kept.get(job.job.request_id)
+            if other is not None:
+                if len(job.job.output_ids) < len(other.job.output_ids):
+                    job, other = other, job
+                await other.term()
+            kept[job.job.request_id] = job
+        return list(kept.values())
 
     async def _admissible(self, job: ReceivedJob) -> bool:
         """Check one job alone, so a bad one never fails the batch it would have joined."""

@@ -360,20 +360,24 @@ class Engine(BlockExchange):
         """
         if self.has_unfinished():
             raise RuntimeError("prefill_and_export needs an engine with no other work")
-        for request_id, prompt_ids, params in requests:
-            self.add_request(prompt_ids, params, request_id, (resumed or {}).get(request_id))
         results: list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]] = []
-        while self.scheduler.waiting:
-            outs = self.step()
-            if not outs:
-                raise CapacityError("KV blocks exhausted during prefill")
-            for out in outs:
-                if out.finished:
-                    results.append((out, None, None))
-                    continue
-                snapshot, frame = self.export(out.request_id)
-                self.abort(out.request_id)
-                results.append((out, snapshot, frame))
+        try:
+            for request_id, prompt_ids, params in requests:
+                self.add_request(prompt_ids, params, request_id, (resumed or {}).get(request_id))
+            while self.scheduler.waiting:
+                outs = self.step()
+                if not outs:
+                    raise CapacityError("KV blocks exhausted during prefill")
+                for out in outs:
+                    if out.finished:
+                        results.append((out, None, None))
+                        continue
+                    snapshot, frame = self.export(out.request_id)
+                    self.abort(out.request_id)
+                    results.append((out, snapshot, frame))
+        except BaseException:
+            self.cancel_all()  # a failed batch leaves nothing behind for the next one
+            raise
         return results
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -54,6 +54,15 @@ def trace_of(otlp: OtlpReceiver, request_id: str, timeout: float = 20) -> list[C
         time.sleep(0.2)
 
 
+def checkpoints_of(otlp: OtlpReceiver, trace_id: str, timeout: float = 10) -> list[CollectedSpan]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [s for s in otlp.snapshot() if s.name == "kv.checkpoint" and trace_id in s.links]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 def test_every_request_is_one_trace_with_phase_spans(stack: Stack, otlp: OtlpReceiver) -> None:
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0) as c:
         responses = [
@@ -85,6 +94,8 @@ def test_every_request_is_one_trace_with_phase_spans(stack: Stack, otlp: OtlpRec
             assert attrs["tandem.gbps"] > 0
         stream = by_name["decode.stream"].attributes
         assert stream["tandem.completion_tokens"] == resp.usage.completion_tokens
+        # The blocks its decode node filled were checkpointed, linked to the request.
+        assert checkpoints_of(otlp, request.trace_id), "no kv.checkpoint span links here"
         # Children account for >= 95% of time to first token: no opaque gap.
         first = request.events["first_token"]
         parts = [(s.start, s.end) for s in spans if s is not request and s.name != "router.stream"]

@@ -246,3 +246,16 @@ def test_resume_after_delivered_tokens_continues_exactly(tiny_model: LoadedModel
     with pytest.raises(InvalidRequestError):
         engine.add_request(prompt, GREEDY, "r", output_ids=[10**9])
     assert not engine.has_unfinished()
+
+
+def test_a_failed_prefill_batch_leaves_the_engine_clean(tiny_model: LoadedModel) -> None:
+    """A batch that fails part-way (here: one request id twice, as when a failover's
+    resubmission meets the original in one fetch) must not poison the next batch."""
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=4)
+    a, b = prompts(2)
+    with pytest.raises(InvalidRequestError):
+        engine.prefill_and_export([("dup", a, params), ("dup", b, params)])
+    assert not engine.has_unfinished() and engine.pool.num_used == 0
+    results = engine.prefill_and_export([("next", b, params)])
+    assert [out.request_id for out, _, _ in results] == ["next"]

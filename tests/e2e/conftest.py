@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import urllib.request
@@ -38,33 +39,41 @@ def otlp() -> Iterator[OtlpReceiver]:
     receiver.stop()
 
 
-@pytest.fixture(scope="package")
-def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Stack]:
-    """Exports traces to a real OTLP receiver, so every e2e test also runs with tracing on."""
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # children inherit: export within 0.2 s
-    args = build_parser().parse_args(
-        [
-            "up",
-            "--prefill", "2",
-            "--decode", "2",
-            "--port", str(free_port()),
-            "--transport", "ucx",
-            "--kv-cache-mb", "256",
-            "--heartbeat-ttl", "2",
-            "--otlp-endpoint", otlp.url,
-        ]
-    )  # fmt: skip
-    log: Path = tmp_path_factory.mktemp("stack") / "stack.log"
-    s = Stack(args)
+@contextlib.contextmanager
+def running_stack(argv: list[str], log: Path) -> Iterator[Stack]:
+    """`tandem up ARGV` through the launcher's own code, ready; its output goes to `log`,
+    whose tail is printed if a service ended badly."""
+    s = Stack(build_parser().parse_args(["up", *argv]))
     with log.open("w") as out:
         s.out = out
         s.start()
-        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
         try:
             s.wait_ready(timeout=300)
-            wait_for_every_node(s, timeout=300)
             yield s
         finally:
             s.stop()
             if any(c.proc is not None and c.proc.returncode not in (0, -15) for c in s.children):
                 print(log.read_text()[-5000:])
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Stack]:
+    """Exports traces to a real OTLP receiver, so every e2e test also runs with tracing on."""
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # children inherit: export within 0.2 s
+    argv = [
+        "--prefill", "2",
+        "--decode", "2",
+        "--port", str(free_port()),
+        "--transport", "ucx",
+        "--kv-cache-mb", "256",
+        "--heartbeat-ttl", "2",
+        "--otlp-endpoint", otlp.url,
+    ]  # fmt: skip
+    log: Path = tmp_path_factory.mktemp("stack") / "stack.log"
+    try:
+        with running_stack(argv, log) as s:
+            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+            wait_for_every_node(s, timeout=300)
+            yield s
+    finally:
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)

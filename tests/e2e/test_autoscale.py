@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -22,8 +21,8 @@ from tandem.autoscale.controller import Controller
 from tandem.autoscale.local_backend import LocalBackend
 from tandem.autoscale.policy import Policy, PolicyConfig
 from tandem.autoscale.types import Observation, RoleBounds
-from tandem.cli import build_parser
 from tandem.launcher import Stack
+from tests.e2e.conftest import running_stack
 from tests.e2e.test_api import MODEL
 from tests.e2e.test_failover import router_metric
 
@@ -36,30 +35,17 @@ HIGH = 3  # running sequences per decode node that call for another one
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    args = build_parser().parse_args(
-        [
-            "up",
-            "--prefill", "1",
-            "--decode", "1",
-            "--port", str(free_port()),
-            "--transport", "tcp",
-            "--kv-cache-mb", "128",
-            "--kvcache-mb", "128",
-            "--heartbeat-ttl", "2",
-        ]
-    )  # fmt: skip
-    log: Path = tmp_path_factory.mktemp("autoscale") / "stack.log"
-    s = Stack(args)
-    with log.open("w") as out:
-        s.out = out
-        s.start()
-        try:
-            s.wait_ready(timeout=300)
-            yield s
-        finally:
-            s.stop()
-            if any(c.proc is not None and c.proc.returncode not in (0, -15) for c in s.children):
-                print(log.read_text()[-5000:])
+    argv = [
+        "--prefill", "1",
+        "--decode", "1",
+        "--port", str(free_port()),
+        "--transport", "tcp",
+        "--kv-cache-mb", "128",
+        "--kvcache-mb", "128",
+        "--heartbeat-ttl", "2",
+    ]  # fmt: skip
+    with running_stack(argv, tmp_path_factory.mktemp("autoscale") / "stack.log") as s:
+        yield s
 
 
 def crossing(history: list[Observation]) -> float | None:

@@ -14,27 +14,15 @@ from shared.bus.messages import KVEvent, NodeInfo
 from shared.kv.block_hash import block_hashes
 from tandem.cli import build_parser
 from tandem.launcher import Stack, prefill_nodes, run
+from tests.unit.test_routing import KEY, decode_node
 
 pytestmark = pytest.mark.unit
 
-KEY = "smollm2/float32"
 CPUS = sorted(os.sched_getaffinity(0))
 
 
 def cpu(k: int) -> set[int]:
     return {CPUS[k % len(CPUS)]}
-
-
-def decode_node(name: str, free: int = 100, running: int = 0) -> NodeInfo:
-    return NodeInfo(
-        node_id=name,
-        role="decode",
-        free_kv_blocks=free,
-        total_kv_blocks=100,
-        running=running,
-        hash_key=KEY,
-        block_size=16,
-    )
 
 
 def table(nodes: list[NodeInfo], colocated: bool) -> NodeTable:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
@@ -34,6 +34,11 @@ class BlockUploader:
         self.client = client
         self.max_pending_bytes = max_pending_bytes
         self.queue: deque[tuple[bytes, bytes | memoryview]] = deque()
+        # (first, end) positions in the stream of queued blocks → called once all are stored
+        self._after: deque[tuple[int, int, Callable[[], None]]] = deque()
+        self._queued_total = 0  # blocks ever queued
+        self._done_total = 0  # blocks ever taken off the queue
+        self._failed_end = 0  # end position of the latest batch that failed
         self.pending_bytes = 0
         self.stored = 0
         self.dropped = 0
@@ -48,9 +53,12 @@ class BlockUploader:
         hashes: Sequence[bytes],
         blocks: Sequence[bytes | memoryview],
         requests: Sequence[SpanContext] = (),
+        on_stored: Callable[[], None] | None = None,
     ) -> int:
         """Queue blocks for storing; returns how many were accepted. `requests`: the span
-        contexts of the requests the blocks belong to (linked from the checkpoint span)."""
+        contexts of the requests the blocks belong to (linked from the checkpoint span).
+        `on_stored`: called (on the event loop) once all of them are stored; not if any of
+        them was dropped or failed."""
         for ctx in requests:
             if len(self._links) < MAX_LINKS and ctx.is_valid:
                 self._links[(ctx.trace_id, ctx.span_id)] = ctx
@@ -62,6 +70,10 @@ class BlockUploader:
             self.queue.append((h, b))
             self.pending_bytes += len(b)
             accepted += 1
+        first = self._queued_total
+        self._queued_total += accepted
+        if on_stored is not None and accepted == len(hashes):
+            self._after.append((first, self._queued_total, on_stored))
         if accepted:
             self._idle.clear()
             self._wake.set()
@@ -96,8 +108,19 @@ class BlockUploader:
                     except Exception as exc:  # the client logs node failures; a bug guard
                         log.warning("storing %d blocks failed: %r", len(batch), exc)
                         span.record_exception(exc)
+                        stored = 0
                 self.pending_bytes -= sum(len(b) for _, b in batch)
+                self._batch_done(len(batch), stored == len(batch))
             self._idle.set()
+
+    def _batch_done(self, size: int, ok: bool) -> None:
+        self._done_total += size
+        if not ok:
+            self._failed_end = self._done_total
+        while self._after and self._after[0][1] <= self._done_total:
+            first, _, callback = self._after.popleft()
+            if first >= self._failed_end:  # no failed batch ended inside its range
+                callback()
 
     async def drain(self, timeout: float) -> bool:
         """Wait until everything queued was handed over (or `timeout`); True if it was."""

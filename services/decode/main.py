@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from services.decode.checkpoints import CheckpointWriter
 from services.decode.worker import DecodeWorker
+from shared.bus.journal import RequestJournal
 from shared.kv_uploader import BlockUploader
 from shared.kvclient import KVCacheClient
 from shared.node import NodeRuntime
@@ -34,6 +36,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=30.0,
         help="on SIGTERM, finish running requests for up to this long (then hand them off)",
     )
+    add_option(
+        p,
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="store a sequence's filled KV blocks in the kvcache service every N blocks, "
+        "each followed by a checkpoint record in the journal (0: no checkpoints)",
+    )
+    add_option(
+        p,
+        "--lease",
+        type=float,
+        default=5.0,
+        help="cut off from NATS this long (no heartbeat got through), drop every sequence: "
+        "the routers resumed them elsewhere (at least the heartbeat TTL)",
+    )
     p.set_defaults(func=run)
 
 
@@ -41,10 +59,16 @@ async def serve(args: argparse.Namespace) -> None:
     rt = await NodeRuntime.open("decode", args)
     assert rt.bus is not None and rt.transport is not None
     engine = engine_from_args(args)
+    if args.checkpoint_every < 0:
+        raise SystemExit("--checkpoint-every must be >= 0")
     uploader = None
-    if not args.no_kvcache:  # decode only puts: gets would need a PendingTransfers handler
+    checkpoints = None
+    if not args.no_kvcache and args.checkpoint_every > 0:
+        # decode only puts: gets would need a PendingTransfers handler
         client = KVCacheClient(rt.bus, rt.transport, PendingTransfers(), rt.registry)
         uploader = BlockUploader(client)
+        engine.checkpoint_every = args.checkpoint_every
+        journal = await RequestJournal(rt.bus).start()
     worker = DecodeWorker(
         engine,
         rt.bus,
@@ -52,10 +76,15 @@ async def serve(args: argparse.Namespace) -> None:
         transport_name=args.transport,
         uploader=uploader,
         drain_timeout=args.drain_timeout,
+        lease=max(args.lease, args.heartbeat_ttl),
     )
+    if uploader is not None:
+        checkpoints = CheckpointWriter(journal, rt.node_id, lambda rid: rid in worker.subjects)
+        worker.checkpoints = checkpoints.start()
     registry = rt.registry
     assert registry is not None
     worker.announce = lambda: registry.heartbeat(worker.info())
+    worker.last_contact = lambda: registry.last_ok
     try:
         await rt.transport.start(worker)
         worker.data_address = rt.transport.address
@@ -69,6 +98,8 @@ async def serve(args: argparse.Namespace) -> None:
         )
         await worker.run(rt.stop)
     finally:
+        if checkpoints is not None:
+            await checkpoints.close()
         await rt.close()
         worker.close()
 

@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.decode.checkpoints import CheckpointWriter
 from services.decode.receiver import Expected, KVReceiver
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
@@ -37,6 +38,7 @@ from shared.bus.topology import (
 )
 from shared.bus.tracing import extract_context
 from shared.deltas import delta_from_output
+from shared.engine.block_exchange import CheckpointPoint
 from shared.engine.engine import Engine, StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv_uploader import BlockUploader
@@ -58,8 +60,15 @@ class DecodeWorker(KVReceiver):
         transport_name: str = "",
         uploader: BlockUploader | None = None,
         drain_timeout: float = 30.0,
+        checkpoints: CheckpointWriter | None = None,
+        lease: float = 5.0,
     ) -> None:
         self.engine = engine
+        self.checkpoints = checkpoints  # records of how far each sequence is stored
+        # A node that has not reached NATS (its heartbeats) for `lease` seconds gives up its
+        # sequences: the routers have resumed them elsewhere; their blocks are freed.
+        self.lease = lease
+        self.last_contact: Callable[[], float] | None = None
         self.drain_timeout = drain_timeout
         self.draining = False
         # Set by the service: publishes a heartbeat now (routers learn of the drain at once).
@@ -186,6 +195,8 @@ class DecodeWorker(KVReceiver):
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             return
+        if cancel.node_id and cancel.node_id != self.node_id:
+            return  # meant for one other node (a failover leaving it)
         self.expected.pop(cancel.request_id, None)
         if cancel.request_id in self.subjects:
             self.subjects.pop(cancel.request_id, None)
@@ -248,6 +259,8 @@ class DecodeWorker(KVReceiver):
 
     async def _run_steps(self, done: Callable[[], bool], stop: asyncio.Event) -> None:
         while not done():
+            await self._check_lease()
+            self._expire()
             if not self.engine.has_unfinished():
                 self.wake.clear()
                 waiter = asyncio.create_task(self.wake.wait())
@@ -277,16 +290,42 @@ class DecodeWorker(KVReceiver):
             self.loop.call_soon_threadsafe(self._publish_kv_events, evicted, named)
         if self.uploader is not None:
             hashes, blocks = self.engine.take_filled_blocks()
+            points = self.engine.take_checkpoint_points()
             if hashes:
-                self.loop.call_soon_threadsafe(self._checkpoint, hashes, blocks)
+                self.loop.call_soon_threadsafe(self._checkpoint, hashes, blocks, points)
         return outs
 
-    def _checkpoint(self, hashes: Sequence[bytes], blocks: list[bytes]) -> None:
+    def _checkpoint(
+        self, hashes: Sequence[bytes], blocks: list[bytes], points: list[CheckpointPoint]
+    ) -> None:
         """On the event loop (it owns `stream_spans`): hand filled blocks to the uploader,
-        linked to the requests running now (those that filled them)."""
+        linked to the requests running now (those that filled them); once stored, their
+        sequences' checkpoint records follow."""
         assert self.uploader is not None
         running = [span.get_span_context() for span in self.stream_spans.values()]
-        self.uploader.submit(hashes, blocks, running)
+        writer = self.checkpoints
+        after = (lambda: writer.stored(points)) if writer is not None and points else None
+        self.uploader.submit(hashes, blocks, running, on_stored=after)
+
+    async def _check_lease(self) -> None:
+        """Cut off from NATS for longer than the lease: drop every sequence (freeing its
+        blocks). The routers declared this node dead and resumed its requests elsewhere."""
+        if self.last_contact is None or time.monotonic() - self.last_contact() < self.lease:
+            return
+        if not (self.engine.has_unfinished() or self.expected):
+            return
+        log.warning(
+            "no contact with NATS for %.1fs (lease %.1fs): dropping %d sequences",
+            time.monotonic() - self.last_contact(),
+            self.lease,
+            self.engine.num_running + self.engine.num_waiting,
+        )
+        self.metrics.lease_lost.inc()
+        for rid in list(self.subjects):
+            self._end_stream(rid, -1, "lease lost")
+        self.subjects.clear()
+        self.expected.clear()
+        await self._run(self.engine.cancel_all)
 
     def _publish_kv_events(self, evicted: list[bytes], named: list[bytes]) -> None:
         self.events.evicted(evicted)  # evictions first: a block may be evicted and reused

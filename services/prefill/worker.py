@@ -90,6 +90,8 @@ class PrefillWorker:
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             return
+        if cancel.node_id and cancel.node_id != self.node_id:
+            return  # meant for one other node (a failover leaving it): the request goes on
         self.cancelled[cancel.request_id] = time.time()
         cutoff = time.time() - 600
         for rid in [r for r, t in self.cancelled.items() if t < cutoff]:
@@ -198,6 +200,16 @@ class PrefillWorker:
         m.prefix_lookup_tokens.inc(sum(out.num_prompt_tokens for out, _, _ in results))
         m.prefix_hit_tokens.inc(sum(out.num_cached_tokens for out, _, _ in results))
         by_id = {j.job.request_id: j for j in jobs}
+        for out, _, _ in results:
+            resumed = by_id[out.request_id].job
+            if resumed.output_ids:  # a failover or a resumed stream
+                context = len(resumed.prompt_ids) + len(resumed.output_ids)
+                recomputed = context - out.num_cached_tokens
+                m.resume_recomputed.observe(recomputed)
+                log.info(
+                    "resumed %s after %d tokens: %d of %d context tokens recomputed",
+                    out.request_id, len(resumed.output_ids), recomputed, context,
+                )  # fmt: skip
         for out, _, frame in results:
             if frame is not None:
                 job = by_id[out.request_id].job

@@ -36,6 +36,9 @@ class NodeRegistry:
         self.bus = bus
         self.ttl = max(1.0, ttl)  # NATS per-message TTL has one-second granularity
         self.kv: KeyValue | None = None
+        # When a heartbeat last reached JetStream (monotonic): the node's contact with the
+        # cluster. A node cut off longer than its lease gives up its work (see decode).
+        self.last_ok = time.monotonic()
 
     async def start(self) -> NodeRegistry:
         assert self.bus.js is not None
@@ -56,6 +59,7 @@ class NodeRegistry:
         while True:
             try:
                 await self.heartbeat(make_info())
+                self.last_ok = time.monotonic()
             except Exception as exc:  # the connection may be down; keep trying
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(period)

@@ -9,6 +9,7 @@ uploader between steps, before they can be reused.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,8 +19,20 @@ from shared.kv.block_hash import BlockHash, block_hashes
 
 if TYPE_CHECKING:
     from shared.engine.engine import EngineConfig
+    from shared.engine.sequence import Sequence
     from shared.kv.block_pool import BlockPool
     from shared.kv.paged_cache import KVLayout, PagedKVCache
+
+
+@dataclass(frozen=True)
+class CheckpointPoint:
+    """How far a sequence's KV is handed to the uploader: enough to resume it elsewhere."""
+
+    request_id: str
+    num_tokens: int  # positions covered by its handed-over full blocks
+    block_hashes: list[BlockHash]
+    output_ids: list[int]  # generated so far (with the seed: the whole sampler state)
+    seed: int
 
 
 class BlockExchange:
@@ -31,7 +44,11 @@ class BlockExchange:
     cache: PagedKVCache
     hash_extra: bytes
     collect_filled: bool
+    checkpoint_every: int  # filled blocks per sequence handed over together (the cadence)
     _filled: list[tuple[BlockHash, int]]
+    # request id → (sequence, [(block index, hash, block id)]) filled, not yet handed over
+    _pending: dict[str, tuple[Sequence, list[tuple[int, BlockHash, int]]]]
+    _points: dict[str, CheckpointPoint]
     on_blocks_named: Callable[[list[BlockHash]], None] | None
 
     def prompt_block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
@@ -62,17 +79,50 @@ class BlockExchange:
         self.pool.free(ids)
         return len(todo)
 
-    def _on_commit(self, hashes: list[BlockHash], block_ids: list[int]) -> None:
+    def _on_commit(
+        self, seq: Sequence, start: int, hashes: list[BlockHash], ids: list[int]
+    ) -> None:
         if self.on_blocks_named is not None:
             self.on_blocks_named(hashes)
         if self.collect_filled:
-            self._filled.extend(zip(hashes, block_ids, strict=True))
+            items = self._pending.setdefault(seq.request_id, (seq, []))[1]
+            items.extend(zip(range(start, start + len(hashes)), hashes, ids, strict=True))
+            if len(items) >= self.checkpoint_every:
+                self._hand_over(seq)
+
+    def _hand_over(self, seq: Sequence, point: bool = True) -> None:
+        """Move a sequence's pending filled blocks to the batch the next take returns (and,
+        while it runs, a point saying how far its handed-over KV reaches)."""
+        _, items = self._pending.pop(seq.request_id, (seq, []))
+        if not items:
+            return
+        self._filled.extend((h, block_id) for _, h, block_id in items)
+        if not point:
+            return
+        covered = (items[-1][0] + 1) * self.config.block_size
+        self._points[seq.request_id] = CheckpointPoint(
+            seq.request_id, covered, list(seq.block_hashes[: items[-1][0] + 1]),
+            list(seq.output_ids), seq.seed,
+        )  # fmt: skip
+
+    def _sequence_ended(self, seq: Sequence, finished: bool) -> None:
+        """A finished sequence's blocks go out now (intact until the next step allocates);
+        an aborted one's may be reused before the next take: dropped."""
+        if finished:
+            self._hand_over(seq, point=False)
+        else:
+            self._pending.pop(seq.request_id, None)
 
     def take_filled_blocks(self) -> tuple[list[BlockHash], list[bytes]]:
-        """Blocks filled by forwards since the last call, as (hashes, bytes per block).
+        """Blocks handed over since the last call (every `checkpoint_every` blocks of a
+        sequence, and at its end), as (hashes, bytes per block).
 
         Call on the engine thread between steps: the blocks may be reused once it returns.
         """
+        for rid, (seq, items) in list(self._pending.items()):
+            # A preempted sequence gave its blocks back: what is pending is gone.
+            if any(i >= len(seq.block_ids) or seq.block_ids[i] != b for i, _, b in items):
+                del self._pending[rid]
         filled, self._filled = self._filled, []
         if not filled:
             return [], []
@@ -80,3 +130,8 @@ class BlockExchange:
         raw = data.view(torch.uint8).reshape(len(filled), -1).numpy().tobytes()
         size = self.layout.bytes_per_block
         return [h for h, _ in filled], [raw[i * size : (i + 1) * size] for i in range(len(filled))]
+
+    def take_checkpoint_points(self) -> list[CheckpointPoint]:
+        """Per sequence, how far the blocks handed over so far reach (latest only)."""
+        points, self._points = list(self._points.values()), {}
+        return points

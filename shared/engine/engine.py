@@ -97,7 +97,10 @@ class Engine(BlockExchange):
         self.hash_extra = hash_extra
         # Blocks filled since the last `take_filled_blocks` (only while someone collects them).
         self.collect_filled = False
+        self.checkpoint_every = 1
         self._filled: list[tuple[BlockHash, int]] = []
+        self._pending = {}
+        self._points = {}
         self.scheduler.on_commit = self._on_commit
         # Told (on the engine thread) of hashes this pool now holds, for KV events.
         self.on_blocks_named: Callable[[list[BlockHash]], None] | None = None
@@ -260,6 +263,7 @@ class Engine(BlockExchange):
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+        self._sequence_ended(seq, finished=False)
         return True
 
     # ---- execution -------------------------------------------------------------------------
@@ -345,6 +349,7 @@ class Engine(BlockExchange):
         seq.status = SequenceStatus.FINISHED
         self.requests.pop(seq.request_id, None)
         self.stats.cached_prompt_tokens += seq.num_cached_tokens
+        self._sequence_ended(seq, finished=True)
 
     # ---- roles -----------------------------------------------------------------------------
 

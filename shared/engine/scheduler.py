@@ -37,7 +37,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Told of blocks this node filled itself (hashes, block ids), to store them elsewhere.
-        self.on_commit: Callable[[list[BlockHash], list[int]], None] | None = None
+        self.on_commit: Callable[[Sequence, int, list[BlockHash], list[int]], None] | None = None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -152,7 +152,7 @@ class Scheduler:
             self.pool.commit_hash(seq.block_ids[i], h)
         seq.block_hashes.extend(new)
         if self.on_commit is not None:
-            self.on_commit(new, seq.block_ids[known:full])
+            self.on_commit(seq, known, new, seq.block_ids[known:full])
 
     def name_blocks(self, seq: Sequence) -> None:
         """Hash the full blocks of a sequence whose KV came from elsewhere (not new work)."""

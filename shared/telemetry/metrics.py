@@ -61,6 +61,17 @@ class NodeMetrics:
         self.failovers = Counter(
             "tandem_failovers", "Requests resumed after a node failure", registry=r
         )
+        self.resume_recomputed = Histogram(
+            "tandem_resume_recomputed_tokens",
+            "Per resumed request: context tokens recomputed (not loaded from a checkpoint)",
+            buckets=(0, 1, 4, 8, 16, 32, 64, 128, 512, 2048, 8192),
+            registry=r,
+        )
+        self.lease_lost = Counter(
+            "tandem_lease_lost",
+            "Times this node, cut off from NATS past its lease, dropped its sequences",
+            registry=r,
+        )
 
     def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(read)

@@ -1,0 +1,103 @@
+"""Checkpoint cadence: a decode engine hands a sequence's filled blocks over every N blocks
+(and at its end), with a point saying how far the handed-over KV reaches; the uploader calls
+back once a hand-over is stored, never when part of it failed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.kv_uploader import BlockUploader
+from shared.model.loader import LoadedModel
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def step_and_take(engine: Engine) -> list[tuple[int, list[int], int]]:
+    """Step to the end; per step that handed blocks over: (blocks, point tokens, outputs)."""
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        hashes, blocks = engine.take_filled_blocks()
+        points = engine.take_checkpoint_points()
+        assert len(hashes) == len(blocks)
+        if hashes:
+            seen.append((len(hashes), [p.num_tokens for p in points], len(engine.requests)))
+    return seen
+
+
+def test_every_block_by_default_then_every_second(tiny_model: LoadedModel) -> None:
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 49152) for _ in range(20)]  # 20 + 40 = 60 tokens: 3 full blocks
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    engine.collect_filled = True
+    rid = engine.add_request(prompt, GREEDY)
+    got = step_and_take(engine)
+    # 59 tokens' KV computed (never the last one's): 3 full blocks, each handed over as it
+    # filled, while the sequence ran
+    assert got == [(1, [16], 1), (1, [32], 1), (1, [48], 1)]
+    assert rid not in engine.requests
+
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    engine.collect_filled = True
+    engine.checkpoint_every = 2
+    rid = engine.add_request(prompt, GREEDY)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        hashes, _ = engine.take_filled_blocks()
+        points = engine.take_checkpoint_points()
+        if hashes:
+            seen.append((len(hashes), [(p.request_id, p.num_tokens) for p in points]))
+            if points:  # the point's output is the sequence's at hand-over time
+                assert len(points[0].output_ids) >= points[0].num_tokens - len(prompt)
+                assert len(points[0].block_hashes) == points[0].num_tokens // 16
+    # blocks 1-2 together (a point), block 3 at the end (no point: the sequence is done)
+    assert seen == [(2, [(rid, 32)]), (1, [])]
+
+
+def test_an_aborted_sequence_hands_nothing_over(tiny_model: LoadedModel) -> None:
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    engine.collect_filled = True
+    engine.checkpoint_every = 4
+    rid = engine.add_request(list(range(100, 140)), GREEDY)  # 40 prompt tokens: 2 blocks
+    engine.step()
+    assert engine.take_filled_blocks() == ([], [])  # 2 < 4: pending
+    engine.abort(rid)
+    engine.step() if engine.has_unfinished() else None
+    assert engine.take_filled_blocks() == ([], [])  # dropped: its blocks may be reused
+    assert engine.take_checkpoint_points() == []
+
+
+class FlakyStore:
+    """A KV store client (the real one: shared/kvclient.py, tested against kvcache nodes)
+    whose second put fails."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+
+    async def store(self, hashes: list[bytes], blocks: list[bytes]) -> int:
+        self.puts += 1
+        return 0 if self.puts == 2 else len(hashes)
+
+
+async def test_uploader_calls_back_only_for_hand_overs_wholly_stored() -> None:
+    client = FlakyStore()
+    uploader = BlockUploader(client, max_pending_bytes=1 << 20)  # type: ignore[arg-type]
+    called: list[str] = []
+    uploader.start()
+    for name in ("a", "b", "c"):
+        uploader.submit([name.encode()], [b"x" * 10], on_stored=lambda n=name: called.append(n))
+        assert await uploader.drain(2.0)
+    uploader.submit([b"d"] * 3, [b"y" * 10] * 3, on_stored=lambda: called.append("d"))
+    assert await uploader.drain(2.0)
+    too_big = uploader.submit(
+        [b"e", b"f"], [b"z" * (1 << 20), b"z"], on_stored=lambda: called.append("e")
+    )
+    assert too_big == 1  # one block dropped (pending bytes bound)
+    assert await uploader.drain(2.0)
+    await uploader.close()
+    assert called == ["a", "c", "d"]  # b's put failed; e lost a block
+    await asyncio.sleep(0)

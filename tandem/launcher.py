@@ -173,6 +173,8 @@ class Stack:
                     a.host,
                     "--port",
                     str(a.port),
+                    "--heartbeat-ttl",
+                    str(a.heartbeat_ttl),
                     *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
                     *(["--colocated"] if prefill == 0 else []),
                 ],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -20,9 +19,9 @@ from services.router.errors import ApiError
 from services.router.failover import Failover
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
-from services.router.responses import chunk, completion
+from services.router.relay import Relay, relay
 from services.router.routing import PrefixRouter
-from services.router.streams import RequestStream, StreamTimeout
+from services.router.streams import RequestStream
 from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
@@ -74,6 +73,7 @@ class Router:
         self.inflight = 0
         # request id → its failover state (told when the node serving it leaves)
         self.failovers: dict[str, Failover] = {}
+        self.active: set[str] = set()  # client-facing ids of requests this process streams
         nodes.on_leave.append(self.node_lost)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -172,9 +172,7 @@ class Router:
                 503, "no decode node has room for this request", headers={"Retry-After": "2"}
             ).response()
         stream = await RequestStream(self.bus, rid).open()
-        stream_span: trace.Span | None = None
-        response: web.StreamResponse | None = None
-        finished = False
+        self.active.add(rid)  # from its first journal write on, the janitor leaves it alone
         try:
             seed = parsed.params.seed if parsed.params.seed is not None else new_seed()
             job = PrefillJob(
@@ -187,14 +185,21 @@ class Router:
                 token_subject=token_subject(rid),
                 deadline=time.time() + self.config.first_token_timeout,
             )
-            await self.journal.put(
-                JournalEntry(
-                    request_id=rid,
-                    state="queued",
-                    router_id=self.config.node_id,
-                    decode_node=decode_node.node_id,
-                )
+            # In the journal before any node sees it: if this router dies from here on, a
+            # client can resume it through another router (or the janitor cancels it).
+            entry = JournalEntry(
+                request_id=rid,
+                state="queued",
+                router_id=self.config.node_id,
+                decode_node=decode_node.node_id,
+                internal_id=rid,
+                job=job,
+                chat=parsed.chat,
+                model=parsed.model,
+                include_usage=parsed.include_usage,
+                created=created,
             )
+            await self.journal.put(entry)
             route = "disaggregated"
             if local_node is not None and await self._send_local(local_node, job):
                 route = "local"
@@ -221,104 +226,32 @@ class Router:
             admission.set_attribute("tandem.route", route)
             admission.set_attribute("tandem.decode_node", decode_node.node_id)
             admission.end()
-            if parsed.stream:
-                response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await response.prepare(request)
-            texts: list[str] = []
-            reason: str | None = None
-            completion_tokens = 0
-            first = True
-            last_t = start
-            decode_by = ""
-            failover = Failover(self, job, stream, blocks)
-            self.failovers[rid] = failover
-            deadline = self.config.request_timeout - (time.monotonic() - start)
-            async with asyncio.timeout(deadline):  # the whole request, however it streams
-                async for delta in stream.deltas(
-                    self.config.first_token_timeout,
-                    self.config.stall_timeout,
-                    failover.lost,
-                    failover.resume,
-                ):
-                    if delta.error is not None:
-                        raise ApiError(503, f"generation failed: {delta.error}")
-                    now = time.monotonic()
-                    if first:
-                        self.metrics.ttft.observe(now - start)
-                        span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
-                        stream_span = TRACER.start_span("router.stream")
-                        if route == "disaggregated":  # else the decode node made it
-                            self.metrics.node_requests.labels("prefill", delta.node_id).inc()
-                    else:
-                        self.metrics.itl.observe(now - last_t)
-                    last_t = now
-                    if delta.seq > 0 or route == "local":
-                        decode_by = delta.node_id
-                    completion_tokens = max(completion_tokens, delta.completion_tokens)
-                    reason = delta.finish_reason if delta.finished else None
-                    if response is not None and (delta.text or delta.finished or first):
-                        body = chunk(parsed, rid, created, delta.text, reason, first)
-                        await response.write(f"data: {json.dumps(body)}\n\n".encode())
-                    texts.append(delta.text)
-                    first = False
-            finished = True
-            if stream_span is not None:
-                stream_span.set_attribute("tandem.completion_tokens", completion_tokens)
-            if decode_by and (completion_tokens > 1 or route == "local"):
-                self.metrics.node_requests.labels("decode", decode_by).inc()
-            usage = {
-                "prompt_tokens": len(parsed.prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(parsed.prompt_ids) + completion_tokens,
-            }
-            elapsed = time.monotonic() - start
-            self.metrics.e2e.observe(elapsed)
-            self.metrics.prompt_tokens.inc(len(parsed.prompt_ids))
-            self.metrics.output_tokens.inc(completion_tokens)
-            if completion_tokens > 1:
-                self.metrics.tpot.observe((last_t - start) / completion_tokens)
-            self.metrics.requests.labels(endpoint, "200").inc()
-            log.info("finished: %d tokens (%s) in %.3fs", completion_tokens, reason, elapsed)
-            await self.journal.delete(rid)
-            if response is not None:
-                if parsed.include_usage:
-                    tail = chunk(parsed, rid, created, "", None, False)
-                    tail["choices"] = []
-                    tail["usage"] = usage
-                    await response.write(f"data: {json.dumps(tail)}\n\n".encode())
-                await response.write(b"data: [DONE]\n\n")
-                await response.write_eof()
-                return response
-            return web.json_response(
-                completion(parsed, rid, created, "".join(texts), reason, usage)
+            relayed = Relay(
+                parsed=parsed,
+                rid=rid,
+                job=job,
+                stream=stream,
+                entry=entry,
+                endpoint=endpoint,
+                created=created,
+                route=route,
+                blocks=blocks,
+                start=start,
             )
-        except (ApiError, StreamTimeout, TimeoutError) as exc:
-            if isinstance(exc, ApiError):
-                err = exc
-            elif isinstance(exc, StreamTimeout):
-                err = ApiError(504, str(exc))
-            else:
-                err = ApiError(
-                    504, f"request exceeded its deadline of {self.config.request_timeout:g}s"
-                )
-            span.set_status(Status(StatusCode.ERROR, err.message))
-            self.metrics.requests.labels(endpoint, str(err.status)).inc()
-            self.metrics.errors.labels(str(err.status)).inc()
-            if response is None:
-                return err.response()
-            await response.write(f"data: {json.dumps(err.body())}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        finally:
-            if stream_span is not None:
-                stream_span.end()
-            self.failovers.pop(rid, None)
+        except ApiError as exc:
+            self.active.discard(rid)
             await stream.close()
-            if not finished:
-                # client gone, error or timeout: every node drops the request, blocks freed
-                await self._cancel(rid, "client disconnected or request failed")
+            await self.cancel(rid, rid, "not admitted")
+            span.set_status(Status(StatusCode.ERROR, exc.message))
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            self.metrics.errors.labels(str(exc.status)).inc()
+            return exc.response()
+        except BaseException:
+            self.active.discard(rid)
+            await stream.close()
+            await self.cancel(rid, rid, "not admitted")
+            raise
+        return await relay(self, request, relayed, span)
 
     def node_lost(self, node_id: str) -> None:
         """A node left or was declared dead: its requests fail over."""
@@ -349,12 +282,19 @@ class Router:
         self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
         return True
 
-    async def _cancel(self, rid: str, reason: str) -> None:
+    async def cancel(self, rid: str, internal_id: str, reason: str) -> None:
+        """Every node drops the request's current attempt; the journal forgets it."""
         try:
-            await self.bus.publish(cancel_subject(), Cancel(request_id=rid, reason=reason))
-            await self.journal.delete(rid)
+            await self.bus.publish(cancel_subject(), Cancel(request_id=internal_id, reason=reason))
+            await self.journal.delete(rid, internal_id)
         except Exception as exc:  # best effort: nodes also expire work past its deadline
             log.warning("cancel of %s failed: %s", rid, exc)
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """A client of a router that died picks its stream up here (see resume.py)."""
+        from services.router.resume import resume_stream  # it builds on this module
+
+        return await resume_stream(self, request)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(

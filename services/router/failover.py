@@ -20,7 +20,8 @@ import msgspec
 from opentelemetry import trace
 
 from services.router.streams import RequestStream
-from shared.bus.messages import PrefillJob
+from shared.bus.messages import Cancel, PrefillJob
+from shared.bus.topology import cancel_subject
 from shared.bus.workqueue import submit_job
 
 if TYPE_CHECKING:
@@ -60,6 +61,15 @@ class Failover:
             return self.job.decode_node
         return self.stream.node_id
 
+    async def _cancel_on(self, node_id: str, reason: str) -> None:
+        cancel = Cancel(
+            request_id=self.job.request_id, reason=f"failed over: {reason}", node_id=node_id
+        )
+        try:
+            await self.router.bus.publish(cancel_subject(), cancel)
+        except Exception as exc:  # best effort: that node's lease frees the blocks anyway
+            log.debug("cancel on %s not sent: %s", node_id, exc)
+
     async def resume(self, reason: str) -> bool:
         """Resubmit the request after the tokens delivered so far; False if it cannot be."""
         if self.attempts >= MAX_FAILOVERS:
@@ -72,6 +82,12 @@ class Failover:
         )
         if node is None:
             return False
+        # Decode nodes that held it (token 0 alone came from a prefill node: not that one,
+        # which must not mark the request cancelled: it may prefill the resumed job).
+        left = {self.job.decode_node} | (
+            {self.stream.node_id} if self.stream.next_seq > 1 else set()
+        )
+        left -= {"", node.node_id}
         self.attempts += 1
         self.abandoned |= exclude
         delivered = list(self.stream.token_ids)
@@ -88,6 +104,10 @@ class Failover:
             log.warning("failover of %s not submitted: %s", self.job.request_id, exc)
             return False
         self.router.metrics.failovers.inc()
+        for old in left:
+            # The node it left may live on (cut off, or stalled): it must free the blocks.
+            # It hears this once it can; until then its own lease on NATS runs out.
+            await self._cancel_on(old, reason)
         trace.get_current_span().add_event(
             "failover",
             {"tandem.reason": reason, "tandem.tokens_delivered": len(delivered),

@@ -41,6 +41,7 @@ def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat_completions)
     app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/v1/requests/{request_id}/stream", router.resume)
     app.router.add_get("/healthz", router.healthz)
     app.router.add_get("/readyz", router.readyz)
     app.router.add_get("/metrics", router.metrics_endpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 
 from aiohttp import web
@@ -11,6 +12,7 @@ from aiohttp import web
 from services.router.app import Router, RouterConfig
 from services.router.auth import ApiKeys, read_keys
 from services.router.http_app import build_app
+from services.router.janitor import Janitor
 from services.router.liveness import LivenessProbe
 from services.router.nodes import NodeTable
 from services.router.routing import PrefixRouter
@@ -18,7 +20,7 @@ from services.router.validation import Limits
 from shared.bus.auth import BusAuth
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
-from shared.bus.registry import NodeRegistry
+from shared.bus.registry import NodeRegistry, node_info
 from shared.model.tokenizer import load_tokenizer
 from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from shared.telemetry.tracing import setup_tracing
@@ -52,6 +54,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p, "--request-timeout", type=float, default=600.0, help="deadline of a whole request"
+    )
+    add_option(
+        p,
+        "--heartbeat-ttl",
+        type=float,
+        default=3.0,
+        help="this router's registry entry lapses this long after its last heartbeat",
+    )
+    add_option(
+        p,
+        "--resume-lease",
+        type=float,
+        default=5.0,
+        help="seconds a client of a dead router has to resume its stream; then the request "
+        "is cancelled and its KV blocks freed",
     )
     add_option(p, "--api-keys", default=None, help="comma-separated bearer keys (none: open API)")
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
@@ -127,14 +144,23 @@ async def serve(args: argparse.Namespace) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     log.info("router %s listening on http://%s:%d", node_id, args.host, args.port)
-    probe = None
+    # In the registry like every node: other routers' janitors see whether it lives.
+    beats = NodeRegistry(bus, ttl=args.heartbeat_ttl)
+    await beats.start()
+    heartbeats = asyncio.create_task(
+        beats.run_heartbeats(lambda: node_info(node_id, "router", load=router.inflight))
+    )
+    tasks = [asyncio.create_task(Janitor(router, args.resume_lease).run(stop))]
     if args.probe_after > 0:
-        probe = asyncio.create_task(LivenessProbe(router, args.probe_after).run(stop))
+        tasks.append(asyncio.create_task(LivenessProbe(router, args.probe_after).run(stop)))
     try:
         await stop.wait()
     finally:
-        if probe is not None:
-            await probe
+        for task in tasks:
+            await task
+        heartbeats.cancel()
+        with contextlib.suppress(Exception):  # else the entry lapses by its TTL
+            await asyncio.wait_for(beats.remove(node_id), 1.0)
         await runner.cleanup()
         await nodes.close()
         await bus.close()

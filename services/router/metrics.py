@@ -63,3 +63,13 @@ class RouterMetrics:
         self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens_total", "Prompt tokens", registry=r)
         self.output_tokens = Counter("tandem_output_tokens_total", "Output tokens", registry=r)
+        self.resumes = Counter(
+            "tandem_stream_resumes_total",
+            "Streams resumed by a client reconnecting with the request id (router restart)",
+            registry=r,
+        )
+        self.expired = Counter(
+            "tandem_requests_expired_total",
+            "Requests of a dead router not resumed within the lease: cancelled, blocks freed",
+            registry=r,
+        )

@@ -23,6 +23,7 @@ class NodeTable:
         # landing on the node that looked emptiest a moment ago.
         self.inflight: dict[str, int] = {}
         self.on_leave: list[Callable[[str], None]] = []
+        self.left_at: dict[str, float] = {}  # departed node → its last heartbeat (unix time)
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
@@ -34,7 +35,11 @@ class NodeTable:
             try:
                 async for ev in self.registry.watch():
                     if ev.kind == "leave":
-                        self.nodes.pop(ev.node_id, None)
+                        gone = self.nodes.pop(ev.node_id, None)
+                        if gone is not None:
+                            self.left_at[ev.node_id] = gone.timestamp
+                            while len(self.left_at) > 1024:  # bounded: oldest first out
+                                del self.left_at[next(iter(self.left_at))]
                         log.warning("node left: %s", ev.node_id)
                         for callback in self.on_leave:
                             callback(ev.node_id)
@@ -42,6 +47,7 @@ class NodeTable:
                         if ev.kind == "join":
                             log.info("node joined: %s (%s)", ev.node_id, ev.info.role)
                         self.nodes[ev.node_id] = ev.info
+                        self.left_at.pop(ev.node_id, None)
                         self.inflight[ev.node_id] = 0
             except asyncio.CancelledError:
                 raise

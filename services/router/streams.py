@@ -31,15 +31,16 @@ class StreamTimeout(Exception):
 
 
 class RequestStream:
-    def __init__(self, bus: Bus, request_id: str) -> None:
+    def __init__(self, bus: Bus, request_id: str, output_ids: list[int] | None = None) -> None:
+        """`output_ids`: tokens generated before (a resumed request): the stream starts after."""
         self.bus = bus
         self.request_id = request_id
-        self.next_seq = 0
+        self.token_ids: list[int] = list(output_ids or [])  # of every in-order delta
+        self.next_seq = len(self.token_ids)
         self.pending: dict[int, TokenDelta] = {}
         self.queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self.sub: Subscription | None = None
         self.duplicates = 0
-        self.token_ids: list[int] = []  # of every in-order delta: what a failover resumes after
         self.node_id = ""  # the node that sent the latest in-order delta
         self.last_delta_at = time.monotonic()  # when the latest in-order delta arrived
 

@@ -1,7 +1,9 @@
 """The request journal: request id → JournalEntry in a file-backed JetStream KV bucket.
 
-It outlives any one router: after a router restart, the entries say which requests were in
-flight, on which nodes, and how many tokens each client already received.
+It outlives any one router: after a router dies, the entries say which requests were in
+flight, on which nodes, how to resume them and which tokens their clients already have.
+Decode nodes add checkpoint records beside them (`ckpt.<internal id>`): how far a sequence's
+KV is stored in the kvcache service, with the tokens generated up to there.
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import time
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from shared.bus.client import Bus
-from shared.bus.messages import JournalEntry, decode, encode
+from shared.bus.messages import CheckpointRecord, JournalEntry, M, decode, encode
 from shared.bus.topology import JOURNAL_BUCKET
 from shared.errors import WireFormatError
+
+CHECKPOINT_PREFIX = "ckpt."
 
 
 class RequestJournal:
@@ -28,39 +33,79 @@ class RequestJournal:
         self.kv = await self.bus.js.key_value(JOURNAL_BUCKET)
         return self
 
-    async def put(self, entry: JournalEntry) -> None:
+    async def put(self, entry: JournalEntry) -> int:
+        """Write the entry (stamped now); returns its revision."""
         assert self.kv is not None
-        stamped = JournalEntry(
-            request_id=entry.request_id,
-            state=entry.state,
-            router_id=entry.router_id,
-            prefill_node=entry.prefill_node,
-            decode_node=entry.decode_node,
-            tokens_delivered=entry.tokens_delivered,
-            updated_at=time.time(),
-        )
-        await self.kv.put(entry.request_id, encode(stamped))
+        stamped = msgspec.structs.replace(entry, updated_at=time.time())
+        return int(await self.kv.put(entry.request_id, encode(stamped)))
 
-    async def get(self, request_id: str) -> JournalEntry | None:
+    async def claim(self, entry: JournalEntry, revision: int) -> bool:
+        """Write the entry only if the stored one is still at `revision` (two routers
+        resuming one request: one wins)."""
+        assert self.kv is not None
+        stamped = msgspec.structs.replace(entry, updated_at=time.time())
+        try:
+            await self.kv.update(entry.request_id, encode(stamped), last=revision)
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def _read(self, key: str, kind: type[M]) -> tuple[M, int] | None:
         assert self.kv is not None
         try:
-            entry = await self.kv.get(request_id)
+            entry = await self.kv.get(key)
         except KeyNotFoundError:
             return None
         if not entry.value:
             return None
         try:
-            return decode(entry.value, JournalEntry)
+            return decode(entry.value, kind), int(entry.revision or 0)
         except WireFormatError as exc:
-            self.bus.count_drop(f"$KV.{JOURNAL_BUCKET}.{request_id}", str(exc))
+            self.bus.count_drop(f"$KV.{JOURNAL_BUCKET}.{key}", str(exc))
             return None
 
-    async def delete(self, request_id: str) -> None:
+    async def get(self, request_id: str) -> JournalEntry | None:
+        found = await self._read(request_id, JournalEntry)
+        return found[0] if found else None
+
+    async def get_with_revision(self, request_id: str) -> tuple[JournalEntry, int] | None:
+        return await self._read(request_id, JournalEntry)
+
+    async def delete(self, request_id: str, internal_id: str = "") -> None:
+        """Forget a request and the checkpoint record of its current attempt."""
         assert self.kv is not None
         with contextlib.suppress(KeyNotFoundError):
             await self.kv.delete(request_id)
+        if internal_id:
+            with contextlib.suppress(KeyNotFoundError):
+                await self.kv.delete(CHECKPOINT_PREFIX + internal_id)
+
+    async def delete_if(self, request_id: str, revision: int, internal_id: str = "") -> bool:
+        """Delete only if the entry is still at `revision` (not claimed by a resume since)."""
+        assert self.kv is not None
+        try:
+            await self.kv.delete(request_id, last=revision)
+        except (KeyWrongLastSequenceError, KeyNotFoundError):
+            return False
+        if internal_id:
+            with contextlib.suppress(KeyNotFoundError):
+                await self.kv.delete(CHECKPOINT_PREFIX + internal_id)
+        return True
+
+    async def put_checkpoint(self, record: CheckpointRecord) -> None:
+        assert self.kv is not None
+        stamped = msgspec.structs.replace(record, timestamp=time.time())
+        await self.kv.put(CHECKPOINT_PREFIX + record.request_id, encode(stamped))
+
+    async def checkpoint(self, internal_id: str) -> CheckpointRecord | None:
+        found = await self._read(CHECKPOINT_PREFIX + internal_id, CheckpointRecord)
+        return found[0] if found else None
 
     async def entries(self) -> list[JournalEntry]:
+        """Every request entry (checkpoint records left out)."""
+        return [e for e, _ in await self.entries_with_revisions()]
+
+    async def entries_with_revisions(self) -> list[tuple[JournalEntry, int]]:
         assert self.kv is not None
         try:
             keys = await self.kv.keys()
@@ -68,7 +113,9 @@ class RequestJournal:
             return []
         out = []
         for key in keys:
-            entry = await self.get(key)
-            if entry is not None:
-                out.append(entry)
+            if key.startswith(CHECKPOINT_PREFIX):
+                continue
+            found = await self._read(key, JournalEntry)
+            if found is not None:
+                out.append(found)
         return out

@@ -79,6 +79,9 @@ class Cancel(Message, frozen=True, tag="cancel"):
 
     request_id: str = ""
     reason: str = ""
+    # Only this node acts ("": every node). A failover cancels the request on the node it
+    # left, which may be alive after all (cut off, or slow), without touching the new one.
+    node_id: str = ""
 
 
 class NodeInfo(Message, frozen=True, tag="node_info"):
@@ -119,15 +122,27 @@ class CheckpointRecord(Message, frozen=True, tag="checkpoint"):
 
 
 class JournalEntry(Message, frozen=True, tag="journal"):
-    """The request journal's record of one request (outlives any router process)."""
+    """The request journal's record of one request (outlives any router process).
 
-    request_id: str = ""
+    It holds what another router needs to resume the request's stream: the job (prompt,
+    parameters, seed), the response's shape, and tokens delivered so far (a prefix of the
+    request's output, written every block; decode nodes' checkpoint records may know more).
+    """
+
+    request_id: str = ""  # what the client knows (response id, journal key)
     state: str = ""  # queued | prefilling | decoding | finished | failed | cancelled
     router_id: str = ""
     prefill_node: str = ""
     decode_node: str = ""
     tokens_delivered: int = 0
     updated_at: float = 0.0
+    internal_id: str = ""  # what nodes know the current attempt by (a resume changes it)
+    job: PrefillJob | None = None
+    chat: bool = False
+    model: str = ""
+    include_usage: bool = False
+    created: int = 0
+    output_ids: list[int] = []
 
 
 class KVPut(Message, frozen=True, tag="kv_put"):

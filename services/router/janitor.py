@@ -1,0 +1,73 @@
+"""The journal's janitor: requests of a dead router that nobody resumes are cancelled.
+
+Every router runs one. An entry whose router has left the registry (or is this process's
+earlier life: the id is the same, the request is not streaming here) is an orphan; once
+it has been one for the lease (counted from its router's last heartbeat when known, and
+never from before this janitor started, so that a restarted router gives its clients the
+full lease to reconnect), every node drops its attempt and the entry goes. Its KV blocks
+are then free within the lease; a resume inside the lease takes the entry away first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.router.app import Router
+
+log = logging.getLogger("tandem.router.janitor")
+
+
+class Janitor:
+    def __init__(self, router: Router, lease: float = 5.0, interval: float = 1.0) -> None:
+        self.router = router
+        self.lease = lease
+        self.interval = interval
+        self.started = time.time()
+        self.orphaned: dict[str, float] = {}  # request id → when its lease started
+
+    def _owner_alive(self, router_id: str, rid: str) -> bool:
+        if router_id == self.router.config.node_id:
+            return rid in self.router.active
+        return router_id in self.router.nodes.nodes
+
+    async def sweep(self) -> int:
+        """One pass over the journal; returns how many requests it cancelled."""
+        now = time.time()
+        expired = 0
+        seen = set()
+        for entry, revision in await self.router.journal.entries_with_revisions():
+            rid = entry.request_id
+            if self._owner_alive(entry.router_id, rid):
+                continue
+            seen.add(rid)
+            last_beat = self.router.nodes.left_at.get(entry.router_id, entry.updated_at)
+            since = self.orphaned.setdefault(rid, max(self.started, min(last_beat, now)))
+            if now - since < self.lease:
+                continue
+            if not await self.router.journal.delete_if(rid, revision, entry.internal_id):
+                continue  # resumed (claimed) meanwhile
+            await self.router.cancel(rid, entry.internal_id, "not resumed within the lease")
+            self.router.metrics.expired.inc()
+            expired += 1
+            log.warning(
+                "%s: router %s is gone and no client resumed it within %.0fs: cancelled",
+                rid, entry.router_id, self.lease,
+            )  # fmt: skip
+        for rid in list(self.orphaned):
+            if rid not in seen:
+                del self.orphaned[rid]
+        return expired
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.sweep()
+            except Exception as exc:  # NATS away: try again next round
+                log.debug("journal sweep failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)

@@ -59,6 +59,7 @@ class KVCacheWorker:
             "tandem_kvcache_disk_bytes", "Bytes of blocks on disk", lambda: store.used_bytes(DISK)
         )
         m.gauge("tandem_kvcache_blocks", "Stored blocks", lambda: len(store))
+        m.gauge("tandem_kvcache_pinned_blocks", "Blocks pinned (in use)", lambda: len(store.pins))
         m.gauge("tandem_kvcache_lookups", "Prefix lookups served", lambda: self.lookups)
         m.gauge("tandem_kvcache_hit_blocks", "Block lookups that hit", lambda: st.hits)
         m.gauge("tandem_kvcache_miss_blocks", "Block lookups that missed", lambda: st.misses)

@@ -81,6 +81,9 @@ class PrefillWorker:
             "Jobs fetched and not yet handed off",
             lambda: self.queue_depth,
         )
+        self.metrics.gauge(
+            "tandem_kv_blocks_used", "KV blocks in use", lambda: engine.pool.num_used
+        )
         self._resumed: dict[str, list[int]] = {}  # this batch's failovers: tokens delivered
         self.prefix.add_metrics(self.metrics)
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from services.router.app import Router
 
 log = logging.getLogger("tandem.router.janitor")
+STRAY_AFTER = 30.0  # seconds a checkpoint record no journal entry names is kept
 
 
 class Janitor:
@@ -40,7 +41,9 @@ class Janitor:
         now = time.time()
         expired = 0
         seen = set()
-        for entry, revision in await self.router.journal.entries_with_revisions():
+        entries, records = await self.router.journal.scan()
+        await self._drop_stray_records(records, {e.internal_id for e, _ in entries}, now)
+        for entry, revision in entries:
             rid = entry.request_id
             if self._owner_alive(entry.router_id, rid):
                 continue
@@ -62,6 +65,16 @@ class Janitor:
             if rid not in seen:
                 del self.orphaned[rid]
         return expired
+
+    async def _drop_stray_records(self, records: list[str], live: set[str], now: float) -> None:
+        """Checkpoint records of attempts no entry names (a record written just as its
+        request finished) go once they are old enough not to be a request starting now."""
+        for internal_id in records:
+            if internal_id in live:
+                continue
+            record = await self.router.journal.checkpoint(internal_id)
+            if record is None or now - record.timestamp > STRAY_AFTER:
+                await self.router.journal.delete_checkpoint(internal_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

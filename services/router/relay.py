@@ -9,6 +9,7 @@ what another router resumes from if this one dies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -80,6 +81,12 @@ class JournalWriter:
             output_ids=list(token_ids),
         )
         self.task = asyncio.create_task(self._write(self.entry))
+
+    async def settle(self) -> None:
+        """Let a write in flight land first: else it could re-create a deleted entry."""
+        if self.task is not None:
+            with contextlib.suppress(Exception):
+                await self.task
 
     async def _write(self, entry: JournalEntry) -> None:
         try:
@@ -169,7 +176,8 @@ async def relay(
             router.metrics.tpot.observe((last_t - r.start) / completion_tokens)
         router.metrics.requests.labels(r.endpoint, "200").inc()
         log.info("finished: %d tokens (%s) in %.3fs", completion_tokens, reason, elapsed)
-        await router.journal.delete(rid, r.job.request_id)
+        await journal.settle()
+        await router.journal.delete(rid, failover.job.request_id)
         if response is not None:
             if parsed.include_usage:
                 tail = chunk(parsed, rid, r.created, "", None, False)
@@ -204,6 +212,7 @@ async def relay(
         router.active.discard(rid)
         await r.stream.close()
         if not finished:
+            await journal.settle()
             # client gone, error or timeout: every node drops the request, blocks freed
             await router.cancel(
                 rid, failover.job.request_id, "client disconnected or request failed"

@@ -106,16 +106,27 @@ class RequestJournal:
         return [e for e, _ in await self.entries_with_revisions()]
 
     async def entries_with_revisions(self) -> list[tuple[JournalEntry, int]]:
+        return (await self.scan())[0]
+
+    async def scan(self) -> tuple[list[tuple[JournalEntry, int]], list[str]]:
+        """Every request entry with its revision, and the ids checkpoint records are under."""
         assert self.kv is not None
         try:
             keys = await self.kv.keys()
         except NoKeysError:
-            return []
+            return [], []
         out = []
+        records = []
         for key in keys:
             if key.startswith(CHECKPOINT_PREFIX):
+                records.append(key[len(CHECKPOINT_PREFIX) :])
                 continue
             found = await self._read(key, JournalEntry)
             if found is not None:
                 out.append(found)
-        return out
+        return out, records
+
+    async def delete_checkpoint(self, internal_id: str) -> None:
+        assert self.kv is not None
+        with contextlib.suppress(KeyNotFoundError):
+            await self.kv.delete(CHECKPOINT_PREFIX + internal_id)

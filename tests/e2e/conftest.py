@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from shared.bus.server import free_port
+from shared.model.loader import LoadedModel
 from tandem.cli import build_parser
 from tandem.launcher import Stack
+from tests.e2e.chaos import Request, reference, workload
 from tests.otlp_receiver import OtlpReceiver
 
 
@@ -77,3 +79,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Itera
             yield s
     finally:
         os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+
+
+@pytest.fixture(scope="package")
+def chaos_workload(real_model: LoadedModel) -> tuple[list[Request], list[str]]:
+    """The chaos tests' 32 requests and their uninterrupted texts (computed once)."""
+    requests = workload(real_model, 32, 200)
+    started = time.monotonic()
+    texts = reference(real_model, requests)
+    print(f"chaos reference: {time.monotonic() - started:.0f}s")
+    return requests, texts

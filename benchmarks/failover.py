@@ -9,9 +9,9 @@ Two stacks side by side (1 prefill, 2 decode; the same UCX data plane), used in 
                  and every generated token.
 Part 1, for prompts of 512 and 2,048 tokens: one greedy stream of 64 tokens; after 32 the
 decode node serving it is SIGKILLed. Recovery = the client's wait between the last token
-before the kill and the next one; recomputed tokens = the tokens the prefill node computed
-for the resume (context tokens minus those it found cached, from its metrics). The killed
-node is restarted between rounds.
+before the kill and the next one; recomputed tokens = the context tokens the node that
+resumed it (a decode node, or a prefill node when it refused) computed rather than loaded
+(`tandem_resume_recomputed_tokens`). The killed node is restarted between rounds.
 Part 2: decode throughput, 8 streams x 128 tokens, checkpoint uploads on vs off.
 
     python benchmarks/failover.py [--rounds 3]
@@ -91,12 +91,13 @@ async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[f
     """(recovery seconds, recomputed tokens) for one stream whose decode node is killed."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
     body |= {"stream": True, "ignore_eos": True}
-    hit = "tandem_prefix_cache_hit_tokens_total"
+    recomputed = "tandem_resume_recomputed_tokens_sum"  # on whichever node resumed it
+    nodes = ["prefill-1", "decode-1", "decode-2"]
     count = 0
     last = time.perf_counter()
     recovery = 0.0
     killed_at = 0.0
-    hits_before = 0.0
+    before = 0.0
     url = stack.url + "/v1/completions"
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as resp:
         resp.raise_for_status()
@@ -110,15 +111,15 @@ async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[f
             count += 1
             if count == KILL_AFTER:
                 victim = await asyncio.to_thread(serving_decode, stack)
-                hits_before = node_metric(stack, "prefill-1", hit)
+                nodes.remove(victim)
+                before = sum(node_metric(stack, n, recomputed) for n in nodes)
                 await asyncio.to_thread(stack.kill, victim)
                 killed_at = time.perf_counter()
     assert count == TOKENS, f"{count} tokens streamed"
-    cached = node_metric(stack, "prefill-1", hit) - hits_before
-    context = prompt_tokens + KILL_AFTER  # what the resume's prefill had to have in KV
+    after = sum(node_metric(stack, n, recomputed) for n in nodes)
     stack.restart(victim)
     await asyncio.to_thread(wait_for_node, stack, victim)
-    return recovery, context - cached
+    return recovery, after - before
 
 
 async def throughput(stack: Stack) -> float:

@@ -1,9 +1,12 @@
-"""A prefill node's use of the kvcache service: load a prompt's cached prefix, store new blocks.
+"""A node's use of the kvcache service for prefixes: load a prompt's cached prefix, store
+new blocks.
 
-Before a batch: for each prompt, the blocks of its longest cached prefix beyond what this
+Before a prefill (a prefill node's batch, or a decode node prefilling a request itself, a
+resumed one included): the blocks of the prompt's longest cached prefix beyond what the
 node's own pool holds are fetched from the kvcache nodes (sharded, best effort) and then
-placed in the pool on the engine thread, right before the prefill that uses them. After:
-the prompt's full blocks that no cache supplied are queued for upload in the background.
+placed in the pool on the engine thread, right before the prefill that uses them. After
+(prefill nodes): the prompt's full blocks that no cache supplied are queued for upload in
+the background (decode nodes upload what they fill their own way).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ TRACER = tracer("prefill")
 
 
 class PrefixCache:
-    def __init__(self, engine: Engine, cache: KVCacheClient | None) -> None:
+    def __init__(self, engine: Engine, cache: KVCacheClient | None, upload: bool = True) -> None:
         self.engine = engine
         self.cache = cache
-        self.uploader = BlockUploader(cache) if cache is not None else None
+        self.uploader = BlockUploader(cache) if cache is not None and upload else None
         self.loaded_blocks = 0  # prefix blocks fetched from the kvcache service
 
     def add_metrics(self, metrics: NodeMetrics) -> None:

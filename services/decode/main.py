@@ -11,7 +11,8 @@ from shared.bus.journal import RequestJournal
 from shared.kv_uploader import BlockUploader
 from shared.kvclient import KVCacheClient
 from shared.node import NodeRuntime
-from shared.transport.pending import PendingTransfers
+from shared.prefix_cache import PrefixCache
+from shared.transport.pending import PendingTransfers, SplitHandler
 from tandem.options import add_option
 from tandem.service_options import (
     add_data_plane_options,
@@ -61,11 +62,12 @@ async def serve(args: argparse.Namespace) -> None:
     engine = engine_from_args(args)
     if args.checkpoint_every < 0:
         raise SystemExit("--checkpoint-every must be >= 0")
-    uploader = None
-    checkpoints = None
-    if not args.no_kvcache and args.checkpoint_every > 0:
-        # decode only puts: gets would need a PendingTransfers handler
-        client = KVCacheClient(rt.bus, rt.transport, PendingTransfers(), rt.registry)
+    pending = PendingTransfers()  # kvcache replies to this node's gets
+    client = uploader = checkpoints = prefix = None
+    if not args.no_kvcache:
+        client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
+        prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
+    if client is not None and args.checkpoint_every > 0:
         uploader = BlockUploader(client)
         engine.checkpoint_every = args.checkpoint_every
         journal = await RequestJournal(rt.bus).start()
@@ -77,6 +79,7 @@ async def serve(args: argparse.Namespace) -> None:
         uploader=uploader,
         drain_timeout=args.drain_timeout,
         lease=max(args.lease, args.heartbeat_ttl),
+        prefix=prefix,
     )
     if uploader is not None:
         checkpoints = CheckpointWriter(journal, rt.node_id, lambda rid: rid in worker.subjects)
@@ -86,7 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
     worker.announce = lambda: registry.heartbeat(worker.info())
     worker.last_contact = lambda: registry.last_ok
     try:
-        await rt.transport.start(worker)
+        await rt.transport.start(SplitHandler(pending, worker))
         worker.data_address = rt.transport.address
         await worker.subscribe()
         await rt.live(worker.info, worker.metrics)

@@ -22,13 +22,13 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
 from services.decode.checkpoints import CheckpointWriter
+from services.decode.local_prefill import LocalPrefill
 from services.decode.receiver import Expected, KVReceiver
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
-from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, PrefillJob, decode
+from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
 from shared.bus.registry import node_info
 from shared.bus.topology import (
     assign_subject,
@@ -36,13 +36,12 @@ from shared.bus.topology import (
     is_token_subject,
     local_prefill_subject,
 )
-from shared.bus.tracing import extract_context
 from shared.deltas import delta_from_output
 from shared.engine.block_exchange import CheckpointPoint
 from shared.engine.engine import Engine, StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv_uploader import BlockUploader
-from shared.telemetry.logs import bind
+from shared.prefix_cache import PrefixCache
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 
@@ -50,7 +49,7 @@ log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
 
 
-class DecodeWorker(KVReceiver):
+class DecodeWorker(KVReceiver, LocalPrefill):
     def __init__(
         self,
         engine: Engine,
@@ -62,8 +61,11 @@ class DecodeWorker(KVReceiver):
         drain_timeout: float = 30.0,
         checkpoints: CheckpointWriter | None = None,
         lease: float = 5.0,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.engine = engine
+        self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
+        self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
         self.checkpoints = checkpoints  # records of how far each sequence is stored
         # A node that has not reached NATS (its heartbeats) for `lease` seconds gives up its
         # sequences: the routers have resumed them elsewhere; their blocks are freed.
@@ -114,6 +116,9 @@ class DecodeWorker(KVReceiver):
         return sum(e.blocks for e in self.expected.values())
 
     async def on_assign(self, msg: Msg) -> None:
+        if self.draining:  # before any validation: a draining node takes nothing
+            await msg.respond(b"refused: draining")
+            return
         try:
             assignment = decode(msg.data, DecodeAssignment)
             snap = assignment.snapshot
@@ -128,9 +133,6 @@ class DecodeWorker(KVReceiver):
             return
         except TandemError as exc:
             await msg.respond(b"refused: " + exc.message.encode())
-            return
-        if self.draining:
-            await msg.respond(b"refused: draining")
             return
         need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
@@ -148,46 +150,6 @@ class DecodeWorker(KVReceiver):
             assignment.transfer_secret,
         )
         await msg.respond(b"ok")
-
-    async def on_prefill(self, msg: Msg) -> None:
-        """A router sends a request here to prefill locally: most of its prompt is cached."""
-        ctx = extract_context(dict(msg.headers or {}))
-        with TRACER.start_as_current_span("decode.local_prefill", context=ctx) as span:
-            try:
-                job = decode(msg.data, PrefillJob)
-                if not is_token_subject(job.token_subject):
-                    raise WireFormatError(f"bad token subject {job.token_subject[:80]!r}")
-            except WireFormatError as exc:
-                self.bus.count_drop(msg.subject, str(exc))
-                await msg.respond(b"refused: malformed job")
-                return
-            if self.draining:
-                await msg.respond(b"refused: draining")
-                return
-            prompt_blocks = self.engine.scheduler.blocks_for(len(job.prompt_ids))
-            if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
-                await msg.respond(b"refused: not enough free KV blocks")
-                return
-            try:
-                await self._run(
-                    self.engine.add_request,
-                    job.prompt_ids,
-                    job.sampling_params(),
-                    job.request_id,
-                    job.output_ids,
-                )
-            except TandemError as exc:
-                span.set_status(Status(StatusCode.ERROR, exc.message))
-                await msg.respond(b"refused: " + exc.message.encode())
-                return
-            rid = job.request_id
-            bind(request_id=rid)
-            self.subjects[rid] = job.token_subject
-            self.stream_spans[rid] = TRACER.start_span(
-                "decode.stream", attributes={"tandem.node_id": self.node_id}
-            )
-            await msg.respond(b"ok")
-            self.wake.set()
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
@@ -213,6 +175,7 @@ class DecodeWorker(KVReceiver):
         if out.num_output_tokens == 1:  # prefilled here (routed for its cached prefix)
             self.metrics.prefix_lookup_tokens.inc(out.num_prompt_tokens)
             self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
+        self.resumed_here(out)
         if out.finished:
             self.subjects.pop(out.request_id, None)
             self._end_stream(out.request_id, out.num_output_tokens, out.finish_reason or "")

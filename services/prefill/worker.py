@@ -23,7 +23,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from services.prefill.prefix import PrefixCache
 from shared.bus.client import Bus
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
@@ -37,6 +36,7 @@ from shared.engine.sequence import SequenceSnapshot
 from shared.errors import CapacityError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient import KVCacheClient
+from shared.prefix_cache import PrefixCache
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer

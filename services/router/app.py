@@ -258,7 +258,17 @@ class Router:
         for failover in self.failovers.values():
             failover.node_left(node_id)
 
-    async def _send_local(self, node: NodeInfo, job: PrefillJob) -> bool:
+    async def resubmit(self, node: NodeInfo, job: PrefillJob, attempt: int = 0) -> str:
+        """A resumed request (failover, or a stream picked up after a router died): straight
+        to the decode node, which loads the checkpointed KV itself and recomputes only the
+        tail, no prefill node or transfer in the way; through the prefill queue if it
+        refuses. Returns the path taken."""
+        if await self._send_local(node, job, count=False):
+            return "local"
+        await submit_job(self.bus, job, attempt=attempt)
+        return "disaggregated"
+
+    async def _send_local(self, node: NodeInfo, job: PrefillJob, count: bool = True) -> bool:
         """Ask a decode node holding the prompt's prefix to prefill the rest itself."""
         assert self.bus.nc is not None
         # The node answers once the request is queued in its engine, after the step running
@@ -279,7 +289,8 @@ class Router:
         if reply.data != b"ok":
             log.info("%s refused local prefill: %s", node.node_id, reply.data[:200])
             return False
-        self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
+        if count:
+            self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
         return True
 
     async def cancel(self, rid: str, internal_id: str, reason: str) -> None:

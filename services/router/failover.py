@@ -22,7 +22,6 @@ from opentelemetry import trace
 from services.router.streams import RequestStream
 from shared.bus.messages import Cancel, PrefillJob
 from shared.bus.topology import cancel_subject
-from shared.bus.workqueue import submit_job
 
 if TYPE_CHECKING:
     from services.router.app import Router
@@ -99,11 +98,12 @@ class Failover:
             deadline=time.time() + self.router.config.first_token_timeout,
         )
         try:
-            await submit_job(self.router.bus, job, attempt=self.attempts)
+            path = await self.router.resubmit(node, job, attempt=self.attempts)
         except Exception as exc:
             log.warning("failover of %s not submitted: %s", self.job.request_id, exc)
             return False
         self.router.metrics.failovers.inc()
+        self.stream.sender = node.node_id
         for old in left:
             # The node it left may live on (cut off, or stalled): it must free the blocks.
             # It hears this once it can; until then its own lease on NATS runs out.
@@ -114,11 +114,12 @@ class Failover:
              "tandem.decode_node": node.node_id},
         )  # fmt: skip
         log.warning(
-            "%s: %s; resuming after %d delivered tokens on %s (failover %d)",
+            "%s: %s; resuming after %d delivered tokens on %s (failover %d, %s)",
             self.job.request_id,
             reason,
             len(delivered),
             node.node_id,
             self.attempts,
+            path,
         )
         return True

@@ -2,7 +2,8 @@
 registry entry to expire.
 
 Heartbeat expiry takes the registry TTL (seconds); a decode step takes ~0.1 s. So when a
-stream has had no token for `probe_after`, the router pings the node that should send the
+stream has had no token for 3x its usual gap between tokens (at least 0.15 s, at most
+`probe_after`), the router pings the node that should send the
 next one (`tandem.node.<id>.ping`, answered by every node's event loop, which stays free
 while its engine computes). A SIGKILLed node's subscription is gone with its connection,
 and NATS answers "no responders" at once: the node is declared dead and its requests fail
@@ -37,10 +38,12 @@ class LivenessProbe:
         probe_after: float = 0.5,
         timeout: float = 0.25,
         misses: int = 3,
-        interval: float = 0.1,
+        interval: float = 0.05,
+        floor: float = 0.15,
     ) -> None:
         self.router = router
         self.probe_after = probe_after
+        self.floor = floor
         self.timeout = timeout
         self.misses = misses
         self.interval = interval
@@ -50,11 +53,14 @@ class LivenessProbe:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def quiet_nodes(self, now: float) -> set[str]:
-        """Nodes some in-flight stream has waited on for longer than `probe_after`."""
+        """Nodes some in-flight stream has waited on for longer than it should: 3x its
+        usual gap between tokens (at least `floor`), at most `probe_after`."""
         out = set()
         for failover in list(self.router.failovers.values()):
             node = failover.expected_sender()
-            if node and now - failover.stream.last_delta_at > self.probe_after:
+            itl = failover.stream.itl
+            after = self.probe_after if itl is None else max(self.floor, 3 * itl)
+            if node and now - failover.stream.last_delta_at > min(after, self.probe_after):
                 out.add(node)
         return out
 

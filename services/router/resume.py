@@ -32,7 +32,6 @@ from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest
 from shared.bus.messages import Cancel, JournalEntry
 from shared.bus.topology import cancel_subject, token_subject
-from shared.bus.workqueue import submit_job
 from shared.telemetry.logs import bind
 from shared.telemetry.tracing import tracer
 
@@ -130,7 +129,7 @@ async def resume_stream(router: Router, request: web.Request) -> web.StreamRespo
         )
         stream = await RequestStream(router.bus, internal, output).open()
         try:
-            await submit_job(router.bus, job)
+            await router.resubmit(node, job)
         except BaseException:
             await stream.close()
             raise

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from shared.transport.base import TransferRejected
+from shared.transport.base import ReceiveHandler, TransferRejected
 from shared.transport.frames import TransferHeader, secret_matches
 
 
@@ -66,3 +66,26 @@ class PendingTransfers:
         exp = self.expected.pop(header.transfer_id, None) if header is not None else None
         if exp is not None and not exp.future.done():
             exp.future.set_exception(ConnectionError(reason))
+
+
+class SplitHandler:
+    """One listener, two kinds of transfers: those a node asked for (`pending`: kvcache
+    replies) and those announced to it otherwise (`other`: a decode node's assignments)."""
+
+    def __init__(self, pending: PendingTransfers, other: ReceiveHandler) -> None:
+        self.pending = pending
+        self.other = other
+
+    def _for(self, header: TransferHeader | None) -> ReceiveHandler:
+        if header is not None and header.transfer_id in self.pending.expected:
+            return self.pending
+        return self.other
+
+    def allocate(self, header: TransferHeader) -> memoryview:
+        return self._for(header).allocate(header)
+
+    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
+        await self._for(header).complete(header, payload)
+
+    def failed(self, header: TransferHeader | None, reason: str) -> None:
+        self._for(header).failed(header, reason)

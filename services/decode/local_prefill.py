@@ -1,0 +1,120 @@
+"""A decode node prefilling a request itself: one a router sent here because this node's pool
+holds most of its prompt, or a request resumed here after its node died.
+
+The cached blocks of the context (prompt, plus the tokens generated before a resume)
+beyond what this pool holds are loaded from the kvcache service first, so only the tail
+after the last stored block is computed, with no prefill node and no KV transfer in the
+way. A mixin of DecodeWorker (the attributes below are the worker's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from shared.bus.client import Bus
+from shared.bus.messages import PrefillJob, decode
+from shared.bus.topology import is_token_subject
+from shared.bus.tracing import extract_context
+from shared.engine.engine import Engine, StepOutput
+from shared.errors import TandemError, WireFormatError
+from shared.kv.block_hash import BlockHash
+from shared.prefix_cache import PrefixCache
+from shared.telemetry.logs import bind
+from shared.telemetry.metrics import NodeMetrics
+from shared.telemetry.tracing import tracer
+
+log = logging.getLogger("tandem.decode")
+TRACER = tracer("decode")
+PREFIX_LOAD_TIMEOUT = 5.0
+
+
+class LocalPrefill:
+    engine: Engine
+    bus: Bus
+    node_id: str
+    draining: bool
+    prefix: PrefixCache | None
+    resuming: dict[str, int]
+    subjects: dict[str, str]
+    stream_spans: dict[str, trace.Span]
+    metrics: NodeMetrics
+    wake: asyncio.Event
+    _run: Callable[..., Any]
+    reserved_blocks: Callable[[], int]
+
+    async def on_prefill(self, msg: Msg) -> None:
+        """A router sends a request here to prefill locally: most of its prompt is cached."""
+        ctx = extract_context(dict(msg.headers or {}))
+        with TRACER.start_as_current_span("decode.local_prefill", context=ctx) as span:
+            try:
+                job = decode(msg.data, PrefillJob)
+                if not is_token_subject(job.token_subject):
+                    raise WireFormatError(f"bad token subject {job.token_subject[:80]!r}")
+            except WireFormatError as exc:
+                self.bus.count_drop(msg.subject, str(exc))
+                await msg.respond(b"refused: malformed job")
+                return
+            if self.draining:
+                await msg.respond(b"refused: draining")
+                return
+            context = job.prompt_ids + job.output_ids  # a resumed request: its output too
+            prompt_blocks = self.engine.scheduler.blocks_for(len(context))
+            if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
+                await msg.respond(b"refused: not enough free KV blocks")
+                return
+            hashes, blocks = await self._load_prefix(context)
+
+            def admit() -> str:
+                if hashes:  # cached, findable: the admission right after finds them
+                    self.engine.import_cached_blocks(hashes, blocks)
+                return self.engine.add_request(
+                    job.prompt_ids, job.sampling_params(), job.request_id, job.output_ids
+                )
+
+            try:
+                await self._run(admit)
+            except TandemError as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                await msg.respond(b"refused: " + exc.message.encode())
+                return
+            if job.output_ids:
+                self.resuming[job.request_id] = len(context)
+            rid = job.request_id
+            bind(request_id=rid)
+            self.subjects[rid] = job.token_subject
+            self.stream_spans[rid] = TRACER.start_span(
+                "decode.stream", attributes={"tandem.node_id": self.node_id}
+            )
+            await msg.respond(b"ok")
+            self.wake.set()
+
+    async def _load_prefix(self, context: list[int]) -> tuple[list[BlockHash], list[bytes]]:
+        """The cached blocks of `context` beyond this pool's, from kvcache (best effort)."""
+        if self.prefix is None:
+            return [], []
+        try:
+            return await asyncio.wait_for(
+                self.prefix.load(context, otel_context.get_current()), PREFIX_LOAD_TIMEOUT
+            )
+        except Exception as exc:  # the tail is computed instead
+            log.warning("prefix load from kvcache failed: %r", exc)
+            return [], []
+
+    def resumed_here(self, out: StepOutput) -> None:
+        """A request resumed here sent its first token: count what was recomputed."""
+        context = self.resuming.pop(out.request_id, None)
+        if context is not None:  # resumed here: how much of its context was recomputed
+            self.metrics.resume_recomputed.observe(context - out.num_cached_tokens)
+            log.info(
+                "resumed %s after %d tokens: %d of %d context tokens recomputed",
+                out.request_id, out.num_output_tokens - 1,
+                context - out.num_cached_tokens, context,
+            )  # fmt: skip

@@ -46,6 +46,21 @@ async def connect_bus(
     bus = await Bus(url, node_id, auth).connect()
     assert bus.js is not None
     await ensure_topology(bus.js, topology)
+
+    async def again() -> None:
+        """After a reconnect: the server may be a restarted one whose memory streams (the
+        node registry) are gone; create or update everything again, retrying briefly."""
+        for attempt in range(20):
+            try:
+                assert bus.js is not None
+                await ensure_topology(bus.js, topology)
+                return
+            except Exception as exc:  # JetStream still starting: try again shortly
+                log.debug("topology after reconnect, attempt %d: %r", attempt + 1, exc)
+                await asyncio.sleep(0.5)
+        log.warning("could not set the topology up again after a reconnect")
+
+    bus.on_reconnect.append(again)
     return bus
 
 

@@ -107,6 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
     bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
     registry = await NodeRegistry(bus).start()
     nodes = await NodeTable(registry, colocated=args.colocated).start()
+    bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()
     config = RouterConfig(
         node_id=node_id,

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry
 
 log = logging.getLogger("tandem.router.nodes")
+REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
 
 
 class NodeTable:
@@ -24,29 +26,45 @@ class NodeTable:
         self.inflight: dict[str, int] = {}
         self.on_leave: list[Callable[[str], None]] = []
         self.left_at: dict[str, float] = {}  # departed node → its last heartbeat (unix time)
+        self.heard_at: dict[str, float] = {}  # node → when its latest entry arrived (monotonic)
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
         self._task = asyncio.create_task(self._watch())
         return self
 
+    def rewatch(self) -> None:
+        """Watch the registry afresh (after a reconnect: a restarted server re-creates the
+        registry bucket, and a watch of the old one hears nothing more). Nodes not heard
+        from within REWATCH_GRACE after it are taken as gone (they died meanwhile); the
+        others' next heartbeats fill the new bucket."""
+        if self._task is not None:
+            self._task.cancel()
+        self._task = asyncio.create_task(self._watch())
+        since = time.monotonic()
+
+        def sweep() -> None:
+            for node_id in [n for n in self.nodes if self.heard_at.get(n, 0.0) < since]:
+                self._left(node_id)
+
+        asyncio.get_running_loop().call_later(REWATCH_GRACE, sweep)
+
+    async def on_reconnect(self) -> None:
+        self.rewatch()
+
     async def _watch(self) -> None:
         while True:
             try:
                 async for ev in self.registry.watch():
+                    if ev.kind == "synced":
+                        continue
                     if ev.kind == "leave":
-                        gone = self.nodes.pop(ev.node_id, None)
-                        if gone is not None:
-                            self.left_at[ev.node_id] = gone.timestamp
-                            while len(self.left_at) > 1024:  # bounded: oldest first out
-                                del self.left_at[next(iter(self.left_at))]
-                        log.warning("node left: %s", ev.node_id)
-                        for callback in self.on_leave:
-                            callback(ev.node_id)
+                        self._left(ev.node_id)
                     elif ev.info is not None:
                         if ev.kind == "join":
                             log.info("node joined: %s (%s)", ev.node_id, ev.info.role)
                         self.nodes[ev.node_id] = ev.info
+                        self.heard_at[ev.node_id] = time.monotonic()
                         self.left_at.pop(ev.node_id, None)
                         self.inflight[ev.node_id] = 0
             except asyncio.CancelledError:
@@ -54,6 +72,17 @@ class NodeTable:
             except Exception as exc:  # the connection dropped: watch again once it is back
                 log.warning("registry watch failed: %s", exc)
                 await asyncio.sleep(0.5)
+
+    def _left(self, node_id: str) -> None:
+        gone = self.nodes.pop(node_id, None)
+        self.heard_at.pop(node_id, None)
+        if gone is not None:
+            self.left_at[node_id] = gone.timestamp
+            while len(self.left_at) > 1024:  # bounded: oldest first out
+                del self.left_at[next(iter(self.left_at))]
+        log.warning("node left: %s", node_id)
+        for callback in self.on_leave:
+            callback(node_id)
 
     def by_role(self, role: str) -> list[NodeInfo]:
         """The nodes of a role that take new work (a draining node only finishes its own)."""

@@ -24,6 +24,10 @@ from shared.errors import WireFormatError
 log = logging.getLogger("tandem.router.streams")
 
 MAX_BUFFERED = 4096  # deltas held while waiting for a gap to fill
+# Deltas are published at most once (core NATS): a NATS restart or a cut link can lose
+# some while later ones arrive. A gap unfilled this long means lost, not late: resume.
+HOLE_WAIT = 1.0
+TICK = 0.25  # how often a waiting stream looks for a gap
 
 
 class StreamTimeout(Exception):
@@ -43,6 +47,11 @@ class RequestStream:
         self.duplicates = 0
         self.node_id = ""  # the node that sent the latest in-order delta
         self.last_delta_at = time.monotonic()  # when the latest in-order delta arrived
+        self.itl: float | None = None  # moving average of the gap between decode steps
+        self.hole_since: float | None = None  # a later delta is here, an earlier one not
+        # The node the current attempt streams from once resumed: only a gap it leaves is a
+        # loss (the node left behind may still send late deltas, ahead of the new one's).
+        self.sender: str | None = None
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
@@ -68,9 +77,21 @@ class RequestStream:
             ready = self.pending.pop(self.next_seq)
             self.next_seq += 1
             self.token_ids.extend(ready.token_ids)
+            now = time.monotonic()
+            if self.node_id == ready.node_id and self.next_seq > 2:  # a decode step's gap
+                gap = now - self.last_delta_at
+                self.itl = gap if self.itl is None else 0.8 * self.itl + 0.2 * gap
             self.node_id = ready.node_id
-            self.last_delta_at = time.monotonic()
+            self.last_delta_at = now
             self.queue.put_nowait(ready)
+        if not self.pending:
+            self.hole_since = None
+        elif (
+            self.hole_since is None
+            and delta.seq in self.pending  # it skipped ahead
+            and self.sender in (None, delta.node_id)  # and it is the current attempt's
+        ):
+            self.hole_since = time.monotonic()
 
     async def deltas(
         self,
@@ -88,14 +109,16 @@ class RequestStream:
         timeout = first_timeout
         while True:
             delta = await self._next(timeout, lost)
-            if delta is None:
-                reason = (
-                    "its decode node was lost"
-                    if lost and lost.is_set()
-                    else (f"no token for {timeout:.0f}s")
-                )
+            if not isinstance(delta, TokenDelta):
+                if delta == "hole":
+                    reason = f"deltas after #{self.next_seq - 1} were lost"
+                elif lost and lost.is_set():
+                    reason = "its decode node was lost"
+                else:
+                    reason = f"no token for {timeout:.0f}s"
                 if lost is not None:
                     lost.clear()
+                self.hole_since = None
                 if resume is not None and await resume(reason):
                     timeout = first_timeout
                     continue
@@ -105,25 +128,36 @@ class RequestStream:
                 return
             timeout = stall_timeout
 
-    async def _next(self, timeout: float, lost: asyncio.Event | None) -> TokenDelta | None:
-        """The next delta, or None on timeout or when `lost` is set first."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
-        get = asyncio.ensure_future(self.queue.get())
-        waiters: set[asyncio.Future[object]] = {get}  # type: ignore[arg-type]
-        lost_wait = asyncio.ensure_future(lost.wait()) if lost is not None else None
-        if lost_wait is not None:
-            waiters.add(lost_wait)  # type: ignore[arg-type]
-        try:
-            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+    async def _next(self, timeout: float, lost: asyncio.Event | None) -> TokenDelta | str | None:
+        """The next delta; None on timeout or when `lost` is set first; "hole" when a gap
+        in the sequence stayed unfilled for HOLE_WAIT."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.queue.empty():
+                return self.queue.get_nowait()
+            now = time.monotonic()
+            if lost is not None and lost.is_set():
+                return None
+            if self.hole_since is not None and now - self.hole_since > HOLE_WAIT:
+                return "hole"
+            if now >= deadline:
+                return None
+            get = asyncio.ensure_future(self.queue.get())
+            waiters: set[asyncio.Future[object]] = {get}  # type: ignore[arg-type]
+            lost_wait = asyncio.ensure_future(lost.wait()) if lost is not None else None
             if lost_wait is not None:
-                lost_wait.cancel()
-            if not get.done():
-                get.cancel()
-        if get.done() and not get.cancelled():
-            return get.result()
-        return None
+                waiters.add(lost_wait)  # type: ignore[arg-type]
+            try:
+                await asyncio.wait(
+                    waiters, timeout=min(TICK, deadline - now), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                if lost_wait is not None:
+                    lost_wait.cancel()
+                if not get.done():
+                    get.cancel()
+            if get.done() and not get.cancelled():
+                return get.result()
 
     async def close(self) -> None:
         if self.sub is not None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -41,6 +42,10 @@ class Bus:
         self.connected = asyncio.Event()
         self.dropped: Counter[str] = Counter()  # malformed messages by subject
         self.reconnects = 0
+        # Run after every reconnect (e.g. re-creating the topology: a restarted server has
+        # lost its memory-backed streams, the node registry among them).
+        self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def connect(self, timeout: float = 10.0) -> Bus:
         async def disconnected() -> None:
@@ -51,6 +56,10 @@ class Bus:
             self.reconnects += 1
             self.connected.set()
             log.info("nats reconnected", extra={"node": self.name})
+            for callback in self.on_reconnect:
+                task = asyncio.ensure_future(callback())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
         refused = asyncio.Event()
 

@@ -26,7 +26,7 @@ log = logging.getLogger("tandem.registry")
 
 @dataclass(frozen=True)
 class RegistryEvent:
-    kind: str  # "join" | "update" | "leave"
+    kind: str  # "join" | "update" | "leave" | "synced" (the initial snapshot is complete)
     node_id: str
     info: NodeInfo | None
 
@@ -36,7 +36,7 @@ class NodeRegistry:
         self.bus = bus
         self.ttl = max(1.0, ttl)  # NATS per-message TTL has one-second granularity
         self.kv: KeyValue | None = None
-        # When a heartbeat last reached JetStream (monotonic): the node's contact with the
+        # When a round trip to NATS last worked (monotonic): the node's contact with the
         # cluster. A node cut off longer than its lease gives up its work (see decode).
         self.last_ok = time.monotonic()
 
@@ -56,13 +56,29 @@ class NodeRegistry:
     ) -> None:
         """Heartbeat forever (cancel the task to stop); errors are logged, never fatal."""
         period = interval or self.ttl / 3
+        contact = asyncio.create_task(self._keep_contact(period))
+        try:
+            while True:
+                try:
+                    await self.heartbeat(make_info())
+                except Exception as exc:  # the connection may be down; keep trying
+                    log.warning("heartbeat failed: %s", exc)
+                await asyncio.sleep(period)
+        finally:
+            contact.cancel()
+
+    async def _keep_contact(self, period: float) -> None:
+        """`last_ok`: when a round trip to the server (PING/PONG) last worked. Not the
+        heartbeat's JetStream ack: a restarted server answers before its streams are back,
+        and a node that reaches NATS is reachable by the routers."""
+        assert self.bus.nc is not None
         while True:
             try:
-                await self.heartbeat(make_info())
+                await self.bus.nc.flush(timeout=max(1, round(period)))
                 self.last_ok = time.monotonic()
-            except Exception as exc:  # the connection may be down; keep trying
-                log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(period)
+            except Exception as exc:  # cut off, or reconnecting
+                log.debug("no round trip to NATS: %r", exc)
+            await asyncio.sleep(period / 2)
 
     async def remove(self, node_id: str) -> None:
         assert self.kv is not None
@@ -87,8 +103,9 @@ class NodeRegistry:
         known: set[str] = set()
         try:
             async for entry in watcher:
-                if entry is None:
-                    continue  # end of the initial snapshot
+                if entry is None:  # end of the initial snapshot: the nodes alive now are known
+                    yield RegistryEvent("synced", "", None)
+                    continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     if entry.key in known:
                         known.discard(entry.key)

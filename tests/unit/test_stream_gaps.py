@@ -1,0 +1,67 @@
+"""A token stream that lost deltas (published at most once; a NATS restart drops what was in
+flight) resumes after HOLE_WAIT instead of waiting out the stall timeout; a late delta
+after a resume does not trigger another one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from services.router.streams import HOLE_WAIT, RequestStream
+from shared.bus.messages import TokenDelta, encode
+
+
+@dataclass
+class FakeMsg:  # what nats-py hands a subscription callback: only .data and .subject used
+    data: bytes
+    subject: str = "tandem.tokens.r1"
+
+
+async def feed(stream: RequestStream, seq: int, finished: bool = False, node: str = "d1") -> None:
+    delta = TokenDelta(request_id="r1", seq=seq, token_ids=[100 + seq], text=f"<{seq}>",
+                       finished=finished, node_id=node)  # fmt: skip
+    await stream._on_msg(FakeMsg(encode(delta)))  # type: ignore[arg-type]
+
+
+async def test_a_gap_resumes_soon_and_the_stream_stays_exact() -> None:
+    stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
+    reasons: list[tuple[str, float]] = []
+    started = time.monotonic()
+
+    async def late_and_resumed() -> None:
+        await feed(stream, 3)  # the old node's late delta: ahead of the gap again
+        await feed(stream, 2, node="d2")  # the resumed attempt (another node) fills it
+        await feed(stream, 5)  # another late one from the old node, ahead of d2's stream
+        await asyncio.sleep(HOLE_WAIT + 0.5)  # not a loss: d2 is the sender now
+        for seq in (3, 4, 5):
+            await feed(stream, seq, node="d2")
+        await feed(stream, 6, finished=True, node="d2")
+
+    tasks = []
+
+    async def resume(reason: str) -> bool:
+        reasons.append((reason, time.monotonic() - started))
+        stream.sender = "d2"  # what the failover sets: the node it resumed on
+        tasks.append(asyncio.create_task(late_and_resumed()))
+        return True
+
+    await feed(stream, 0)
+    await feed(stream, 1)
+    await feed(stream, 3)  # 2 was lost
+    got = [d.seq async for d in stream.deltas(30.0, 30.0, None, resume)]
+    assert got == [0, 1, 2, 3, 4, 5, 6]
+    assert stream.token_ids == [100, 101, 102, 103, 104, 105, 106]
+    assert len(reasons) == 1 and "lost" in reasons[0][0]
+    assert HOLE_WAIT <= reasons[0][1] < HOLE_WAIT + 1.0  # not the 30 s stall timeout
+
+
+async def test_no_resume_without_a_gap() -> None:
+    stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
+
+    async def resume(reason: str) -> bool:
+        raise AssertionError(f"resumed: {reason}")
+
+    for seq in range(3):
+        await feed(stream, seq, finished=seq == 2)
+    assert [d.seq async for d in stream.deltas(5.0, 5.0, None, resume)] == [0, 1, 2]

@@ -1,13 +1,15 @@
 """The local backend: model nodes as child processes of a `tandem up` stack.
 
 A new node is a copy of the stack's first node of that role (same model, transport and
-engine options) under a fresh name and metrics port; removing one sends it SIGTERM, so a
+engine options) under a fresh name and metrics port, with its share of the cores as torch
+threads; removing one sends it SIGTERM, so a
 decode node drains (finishes its streams, takes no new ones) before it exits, and the
 routers resume anything left when it leaves.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 from shared.bus.server import free_port
@@ -42,6 +44,10 @@ class LocalBackend:
         name = f"{role}-{index}"
         argv = list(template.argv)
         argv[argv.index("--node-id") + 1] = name
+        if "--threads" in argv:  # its share of the cores with one more model node, not the
+            models = len(self._alive("prefill")) + len(self._alive("decode")) + 1  # template's
+            cores = len(os.sched_getaffinity(0))
+            argv[argv.index("--threads") + 1] = str(max(1, cores // models))
         port = free_port()
         argv[argv.index("--metrics-port") + 1] = str(port)
         self.stack.metrics_ports[name] = port

@@ -63,19 +63,20 @@ class Stream:
 
 
 def workload(model: LoadedModel, n: int, min_tokens: int, seed: int = 7) -> list[Request]:
-    """n prompts from ~10 to ~300 tokens, output lengths min_tokens to min_tokens + 30."""
+    """n prompts from ~10 to ~300 tokens, output lengths min_tokens to min_tokens + 8."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         filler = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(0, 220)))
         text = f"Write at length about {TOPICS[i % len(TOPICS)]}. {filler}"
         ids = model.tokenizer.encode(text, add_special_tokens=False)
-        out.append(Request(ids, min_tokens + rng.randrange(0, 31)))
+        out.append(Request(ids, min_tokens + rng.randrange(0, 9)))
     return out
 
 
-def reference(model: LoadedModel, requests: list[Request]) -> list[str]:
-    """The uninterrupted texts, from one in-process engine running them all."""
+def reference(model: LoadedModel, requests: list[Request]) -> list[list[str]]:
+    """The uninterrupted runs as the text each token added (so a shorter request's text is
+    a prefix's join), from one in-process engine running them all."""
     engine = Engine(model, EngineConfig(kv_cache_bytes=2 << 30))
     ids = [
         engine.add_request(
@@ -87,7 +88,7 @@ def reference(model: LoadedModel, requests: list[Request]) -> list[str]:
     while engine.has_unfinished():
         for out in engine.step():
             texts[out.request_id].append(out.text)
-    return ["".join(texts[rid]) for rid in ids]
+    return [texts[rid] for rid in ids]
 
 
 async def stream_one(

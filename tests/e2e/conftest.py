@@ -82,10 +82,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Itera
 
 
 @pytest.fixture(scope="package")
-def chaos_workload(real_model: LoadedModel) -> tuple[list[Request], list[str]]:
-    """The chaos tests' 32 requests and their uninterrupted texts (computed once)."""
+def chaos_reference(real_model: LoadedModel) -> tuple[list[Request], list[list[str]]]:
+    """The chaos tests' 32 requests and, per request, the text each token of its
+    uninterrupted run added (computed once; other tests use prefixes of them)."""
     requests = workload(real_model, 32, 200)
     started = time.monotonic()
     texts = reference(real_model, requests)
     print(f"chaos reference: {time.monotonic() - started:.0f}s")
     return requests, texts
+
+
+@pytest.fixture(scope="package")
+def chaos_workload(
+    chaos_reference: tuple[list[Request], list[list[str]]],
+) -> tuple[list[Request], list[str]]:
+    """The chaos tests' 32 requests and their uninterrupted texts."""
+    requests, pieces = chaos_reference
+    return requests, ["".join(p) for p in pieces]

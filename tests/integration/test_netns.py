@@ -78,16 +78,17 @@ def test_netns_lab() -> None:
         server = a.popen(
             [sys.executable, "-c", SERVER, a.ip, str(PORT)], stdout=subprocess.PIPE, text=True
         )
+        assert server.stdout is not None
+        # the session connects at once: only once the server listens (else: refused)
+        assert server.stdout.readline().strip() == "ready"
         session = b.popen(
             [sys.executable, "-c", SESSION, a.ip, str(PORT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        assert server.stdout is not None
         assert session.stdin is not None and session.stdout is not None
         try:
-            assert server.stdout.readline().strip() == "ready"
             assert probe(b, a, timeout=5)
 
             # Nothing of the lab leaks into the root namespace.

@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--lease",
         type=float,
         default=5.0,
-        help="cut off from NATS this long (no heartbeat got through), drop every sequence: "
+        help="cut off from NATS this long (no round trip to the server), drop every sequence: "
         "the routers resumed them elsewhere (at least the heartbeat TTL)",
     )
     p.set_defaults(func=run)

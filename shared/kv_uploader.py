@@ -46,7 +46,9 @@ class BlockUploader:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
-        self._links: dict[tuple[int, int], SpanContext] = {}  # of the next batch's span
+        # (first, end) positions of a submission's blocks → the requests they belong to: a
+        # batch's span links every request with a block in it, however submissions split
+        self._links: deque[tuple[int, int, list[SpanContext]]] = deque()
 
     def submit(
         self,
@@ -59,9 +61,6 @@ class BlockUploader:
         contexts of the requests the blocks belong to (linked from the checkpoint span).
         `on_stored`: called (on the event loop) once all of them are stored; not if any of
         them was dropped or failed."""
-        for ctx in requests:
-            if len(self._links) < MAX_LINKS and ctx.is_valid:
-                self._links[(ctx.trace_id, ctx.span_id)] = ctx
         accepted = 0
         for h, b in zip(hashes, blocks, strict=True):
             if self.pending_bytes + len(b) > self.max_pending_bytes:
@@ -74,6 +73,9 @@ class BlockUploader:
         self._queued_total += accepted
         if on_stored is not None and accepted == len(hashes):
             self._after.append((first, self._queued_total, on_stored))
+        valid = [c for c in requests if c.is_valid][:MAX_LINKS]
+        if valid and accepted:
+            self._links.append((first, self._queued_total, valid))
         if accepted:
             self._idle.clear()
             self._wake.set()
@@ -91,7 +93,7 @@ class BlockUploader:
                 batch = [
                     self.queue.popleft() for _ in range(min(MAX_BLOCKS_PER_PUT, len(self.queue)))
                 ]
-                links, self._links = [Link(c) for c in self._links.values()], {}
+                links = self._batch_links(self._done_total, self._done_total + len(batch))
                 nbytes = sum(len(b) for _, b in batch)
                 with TRACER.start_as_current_span(
                     "kv.checkpoint",
@@ -112,6 +114,20 @@ class BlockUploader:
                 self.pending_bytes -= sum(len(b) for _, b in batch)
                 self._batch_done(len(batch), stored == len(batch))
             self._idle.set()
+
+    def _batch_links(self, start: int, end: int) -> list[Link]:
+        """Links to the requests with a block in positions [start, end), at most MAX_LINKS."""
+        found: dict[tuple[int, int], SpanContext] = {}
+        for first, last, contexts in self._links:
+            if first >= end:
+                break
+            if last > start:
+                for ctx in contexts:
+                    if len(found) < MAX_LINKS:
+                        found[(ctx.trace_id, ctx.span_id)] = ctx
+        while self._links and self._links[0][1] <= end:  # wholly in this batch or before
+            self._links.popleft()
+        return [Link(c) for c in found.values()]
 
     def _batch_done(self, size: int, ok: bool) -> None:
         self._done_total += size

@@ -101,3 +101,19 @@ async def test_uploader_calls_back_only_for_hand_overs_wholly_stored() -> None:
     await uploader.close()
     assert called == ["a", "c", "d"]  # b's put failed; e lost a block
     await asyncio.sleep(0)
+
+
+def test_every_checkpoint_span_links_the_requests_with_blocks_in_it() -> None:
+    """A submission split over two puts (more than 256 blocks) is linked from both spans."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    def ctx(n: int) -> SpanContext:
+        return SpanContext(trace_id=n, span_id=n, is_remote=False, trace_flags=TraceFlags(1))
+
+    uploader = BlockUploader(FlakyStore(), max_pending_bytes=1 << 20)  # type: ignore[arg-type]
+    uploader.submit([b"a"] * 300, [b"x"] * 300, [ctx(1)])
+    uploader.submit([b"b"] * 10, [b"y"] * 10, [ctx(2)])
+    first = {link.context.trace_id for link in uploader._batch_links(0, 256)}
+    second = {link.context.trace_id for link in uploader._batch_links(256, 310)}
+    assert (first, second) == ({1}, {1, 2})
+    assert not uploader._links  # both submissions done with: nothing kept

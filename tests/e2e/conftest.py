@@ -33,6 +33,21 @@ def wait_for_every_node(stack: Stack, timeout: float) -> None:
                 time.sleep(0.25)
 
 
+def wait_ready(stack: Stack, timeout: float = 60) -> None:
+    """Until the router answers /readyz with 200 (after a restart of it or of NATS)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{stack.url} not ready within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="package")
 def otlp() -> Iterator[OtlpReceiver]:
     receiver = OtlpReceiver()

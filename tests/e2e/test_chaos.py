@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
@@ -32,6 +30,7 @@ from tests.e2e.chaos import (
     run_streams,
 )
 from tests.e2e.conftest import running_stack, wait_for_every_node
+from tests.e2e.netns_client import metric as port_metric
 from tests.e2e.test_failover import router_metric
 
 pytestmark = pytest.mark.e2e
@@ -57,13 +56,7 @@ def chaos_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
 
 
 def metric(stack: Stack, node: str, name: str) -> float:
-    port = stack.metrics_ports[node]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        for family in text_string_to_metric_families(r.read().decode()):
-            for s in family.samples:
-                if s.name == name:
-                    return float(s.value)
-    return 0.0
+    return port_metric(str(stack.metrics_ports[node]), name)
 
 
 def busiest_prefill(stack: Stack, timeout: float) -> str | None:

@@ -9,31 +9,17 @@ is on disk and survives the restart.
 from __future__ import annotations
 
 import asyncio
-import time
-import urllib.request
 
 import pytest
 
 from tandem.launcher import Stack
 from tests.e2e.chaos import Request, Stream, run_streams
+from tests.e2e.conftest import wait_ready
 
 pytestmark = pytest.mark.e2e
 
 STREAMS = 3
 RESTART_AFTER = 15
-
-
-def ready(stack: Stack, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the stack did not come back after NATS"
-        time.sleep(0.2)
 
 
 async def test_nats_restarted_mid_stream(
@@ -53,7 +39,7 @@ async def test_nats_restarted_mid_stream(
 
     await asyncio.gather(run_streams(stack.url, requests, streams), restart())
     assert [s.text for s in streams] == expected  # nothing lost, nothing repeated
-    await asyncio.to_thread(ready, stack)
+    await asyncio.to_thread(wait_ready, stack)
     # and new work flows: the work queue and registry came back with the server
     again = [Stream()]
     await run_streams(stack.url, requests[:1], again)

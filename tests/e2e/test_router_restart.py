@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from tandem.launcher import Stack
+from tests.e2e.conftest import wait_ready
 from tests.e2e.test_api import MODEL, decode_nodes
 from tests.e2e.test_failover import router_metric
 
@@ -59,20 +59,6 @@ async def journal_has(stack: Stack, rid: str) -> bool:
         return await (await RequestJournal(bus).start()).get(rid) is not None
     finally:
         await bus.close()
-
-
-def wait_ready(stack: Stack, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("router not ready")
-        time.sleep(0.2)
 
 
 async def wait_idle(stack: Stack, deadline: float) -> None:

@@ -3,8 +3,8 @@ cut (a pulled cable: no RST, no FIN) instead of a kill.
 
 Hosts: nats, kvcache, prefill, two decode nodes, the router and the client, each a netns
 on a private bridge (tests/netns.py; nothing is ever sent to the lab subnet from the root
-namespace: the client runs inside the lab). 8 greedy streams of >= 200 tokens; once each
-has 20 tokens, d1's link goes down. Its streams fail over (the router's probes go
+namespace: the client runs inside the lab). 8 greedy streams of 120 tokens; once each has
+20 tokens, d1's link goes down. Its streams fail over (the router's probes go
 unanswered), every text equals the uninterrupted reference, and d1 — alive, cut off —
 drops its sequences once its lease on NATS lapses: its blocks, and every other node's,
 return to zero.
@@ -29,6 +29,7 @@ from tests.netns import Host, NetnsLab, unavailable_reason
 pytestmark = pytest.mark.e2e
 
 STREAMS = 8
+MAX_TOKENS = 120
 CUT_AFTER = 20
 NATS_PORT = 4222
 ROUTER_PORT = 8000
@@ -94,10 +95,11 @@ def lab() -> Iterator[NetnsLab]:
 
 
 def test_decode_host_cut_off_streams_resume_and_blocks_return(
-    lab: NetnsLab, tmp_path: Path, chaos_workload: tuple[list[Request], list[str]]
+    lab: NetnsLab, tmp_path: Path, chaos_reference: tuple[list[Request], list[list[str]]]
 ) -> None:
-    requests, texts = chaos_workload
-    requests, expected = requests[:STREAMS], texts[:STREAMS]
+    requests, pieces = chaos_reference  # their first MAX_TOKENS tokens
+    requests = [Request(r.prompt_ids, MAX_TOKENS) for r in requests[:STREAMS]]
+    expected = ["".join(p[:MAX_TOKENS]) for p in pieces[:STREAMS]]
     hosts = lab.hosts
     conf = tmp_path / "nats.conf"
     conf.write_text(

@@ -19,14 +19,16 @@ from tests.e2e.conftest import wait_ready
 pytestmark = pytest.mark.e2e
 
 STREAMS = 3
+MAX_TOKENS = 100
 RESTART_AFTER = 15
 
 
 async def test_nats_restarted_mid_stream(
-    stack: Stack, chaos_workload: tuple[list[Request], list[str]]
+    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]]
 ) -> None:
-    requests, texts = chaos_workload
-    requests, expected = requests[-STREAMS:], texts[-STREAMS:]
+    requests, pieces = chaos_reference  # their first MAX_TOKENS tokens
+    requests = [Request(r.prompt_ids, MAX_TOKENS) for r in requests[-STREAMS:]]
+    expected = ["".join(p[:MAX_TOKENS]) for p in pieces[-STREAMS:]]
     streams = [Stream() for _ in requests]
     assert stack.nats is not None
 

@@ -126,6 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     index = KVIndex()
     await index.follow(bus)
+    bus.on_reconnect.append(lambda: index.refollow(bus))
     loop = asyncio.get_running_loop()
 
     def forget(node_id: str) -> None:

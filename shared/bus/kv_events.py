@@ -155,3 +155,20 @@ class KVIndex:
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.ALL,
         )
+
+    async def refollow(self, bus: Bus) -> None:
+        """After a reconnect: a restarted server lost this ordered consumer, which then hears
+        nothing more. Drop it, forget what it taught, replay the stream (kept on disk)."""
+        old, self._sub = self._sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()  # type: ignore[attr-defined]
+        self.by_node.clear()
+        for attempt in range(20):
+            try:
+                await self.follow(bus)
+                return
+            except Exception as exc:  # JetStream still starting: try again shortly
+                log.debug("following KV events again, attempt %d: %r", attempt + 1, exc)
+                await asyncio.sleep(0.5)
+        log.warning("could not follow the KV-event stream again after a reconnect")

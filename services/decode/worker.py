@@ -67,7 +67,7 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
         self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
         self.checkpoints = checkpoints  # records of how far each sequence is stored
-        # A node that has not reached NATS (its heartbeats) for `lease` seconds gives up its
+        # A node with no round trip to NATS for `lease` seconds (`last_contact`) gives up its
         # sequences: the routers have resumed them elsewhere; their blocks are freed.
         self.lease = lease
         self.last_contact: Callable[[], float] | None = None

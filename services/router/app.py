@@ -238,19 +238,16 @@ class Router:
                 blocks=blocks,
                 start=start,
             )
-        except ApiError as exc:
+        except BaseException as exc:  # not admitted: nothing of it may stay anywhere
             self.active.discard(rid)
             await stream.close()
             await self.cancel(rid, rid, "not admitted")
+            if not isinstance(exc, ApiError):
+                raise
             span.set_status(Status(StatusCode.ERROR, exc.message))
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             self.metrics.errors.labels(str(exc.status)).inc()
             return exc.response()
-        except BaseException:
-            self.active.discard(rid)
-            await stream.close()
-            await self.cancel(rid, rid, "not admitted")
-            raise
         return await relay(self, request, relayed, span)
 
     def node_lost(self, node_id: str) -> None:

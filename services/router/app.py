@@ -78,6 +78,11 @@ class Router:
 
     # ---- helpers ----------------------------------------------------------------------------
 
+    @staticmethod
+    def blocks_needed(prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a request can come to fill (what a decode node must have room for)."""
+        return -(-(prompt_tokens + max_tokens) // BLOCK_SIZE)
+
     async def _body(self, request: web.Request) -> Any:
         if (
             request.content_length is not None
@@ -158,7 +163,7 @@ class Router:
         bind(request_id=rid)
         created = int(time.time())
         start = time.monotonic()
-        blocks = -(-(len(parsed.prompt_ids) + parsed.params.max_tokens) // BLOCK_SIZE)
+        blocks = self.blocks_needed(len(parsed.prompt_ids), parsed.params.max_tokens)
         plan = self.routing.plan(parsed.prompt_ids, blocks) if self.routing else None
         local_node = plan.local_node if plan is not None else None
         decode_node = local_node or self.nodes.pick_decode(blocks)

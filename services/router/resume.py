@@ -42,7 +42,6 @@ log = logging.getLogger("tandem.router.resume")
 TRACER = tracer("router")
 
 REQUEST_ID = re.compile(r"^(chatcmpl|cmpl)-[0-9a-f]{24}$")
-BLOCK_SIZE = 16
 
 
 def last_event_id(request: web.Request) -> int:
@@ -95,7 +94,7 @@ async def resume_stream(router: Router, request: web.Request) -> web.StreamRespo
         # Resume before the client's last token: regenerating it (not sent again) also
         # brings its finish reason if it was the last one.
         output = known[: max(0, min(after, len(known), job.params.max_tokens - 1))]
-        blocks = -(-(len(job.prompt_ids) + job.params.max_tokens) // BLOCK_SIZE)
+        blocks = router.blocks_needed(len(job.prompt_ids), job.params.max_tokens)
         node = router.nodes.pick_decode(blocks)
         if node is None:
             raise ApiError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
 from shared.bus.messages import PrefillJob, decode
-from shared.bus.topology import is_token_subject
+from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine, StepOutput
 from shared.errors import TandemError, WireFormatError
@@ -43,6 +44,7 @@ class LocalPrefill:
     draining: bool
     prefix: PrefixCache | None
     resuming: dict[str, int]
+    admitting: dict[str, bool]
     subjects: dict[str, str]
     stream_spans: dict[str, trace.Span]
     metrics: NodeMetrics
@@ -58,32 +60,33 @@ class LocalPrefill:
                 job = decode(msg.data, PrefillJob)
                 if not is_token_subject(job.token_subject):
                     raise WireFormatError(f"bad token subject {job.token_subject[:80]!r}")
-            except WireFormatError as exc:
+                reply_by = float((msg.headers or {}).get(REPLY_BY_HEADER, "inf"))
+            except (WireFormatError, ValueError) as exc:
                 self.bus.count_drop(msg.subject, str(exc))
                 await msg.respond(b"refused: malformed job")
                 return
             if self.draining:
                 await msg.respond(b"refused: draining")
                 return
+            if job.request_id in self.admitting or job.request_id in self.subjects:
+                await msg.respond(b"refused: already here")
+                return
             context = job.prompt_ids + job.output_ids  # a resumed request: its output too
             prompt_blocks = self.engine.scheduler.blocks_for(len(context))
             if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
                 await msg.respond(b"refused: not enough free KV blocks")
                 return
-            hashes, blocks = await self._load_prefix(context)
-
-            def admit() -> str:
-                if hashes:  # cached, findable: the admission right after finds them
-                    self.engine.import_cached_blocks(hashes, blocks)
-                return self.engine.add_request(
-                    job.prompt_ids, job.sampling_params(), job.request_id, job.output_ids
-                )
-
+            self.admitting[job.request_id] = False
             try:
-                await self._run(admit)
-            except TandemError as exc:
-                span.set_status(Status(StatusCode.ERROR, exc.message))
-                await msg.respond(b"refused: " + exc.message.encode())
+                refusal = await self._admit(job, context, reply_by)
+            finally:
+                cancelled = self.admitting.pop(job.request_id)
+            if refusal is None and cancelled:  # the router gave up on this path meanwhile
+                await self._run(self.engine.abort, job.request_id)
+                refusal = "cancelled"
+            if refusal is not None:
+                span.set_status(Status(StatusCode.ERROR, refusal))
+                await msg.respond(b"refused: " + refusal.encode())
                 return
             if job.output_ids:
                 self.resuming[job.request_id] = len(context)
@@ -96,13 +99,39 @@ class LocalPrefill:
             await msg.respond(b"ok")
             self.wake.set()
 
-    async def _load_prefix(self, context: list[int]) -> tuple[list[BlockHash], list[bytes]]:
-        """The cached blocks of `context` beyond this pool's, from kvcache (best effort)."""
-        if self.prefix is None:
+    async def _admit(self, job: PrefillJob, context: list[int], reply_by: float) -> str | None:
+        """Queue the request in the engine, its cached prefix placed first; why not if not.
+        Only before `reply_by`: after it the router has sent the request another way, and
+        admitting it here too would run it twice."""
+        hashes, blocks = await self._load_prefix(context, reply_by - time.time() - 0.1)
+
+        def admit() -> str | None:
+            if time.time() > reply_by:
+                return "the router stopped waiting"
+            if hashes:  # cached, findable: the admission right after finds them
+                self.engine.import_cached_blocks(hashes, blocks)
+            self.engine.add_request(
+                job.prompt_ids, job.sampling_params(), job.request_id, job.output_ids
+            )
+            return None
+
+        try:
+            refusal: str | None = await self._run(admit)
+        except TandemError as exc:
+            return exc.message
+        return refusal
+
+    async def _load_prefix(
+        self, context: list[int], patience: float
+    ) -> tuple[list[BlockHash], list[bytes]]:
+        """The cached blocks of `context` beyond this pool's, from kvcache (best effort,
+        for at most `patience` seconds)."""
+        patience = min(PREFIX_LOAD_TIMEOUT, patience)
+        if self.prefix is None or patience <= 0:
             return [], []
         try:
             return await asyncio.wait_for(
-                self.prefix.load(context, otel_context.get_current()), PREFIX_LOAD_TIMEOUT
+                self.prefix.load(context, otel_context.get_current()), patience
             )
         except Exception as exc:  # the tail is computed instead
             log.warning("prefix load from kvcache failed: %r", exc)

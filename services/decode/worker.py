@@ -66,6 +66,7 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         self.engine = engine
         self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
         self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
+        self.admitting: dict[str, bool] = {}  # local prefills being admitted → cancelled?
         self.checkpoints = checkpoints  # records of how far each sequence is stored
         # A node with no round trip to NATS for `lease` seconds (`last_contact`) gives up its
         # sequences: the routers have resumed them elsewhere; their blocks are freed.
@@ -160,6 +161,8 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         if cancel.node_id and cancel.node_id != self.node_id:
             return  # meant for one other node (a failover leaving it)
         self.expected.pop(cancel.request_id, None)
+        if cancel.request_id in self.admitting:  # on_prefill drops it once admitted
+            self.admitting[cancel.request_id] = True
         if cancel.request_id in self.subjects:
             self.subjects.pop(cancel.request_id, None)
             self._end_stream(cancel.request_id, -1, "cancelled")

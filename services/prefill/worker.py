@@ -400,7 +400,12 @@ class PrefillWorker:
         if is_token_subject(job.job.token_subject):
             await self.bus.publish(
                 job.job.token_subject,
-                TokenDelta(request_id=job.job.request_id, error=reason, node_id=self.node_id),
+                TokenDelta(
+                    request_id=job.job.request_id,
+                    error=reason,
+                    node_id=self.node_id,
+                    attempt=job.job.transfer_id,
+                ),
             )
 
     def close(self) -> None:

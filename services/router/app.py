@@ -26,7 +26,12 @@ from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import Cancel, JournalEntry, NodeInfo, PrefillJob, encode
-from shared.bus.topology import cancel_subject, local_prefill_subject, token_subject
+from shared.bus.topology import (
+    REPLY_BY_HEADER,
+    cancel_subject,
+    local_prefill_subject,
+    token_subject,
+)
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import submit_job
 from shared.engine.sampling import new_seed
@@ -39,6 +44,7 @@ TRACER = tracer("router")
 
 BLOCK_SIZE = 16
 LOCAL_PREFILL_TIMEOUT = 2.0
+REPLY_MARGIN = 0.5  # a decode node's "ok" must reach us before we stop waiting
 
 
 @dataclass
@@ -278,15 +284,20 @@ class Router:
         timeout = (
             self.config.first_token_timeout if self.config.colocated else LOCAL_PREFILL_TIMEOUT
         )
+        # The node admits it only until shortly before we stop waiting: a late "ok" would
+        # leave it running there as well as on the path taken instead.
+        reply_by = time.time() + timeout - REPLY_MARGIN
         try:
             reply = await self.bus.nc.request(
                 local_prefill_subject(node.node_id),
                 encode(job),
                 timeout=timeout,
-                headers=inject_headers(),
+                headers=inject_headers({REPLY_BY_HEADER: f"{reply_by:.3f}"}),
             )
         except Exception as exc:  # gone or slow: the disaggregated path still serves it
             log.warning("local prefill on %s failed: %s", node.node_id, exc)
+            # Past reply_by it admits nothing; one admitted just before is dropped by this.
+            await self.cancel_on(node.node_id, job.request_id, "local prefill timed out")
             return False
         if reply.data != b"ok":
             log.info("%s refused local prefill: %s", node.node_id, reply.data[:200])
@@ -294,6 +305,14 @@ class Router:
         if count:
             self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
         return True
+
+    async def cancel_on(self, node_id: str, internal_id: str, reason: str) -> None:
+        """Only `node_id` drops the request (a path or node it left; the others go on)."""
+        cancel = Cancel(request_id=internal_id, reason=reason, node_id=node_id)
+        try:
+            await self.bus.publish(cancel_subject(), cancel)
+        except Exception as exc:  # best effort: that node's lease frees the blocks anyway
+            log.debug("cancel on %s not sent: %s", node_id, exc)
 
     async def cancel(self, rid: str, internal_id: str, reason: str) -> None:
         """Every node drops the request's current attempt; the journal forgets it."""

@@ -20,8 +20,7 @@ import msgspec
 from opentelemetry import trace
 
 from services.router.streams import RequestStream
-from shared.bus.messages import Cancel, PrefillJob
-from shared.bus.topology import cancel_subject
+from shared.bus.messages import PrefillJob
 
 if TYPE_CHECKING:
     from services.router.app import Router
@@ -60,15 +59,6 @@ class Failover:
             return self.job.decode_node
         return self.stream.node_id
 
-    async def _cancel_on(self, node_id: str, reason: str) -> None:
-        cancel = Cancel(
-            request_id=self.job.request_id, reason=f"failed over: {reason}", node_id=node_id
-        )
-        try:
-            await self.router.bus.publish(cancel_subject(), cancel)
-        except Exception as exc:  # best effort: that node's lease frees the blocks anyway
-            log.debug("cancel on %s not sent: %s", node_id, exc)
-
     async def resume(self, reason: str) -> bool:
         """Resubmit the request after the tokens delivered so far; False if it cannot be."""
         if self.attempts >= MAX_FAILOVERS:
@@ -97,6 +87,7 @@ class Failover:
             transfer_id=f"{self.job.request_id}/failover-{self.attempts}",
             deadline=time.time() + self.router.config.first_token_timeout,
         )
+        self.stream.attempt = job.transfer_id  # from now on the old attempt's errors are stale
         try:
             path = await self.router.resubmit(node, job, attempt=self.attempts)
         except Exception as exc:
@@ -107,7 +98,7 @@ class Failover:
         for old in left:
             # The node it left may live on (cut off, or stalled): it must free the blocks.
             # It hears this once it can; until then its own lease on NATS runs out.
-            await self._cancel_on(old, reason)
+            await self.router.cancel_on(old, self.job.request_id, f"failed over: {reason}")
         trace.get_current_span().add_event(
             "failover",
             {"tandem.reason": reason, "tandem.tokens_delivered": len(delivered),

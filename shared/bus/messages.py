@@ -72,6 +72,9 @@ class TokenDelta(Message, frozen=True, tag="token_delta"):
     node_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # On an error: the attempt (job transfer id) that failed. A superseded attempt (a job
+    # still queued when its request failed over and went on elsewhere) must not end it.
+    attempt: str = ""
 
 
 class Cancel(Message, frozen=True, tag="cancel"):

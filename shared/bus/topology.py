@@ -66,6 +66,11 @@ def local_prefill_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.prefill"
 
 
+# Header of a local-prefill request: unix seconds after which the asking router has given
+# up waiting and taken another path; the decode node must not admit the request after it.
+REPLY_BY_HEADER = "Tandem-Reply-By"
+
+
 def ping_subject(node_id: str) -> str:
     """Every node answers here: a router probes a node whose stream went quiet. A dead
     node's subscription is gone, so NATS answers "no responders" at once."""

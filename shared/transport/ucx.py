@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections import defaultdict
 from collections.abc import Coroutine
@@ -29,6 +30,8 @@ from shared.errors import WireFormatError
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.session import receive_transfer, send_transfer
+
+log = logging.getLogger("tandem.transport.ucx")
 
 DEFAULT_OPTIONS = {"TLS": "tcp", "TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 _initialised = False
@@ -77,6 +80,44 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (UCXError, OSError, ConnectionError, WireFormatError)
 
 
+# ucxx operations whose caller was cancelled (a deadline) before UCX finished with them.
+_orphans: set[asyncio.Task[Any]] = set()
+
+
+async def _guarded(op: Coroutine[Any, Any, Any]) -> None:
+    """Run one ucxx send or receive so that cancelling the caller does not drop it.
+
+    UCX cannot cancel a posted operation; it holds a raw pointer to the buffer until the
+    operation completes (or the endpoint's abort cancels it). Cancelling the coroutine that
+    awaits it used to free the buffer and the request while UCX could still write into
+    them: a receive landing in freed memory corrupted the heap and the process crashed
+    later, somewhere else (seen as a segfault in msgpack encoding). The operation runs as
+    its own task instead, which keeps both alive; a cancelled caller leaves it in
+    `_orphans` until it ends (the caller's `abort()` of the endpoint ends it).
+    """
+    task = asyncio.ensure_future(op)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            _orphans.add(task)
+            task.add_done_callback(_retire)
+        raise
+
+
+def _retire(task: asyncio.Task[Any]) -> None:
+    _orphans.discard(task)
+    if not task.cancelled():
+        task.exception()  # its caller is gone: the error is nobody's to raise
+
+
+async def settle_orphans(timeout: float) -> int:
+    """Wait (bounded) for operations left by cancelled callers to end; how many remain."""
+    if _orphans:
+        await asyncio.wait(set(_orphans), timeout=timeout)
+    return len(_orphans)
+
+
 class EndpointChannel:
     """A Channel over a ucxx endpoint: each send is one tagged message."""
 
@@ -84,10 +125,10 @@ class EndpointChannel:
         self.ep = ep
 
     async def recv_into(self, buf: memoryview) -> None:
-        await self.ep.recv(buf)
+        await _guarded(self.ep.recv(buf))
 
     async def send(self, data: bytes | memoryview) -> None:
-        await self.ep.send(memoryview(data).cast("B"))
+        await _guarded(self.ep.send(memoryview(data).cast("B")))
 
 
 IDLE_POLL_MAX = 0.005  # seconds between probes of an idle endpoint, at most
@@ -173,7 +214,7 @@ class UcxTransport:
                 prefix = memoryview(bytearray(PREFIX.size))
                 try:
                     await _until_message(ep)  # an idle endpoint waits here
-                    await ep.recv(prefix)
+                    await EndpointChannel(ep).recv_into(prefix)
                 except errors:
                     return  # the peer closed or died between transfers
                 if not await self._serve_frame(ep, prefix, self._handler, errors):
@@ -249,6 +290,9 @@ class UcxTransport:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        left = await settle_orphans(2.0)  # the endpoints are aborted: they end now
+        if left:
+            log.warning("%d UCX operations still pending at close", left)
         for _ in range(3):  # ucxx retires its handler records a loop turn after they end
             await asyncio.sleep(0)
         if self._listener is not None:

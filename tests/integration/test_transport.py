@@ -325,3 +325,25 @@ async def test_idle_pooled_connections_do_not_burn_cpu(kind: str) -> None:
     finally:
         await sender.close()
         await receiver.close()
+
+
+async def test_a_ucx_receive_outlives_its_cancelled_caller_until_the_abort() -> None:
+    """UCX cannot cancel a posted receive: a caller whose deadline passes must leave the
+    operation (and its buffer) alive until the endpoint's abort ends it, never free memory
+    UCX may still write into."""
+    from shared.transport import ucx
+
+    peer = Peer("receive", "ucx")
+    transport = ucx.UcxTransport()
+    try:
+        address = (await peer.next("address"))["address"]
+        ep = await transport._checkout(address)
+        buf = memoryview(bytearray(16))
+        with pytest.raises(TimeoutError):  # the peer sends nothing unasked
+            await asyncio.wait_for(ucx.EndpointChannel(ep).recv_into(buf), 0.05)
+        assert len(ucx._orphans) == 1  # still posted, and kept
+        ep.abort()
+        assert await ucx.settle_orphans(5.0) == 0  # the abort ended it
+    finally:
+        await transport.close()
+        await peer.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -88,38 +89,47 @@ def wait_for_node(stack: Stack, name: str, timeout: float = 300) -> None:
 
 
 async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[float, float]:
-    """(recovery seconds, recomputed tokens) for one stream whose decode node is killed."""
+    """(recovery seconds, recomputed tokens) for one stream whose decode node is killed.
+
+    Tokens are timestamped as they arrive while another task finds the serving node and
+    kills it, so recovery is the client's gap around the kill: from the last token the dead
+    node sent to the first of the node that resumed it.
+    """
     body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
     body |= {"stream": True, "ignore_eos": True}
     recomputed = "tandem_resume_recomputed_tokens_sum"  # on whichever node resumed it
     nodes = ["prefill-1", "decode-1", "decode-2"]
-    count = 0
-    last = time.perf_counter()
-    recovery = 0.0
-    killed_at = 0.0
-    before = 0.0
+    arrivals: list[float] = []
+    killed: dict[str, float] = {}
+
+    async def kill() -> None:
+        victim = await asyncio.to_thread(serving_decode, stack)
+        nodes.remove(victim)
+        killed["before"] = sum(node_metric(stack, n, recomputed) for n in nodes)
+        await asyncio.to_thread(stack.kill, victim)
+        killed["at"] = time.perf_counter()  # dead now
+        killed[victim] = 1.0
+
     url = stack.url + "/v1/completions"
+    killer: asyncio.Task[None] | None = None
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.perf_counter()
-            if killed_at and not recovery:
-                recovery = now - last
-            last = now
-            count += 1
-            if count == KILL_AFTER:
-                victim = await asyncio.to_thread(serving_decode, stack)
-                nodes.remove(victim)
-                before = sum(node_metric(stack, n, recomputed) for n in nodes)
-                await asyncio.to_thread(stack.kill, victim)
-                killed_at = time.perf_counter()
-    assert count == TOKENS, f"{count} tokens streamed"
+            if line.startswith(b"data: {"):
+                arrivals.append(time.perf_counter())
+                if len(arrivals) == KILL_AFTER:
+                    killer = asyncio.create_task(kill())
+    assert killer is not None and len(arrivals) == TOKENS, f"{len(arrivals)} tokens streamed"
+    await killer
+    at = killed["at"]
+    # The widest gap between tokens that ends after the death (a delta still in flight
+    # when the node died may arrive just after it: the gap is the one after that).
+    recovery = max(b - a for a, b in itertools.pairwise(arrivals) if b > at)
     after = sum(node_metric(stack, n, recomputed) for n in nodes)
+    victim = next(n for n in killed if n not in ("at", "before"))
     stack.restart(victim)
     await asyncio.to_thread(wait_for_node, stack, victim)
-    return recovery, after - before
+    return recovery, after - killed["before"]
 
 
 async def throughput(stack: Stack) -> float:

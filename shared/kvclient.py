@@ -93,8 +93,9 @@ class KVCacheClient:
         )
         await self.transport.send(address, header, payload, timeout=TRANSFER_TIMEOUT)
 
-    async def get(self, node_id: str, hashes: list[bytes], max_bytes: int) -> list[bytes]:
-        """The stored blocks of the longest stored prefix of `hashes` (possibly none)."""
+    async def get(self, node_id: str, hashes: list[bytes], max_bytes: int) -> list[memoryview]:
+        """The stored blocks of the longest stored prefix of `hashes` (possibly none), as
+        views of the one buffer they arrived in."""
         assert self.bus.nc is not None
         transfer_id = f"get-{uuid.uuid4().hex}"
         secret = new_secret()
@@ -121,7 +122,7 @@ class KVCacheClient:
         finally:
             self.pending.forget(transfer_id)
         size = reply.block_bytes
-        return [data[i * size : (i + 1) * size] for i in range(reply.hits)]
+        return [data[i * size : (i + 1) * size] for i in range(reply.hits)]  # views: no copy
 
     # ---- sharded over every live kvcache node ----------------------------------------------
 
@@ -176,13 +177,15 @@ class KVCacheClient:
         done = await asyncio.gather(*(put_group(n, p) for n, p in await self._shards(hashes)))
         return sum(done)
 
-    async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[bytes]:
+    async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[memoryview]:
         """The blocks of the longest prefix of `hashes` that the live nodes hold together."""
         shards = await self._shards(hashes)
         if not shards:
             return []
 
-        async def get_group(node: NodeInfo, positions: list[int]) -> tuple[list[int], list[bytes]]:
+        async def get_group(
+            node: NodeInfo, positions: list[int]
+        ) -> tuple[list[int], list[memoryview]]:
             try:
                 got = await self.get(
                     node.node_id, [hashes[i] for i in positions], len(positions) * block_bytes
@@ -195,7 +198,7 @@ class KVCacheClient:
                 got = []
             return positions, got
 
-        found: dict[int, bytes] = {}
+        found: dict[int, memoryview] = {}
         end = len(hashes)
         for positions, got in await asyncio.gather(*(get_group(n, p) for n, p in shards)):
             found.update(zip(positions, got, strict=False))

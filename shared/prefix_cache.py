@@ -60,7 +60,7 @@ class PrefixCache:
 
     async def load(
         self, token_ids: list[int], ctx: otel_context.Context
-    ) -> tuple[list[BlockHash], list[bytes]]:
+    ) -> tuple[list[BlockHash], list[memoryview]]:
         """Blocks of the cached prefix of `token_ids` that this node's pool lacks."""
         if self.cache is None:
             return [], []

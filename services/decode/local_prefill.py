@@ -123,7 +123,7 @@ class LocalPrefill:
 
     async def _load_prefix(
         self, context: list[int], patience: float
-    ) -> tuple[list[BlockHash], list[bytes]]:
+    ) -> tuple[list[BlockHash], list[memoryview]]:
         """The cached blocks of `context` beyond this pool's, from kvcache (best effort,
         for at most `patience` seconds)."""
         patience = min(PREFIX_LOAD_TIMEOUT, patience)

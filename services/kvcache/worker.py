@@ -13,7 +13,9 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
 from shared.bus.client import Bus
@@ -139,24 +141,30 @@ class KVCacheWorker:
         span.set_attribute("tandem.blocks_hit", len(blocks))
         await msg.respond(encode(KVGetReply(hits=len(blocks), block_bytes=size)))
         if blocks:
-            task = asyncio.create_task(self._send(get, blocks))
+            task = asyncio.create_task(self._send(get, blocks, otel_context.get_current()))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
 
-    async def _send(self, get: KVGet, blocks: list[bytes]) -> None:
-        payload = memoryview(b"".join(blocks))
-        header = make_header(
-            "kvcache-get",
-            get.transfer_id,
-            payload,
-            chunk_bytes=len(blocks[0]),
-            secret=get.transfer_secret,
-        )
-        try:
-            await self.transport.send(get.reply_address, header, payload, timeout=SEND_TIMEOUT)
-        except TransferError as exc:
-            self.failures += 1
-            log.warning("get %s to %s failed: %s", get.transfer_id, get.reply_address, exc)
+    async def _send(self, get: KVGet, blocks: list[bytes], ctx: otel_context.Context) -> None:
+        with TRACER.start_as_current_span(
+            "kv.transfer.send", context=ctx, attributes={"tandem.node_id": self.node_id}
+        ) as span:
+            payload = memoryview(b"".join(blocks))
+            header = make_header(
+                "kvcache-get",
+                get.transfer_id,
+                payload,
+                chunk_bytes=len(blocks[0]),
+                secret=get.transfer_secret,
+            )
+            span.set_attribute("tandem.bytes", len(payload))
+            span.add_event("framed")  # joined and checksummed; the transfer starts
+            try:
+                await self.transport.send(get.reply_address, header, payload, timeout=SEND_TIMEOUT)
+            except TransferError as exc:
+                self.failures += 1
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                log.warning("get %s to %s failed: %s", get.transfer_id, get.reply_address, exc)
 
     # ---- ReceiveHandler (puts) ------------------------------------------------------------
 

@@ -229,7 +229,7 @@ class PrefillWorker:
 
     def _import_and_prefill(
         self,
-        prefixes: list[tuple[list[BlockHash], list[bytes]]],
+        prefixes: list[tuple[list[BlockHash], list[memoryview]]],
         requests: list[tuple[str, list[int], SamplingParams]],
     ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
         """On the engine thread: place loaded prefix blocks, then prefill (nothing between)."""

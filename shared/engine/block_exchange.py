@@ -8,6 +8,7 @@ uploader between steps, before they can be reused.
 
 from __future__ import annotations
 
+from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,7 +60,9 @@ class BlockExchange:
         """How many leading blocks of `hashes` this node's own pool holds."""
         return len(self.pool.cached_prefix(hashes))
 
-    def import_cached_blocks(self, hashes: list[BlockHash], blocks: list[bytes]) -> int:
+    def import_cached_blocks(
+        self, hashes: list[BlockHash], blocks: abc.Sequence[bytes | memoryview]
+    ) -> int:
         """Place blocks fetched by hash into the pool as cached (free, findable) blocks.
 
         The next admission of a prompt with this prefix then finds them like any local hit.
@@ -72,8 +75,8 @@ class BlockExchange:
         if any(len(b) != size for _, b in todo):
             raise WireFormatError(f"a cached KV block is not {size} bytes")
         ids = self.pool.allocate(len(todo))
-        raw = bytearray(b"".join(b for _, b in todo))
-        self.cache.write_blocks(ids, self.layout.blocks_from_bytes(raw, len(todo)))
+        # Straight from the buffers they arrived in (views): one copy, into the cache.
+        self.cache.write_block_buffers(ids, [b for _, b in todo])
         for block_id, (h, _) in zip(ids, todo, strict=True):
             self.pool.commit_hash(block_id, h)
         self.pool.free(ids)

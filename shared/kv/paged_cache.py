@@ -10,6 +10,7 @@ service stores by hash.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,18 @@ class PagedKVCache:
         """A block-major copy `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         return self.kv.index_select(2, index).movedim(2, 0).contiguous()
+
+    def write_block_buffers(
+        self, block_ids: list[int], buffers: Sequence[bytes | memoryview]
+    ) -> None:
+        """Write one block-major block from each buffer (bytes are copied once, here)."""
+        shape = self.layout.blocks_shape(1)[1:]
+        for block_id, buf in zip(block_ids, buffers, strict=True):
+            view = memoryview(buf)
+            if view.readonly:  # torch wraps only writable memory without a warning
+                view = memoryview(bytearray(view))
+            src = torch.frombuffer(view, dtype=torch.uint8).view(self.layout.dtype).view(shape)
+            self.kv[:, :, block_id].copy_(src)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of `read_blocks`."""

@@ -15,7 +15,7 @@ class _Expected:
     max_bytes: int
     deadline: float
     secret: str
-    future: asyncio.Future[bytes]
+    future: asyncio.Future[memoryview]
 
 
 class PendingTransfers:
@@ -27,9 +27,10 @@ class PendingTransfers:
 
     def expect(
         self, transfer_id: str, max_bytes: int, timeout: float, secret: str
-    ) -> asyncio.Future[bytes]:
-        """Accept transfer `transfer_id` once, carrying `secret`, of at most `max_bytes`."""
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    ) -> asyncio.Future[memoryview]:
+        """Accept transfer `transfer_id` once, carrying `secret`, of at most `max_bytes`;
+        the future gets the received buffer itself (no copy)."""
+        future: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
         self.expected[transfer_id] = _Expected(
             max_bytes, time.monotonic() + timeout, secret, future
         )
@@ -58,7 +59,7 @@ class PendingTransfers:
         if exp is None:
             raise TransferRejected("transfer no longer expected", transfer_id=header.transfer_id)
         if not exp.future.done():
-            exp.future.set_result(bytes(payload))
+            exp.future.set_result(payload)
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         if header is not None and reason.startswith("refused"):

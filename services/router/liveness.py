@@ -1,15 +1,18 @@
 """Fast failure detection: probe a node whose stream went quiet, instead of waiting for its
 registry entry to expire.
 
-Heartbeat expiry takes the registry TTL (seconds); a decode step takes ~0.1 s. So when a
-stream has had no token for 3x its usual gap between tokens (at least 0.15 s, at most
-`probe_after`), the router pings the node that should send the
-next one (`tandem.node.<id>.ping`, answered by every node's event loop, which stays free
-while its engine computes). A SIGKILLed node's subscription is gone with its connection,
-and NATS answers "no responders" at once: the node is declared dead and its requests fail
-over right away. A node cut off without closing its connection (a pulled cable) answers
-nothing: after `misses` timed-out probes in a row it is declared dead too. A node that
-answers is alive however slow its stream: the stall timeout still bounds that.
+Heartbeat expiry takes the registry TTL (seconds); a decode step takes ~0.1 s. So the
+router pings every node that should send the next token of some in-flight stream
+(`tandem.node.<id>.ping`, answered by every node's event loop, which stays free while its
+engine computes): every `every` seconds (0.1), and every `interval` once a stream has had
+no token for 3x its usual gap between tokens (at least 0.15 s, at most `probe_after`). A
+SIGKILLed node's subscription is gone with its connection, and NATS answers "no
+responders" at once: the node is declared dead and its requests fail over right away,
+within ~0.1 s of its death rather than after three token gaps. A node cut off without
+closing its connection (a pulled cable) answers nothing: after `misses` timed-out probes
+in a row while its streams are quiet it is declared dead too (a probe lost while tokens
+still flow counts for nothing: a busy node is not a dead one). A node that answers is
+alive however slow its stream: the stall timeout still bounds that.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class LivenessProbe:
         misses: int = 3,
         interval: float = 0.05,
         floor: float = 0.15,
+        every: float = 0.1,
     ) -> None:
         self.router = router
         self.probe_after = probe_after
@@ -47,10 +51,16 @@ class LivenessProbe:
         self.timeout = timeout
         self.misses = misses
         self.interval = interval
+        self.every = every
+        self.last_probe: dict[str, float] = {}
         self.missed: dict[str, int] = {}  # node → probes unanswered in a row
         self.probing: set[str] = set()
         self.dead: dict[str, float] = {}  # node → when declared dead (not probed again soon)
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def serving_nodes(self) -> set[str]:
+        """Nodes that should send the next token of some in-flight stream."""
+        return {n for f in list(self.router.failovers.values()) if (n := f.expected_sender())}
 
     def quiet_nodes(self, now: float) -> set[str]:
         """Nodes some in-flight stream has waited on for longer than it should: 3x its
@@ -67,9 +77,13 @@ class LivenessProbe:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             now = time.monotonic()
-            for node in self.quiet_nodes(now) - self.probing:
+            quiet = self.quiet_nodes(now)
+            for node in self.serving_nodes() - self.probing:
                 if now - self.dead.get(node, -1e9) < 5.0:
                     continue  # just declared dead: its requests are moving already
+                if node not in quiet and now - self.last_probe.get(node, -1e9) < self.every:
+                    continue
+                self.last_probe[node] = now
                 self.probing.add(node)
                 task = asyncio.create_task(self._probe(node))
                 self._tasks.add(task)
@@ -87,6 +101,8 @@ class LivenessProbe:
         except NoRespondersError:
             self._declare_dead(node, "no responders")
         except (NatsTimeout, TimeoutError):
+            if node not in self.quiet_nodes(time.monotonic()):
+                return  # its tokens still flow: slow to answer, not dead
             self.missed[node] = self.missed.get(node, 0) + 1
             if self.missed[node] >= self.misses:
                 self._declare_dead(node, f"{self.misses} probes unanswered")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from pathlib import Path
 
 from services.kvcache.store import BlockStore
+from services.kvcache.warm import keep_warm
 from services.kvcache.worker import KVCacheWorker
 from shared.node import NodeRuntime
 from tandem.options import add_option
@@ -46,6 +48,8 @@ async def serve(args: argparse.Namespace) -> None:
         await rt.transport.start(worker)
         await worker.subscribe()
         await rt.live(worker.info, worker.metrics)
+        assert rt.registry is not None
+        warming = asyncio.create_task(keep_warm(rt.registry, rt.transport, rt.stop))
         log.info(
             "kvcache node %s ready: %d MiB memory, %d MiB disk, at %s",
             rt.node_id,
@@ -54,6 +58,7 @@ async def serve(args: argparse.Namespace) -> None:
             rt.transport.address,
         )
         await rt.stop.wait()
+        await warming
     finally:
         await worker.close()
         await rt.close()

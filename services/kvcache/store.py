@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,11 +188,52 @@ class BlockStore:
 
     def get(self, block_hash: bytes) -> bytes | None:
         """A verified copy of the block (promoted to memory if it was on disk), or None."""
+        data = self._read(block_hash)
+        return None if data is None else bytes(data)
+
+    def prefix(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """The blocks of the longest stored prefix of `hashes` (each verified)."""
+        out = []
+        for h in hashes:
+            data = self.get(h)
+            if data is None:
+                break
+            out.append(data)
+        return out
+
+    def prefix_payload(self, hashes: Sequence[bytes]) -> tuple[memoryview, list[int]]:
+        """The longest stored prefix of `hashes` as one buffer, block after block, each
+        verified and copied once, with each block's checksum (a transfer's chunk checksums,
+        so the sender does not hash the payload again)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.entries:
+            n += 1
+        if n < len(hashes):
+            self.stats.misses += 1  # the first block not stored, as a get would count it
+        size = self.block_bytes
+        out = memoryview(bytearray(n * size))
+        sums: list[int] = []
+        for i, h in enumerate(hashes[:n]):
+            data = self._read(h)
+            if data is None:  # corrupt: dropped, and the prefix ends here
+                break
+            out[i * size : (i + 1) * size] = data
+            sums.append(self.entries[h].checksum)
+        return out[: len(sums) * size], sums
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _read(self, block_hash: bytes) -> memoryview | bytes | None:
+        """The verified block, or None (a miss; a corrupt block is dropped). A memory-tier
+        block comes as a view of its slab (valid until the store changes); a disk-tier one
+        as a copy, promoted to memory."""
         entry = self.entries.get(block_hash)
         if entry is None:
             self.stats.misses += 1
             return None
-        data = bytes(self.arenas[entry.tier].view(entry.slab))
+        data: memoryview | bytes = self.arenas[entry.tier].view(entry.slab)
+        if entry.tier == DISK:
+            data = bytes(data)  # its slab is freed by the promotion
         if checksum(data) != entry.checksum:
             self.stats.corrupt += 1
             self.stats.misses += 1
@@ -206,22 +247,11 @@ class BlockStore:
             return None
         self.stats.hits += 1
         if entry.tier == DISK:
+            assert isinstance(data, bytes)
             self._promote(block_hash, entry, data)
         else:
             self._touch(block_hash)
         return data
-
-    def prefix(self, hashes: Iterable[bytes]) -> list[bytes]:
-        """The blocks of the longest stored prefix of `hashes` (each verified)."""
-        out = []
-        for h in hashes:
-            data = self.get(h)
-            if data is None:
-                break
-            out.append(data)
-        return out
-
-    # ---- internals -------------------------------------------------------------------------
 
     def _touch(self, block_hash: bytes) -> None:
         self.lru[self.entries[block_hash].tier].move_to_end(block_hash)

@@ -135,30 +135,33 @@ class KVCacheWorker:
             await msg.respond(encode(KVGetReply(error=str(exc))))
             return
         self.lookups += 1
-        blocks = self.store.prefix(get.block_hashes)
-        size = len(blocks[0]) if blocks else 0
+        payload, sums = self.store.prefix_payload(get.block_hashes)
+        size = self.store.block_bytes if sums else 0
         span.set_attribute("tandem.blocks_asked", len(get.block_hashes))
-        span.set_attribute("tandem.blocks_hit", len(blocks))
-        await msg.respond(encode(KVGetReply(hits=len(blocks), block_bytes=size)))
-        if blocks:
-            task = asyncio.create_task(self._send(get, blocks, otel_context.get_current()))
+        span.set_attribute("tandem.blocks_hit", len(sums))
+        await msg.respond(encode(KVGetReply(hits=len(sums), block_bytes=size)))
+        if sums:
+            ctx = otel_context.get_current()
+            task = asyncio.create_task(self._send(get, payload, sums, ctx))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
 
-    async def _send(self, get: KVGet, blocks: list[bytes], ctx: otel_context.Context) -> None:
+    async def _send(
+        self, get: KVGet, payload: memoryview, sums: list[int], ctx: otel_context.Context
+    ) -> None:
         with TRACER.start_as_current_span(
-            "kv.transfer.send", context=ctx, attributes={"tandem.node_id": self.node_id}
+            "kv.transfer.send",
+            context=ctx,
+            attributes={"tandem.node_id": self.node_id, "tandem.bytes": len(payload)},
         ) as span:
-            payload = memoryview(b"".join(blocks))
             header = make_header(
                 "kvcache-get",
                 get.transfer_id,
                 payload,
-                chunk_bytes=len(blocks[0]),
+                chunk_bytes=len(payload) // len(sums),
+                known_checksums=sums,  # the stored blocks' own, verified on read
                 secret=get.transfer_secret,
             )
-            span.set_attribute("tandem.bytes", len(payload))
-            span.add_event("framed")  # joined and checksummed; the transfer starts
             try:
                 await self.transport.send(get.reply_address, header, payload, timeout=SEND_TIMEOUT)
             except TransferError as exc:

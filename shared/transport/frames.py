@@ -80,9 +80,11 @@ def make_header(
     dtype: str = "uint8",
     shape: list[int] | None = None,
     chunk_bytes: int = 1 << 20,
+    known_checksums: list[int] | None = None,
     **fields: int | str,
 ) -> TransferHeader:
-    """A header for `payload` with its per-chunk checksums computed."""
+    """A header for `payload` with its per-chunk checksums (computed, unless the caller
+    already holds them: `known_checksums`, xxh3-64 of each chunk)."""
     view = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
     return TransferHeader(
         v=VERSION,
@@ -92,7 +94,7 @@ def make_header(
         shape=shape if shape is not None else [len(view) // DTYPE_SIZES[dtype]],
         nbytes=len(view),
         chunk_bytes=chunk_bytes,
-        checksums=checksums(view, chunk_bytes),
+        checksums=known_checksums if known_checksums is not None else checksums(view, chunk_bytes),
         **fields,  # type: ignore[arg-type]
     )
 

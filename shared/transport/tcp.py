@@ -143,6 +143,9 @@ class TcpTransport:
             handler.failed(header, f"truncated: {exc}")
         return False
 
+    async def warm(self, peer: str) -> None:
+        """Nothing to do: a TCP connection is made in about a millisecond."""
+
     async def _checkout(self, peer: str) -> socket.socket:
         idle = self._idle[peer]
         if idle:

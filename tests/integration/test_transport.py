@@ -347,3 +347,31 @@ async def test_a_ucx_receive_outlives_its_cancelled_caller_until_the_abort() -> 
     finally:
         await transport.close()
         await peer.close()
+
+
+async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
+    from shared.transport import ucx
+
+    peer = Peer("receive", "ucx")
+    transport = ucx.UcxTransport()
+    try:
+        address = (await peer.next("address"))["address"]
+        await transport.warm(address)
+        await transport.warm(address)  # one is enough: no second endpoint
+        [ep] = transport._idle[address]
+        payload = memoryview(bytearray(os.urandom(MiB)))
+        await transport.send(address, make_header("req", "w", payload), payload, timeout=30)
+        assert (await peer.next("digest"))["transfer_id"] == "w"
+        assert transport._idle[address] == [ep]  # the warmed endpoint carried it
+        peer.kill()
+        for _ in range(200):  # UCX marks the endpoint once it notices the peer is gone
+            if ep.closed:
+                break
+            await asyncio.sleep(0.02)
+        if ep.closed:  # a dead pooled endpoint is never handed out again
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(transport._checkout(address), 2.0)
+            assert ep not in transport._idle[address]
+    finally:
+        await transport.close()
+        await peer.close()

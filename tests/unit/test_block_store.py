@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,3 +150,17 @@ def test_byte_limits_hold_and_blocks_stay_intact_under_random_workloads(
         assert all(p in store for p in pinned)  # pinned blocks never leave
         assert len(store.lru[MEMORY]) + len(store.lru[DISK]) == len(store.entries)
     store.close()
+
+
+def test_a_prefix_payload_is_the_blocks_in_one_buffer_with_their_checksums() -> None:
+    store = BlockStore(memory_bytes=8 * B)
+    for i in range(4):
+        store.put(h(i), block(i))
+    payload, sums = store.prefix_payload([h(0), h(1), h(2), h(9), h(3)])
+    assert bytes(payload) == block(0) + block(1) + block(2)  # ends at the first miss
+    assert sums == [xxhash.xxh3_64_intdigest(block(i)) for i in range(3)]
+    assert store.stats.hits == 3 and store.stats.misses == 1
+    store.arenas[MEMORY].view(store.entries[h(1)].slab)[5] ^= 0xFF  # corrupt in memory
+    payload, sums = store.prefix_payload([h(0), h(1), h(2)])
+    assert bytes(payload) == block(0) and len(sums) == 1  # a corrupt block ends it too
+    assert h(1) not in store and store.stats.corrupt == 1

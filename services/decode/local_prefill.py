@@ -51,6 +51,7 @@ class LocalPrefill:
     wake: asyncio.Event
     _run: Callable[..., Any]
     reserved_blocks: Callable[[], int]
+    cancelled_before: Callable[[str], bool]
 
     async def on_prefill(self, msg: Msg) -> None:
         """A router sends a request here to prefill locally: most of its prompt is cached."""
@@ -70,6 +71,9 @@ class LocalPrefill:
                 return
             if job.request_id in self.admitting or job.request_id in self.subjects:
                 await msg.respond(b"refused: already here")
+                return
+            if self.cancelled_before(job.request_id):  # its cancel overtook it in the queue
+                await msg.respond(b"refused: cancelled")
                 return
             context = job.prompt_ids + job.output_ids  # a resumed request: its output too
             prompt_blocks = self.engine.scheduler.blocks_for(len(context))

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
@@ -47,6 +48,8 @@ from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
+UNKNOWN_CANCEL_TTL = 30.0  # seconds a cancel for an unknown request is remembered
+MAX_UNKNOWN_CANCELS = 4096
 
 
 class DecodeWorker(KVReceiver, LocalPrefill):
@@ -67,6 +70,9 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
         self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
         self.admitting: dict[str, bool] = {}  # local prefills being admitted → cancelled?
+        # Cancels for requests this node did not know (yet): a local prefill of one still
+        # queued behind others here must not start after its router gave up on it.
+        self.unknown_cancels: OrderedDict[str, float] = OrderedDict()
         self.checkpoints = checkpoints  # records of how far each sequence is stored
         # A node with no round trip to NATS for `lease` seconds (`last_contact`) gives up its
         # sequences: the routers have resumed them elsewhere; their blocks are freed.
@@ -160,7 +166,9 @@ class DecodeWorker(KVReceiver, LocalPrefill):
             return
         if cancel.node_id and cancel.node_id != self.node_id:
             return  # meant for one other node (a failover leaving it)
-        self.expected.pop(cancel.request_id, None)
+        known = cancel.request_id in self.subjects or cancel.request_id in self.admitting
+        if self.expected.pop(cancel.request_id, None) is None and not known:
+            self._remember_cancel(cancel.request_id)
         if cancel.request_id in self.admitting:  # on_prefill drops it once admitted
             self.admitting[cancel.request_id] = True
         if cancel.request_id in self.subjects:
@@ -168,6 +176,20 @@ class DecodeWorker(KVReceiver, LocalPrefill):
             self._end_stream(cancel.request_id, -1, "cancelled")
             await self._run(self.engine.abort, cancel.request_id)
             log.info("cancelled %s: %s", cancel.request_id, cancel.reason)
+
+    def _remember_cancel(self, request_id: str) -> None:
+        now = time.monotonic()
+        self.unknown_cancels[request_id] = now
+        self.unknown_cancels.move_to_end(request_id)
+        while self.unknown_cancels and (
+            len(self.unknown_cancels) > MAX_UNKNOWN_CANCELS
+            or next(iter(self.unknown_cancels.values())) < now - UNKNOWN_CANCEL_TTL
+        ):
+            self.unknown_cancels.popitem(last=False)
+
+    def cancelled_before(self, request_id: str) -> bool:
+        at = self.unknown_cancels.get(request_id)
+        return at is not None and time.monotonic() - at < UNKNOWN_CANCEL_TTL
 
     # ---- the batch loop -----------------------------------------------------------------
 

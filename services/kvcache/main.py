@@ -44,6 +44,7 @@ async def serve(args: argparse.Namespace) -> None:
     disk_dir = Path(args.disk_dir) / rt.node_id if args.disk_dir else None
     store = BlockStore(args.capacity_mb << 20, args.disk_mb << 20, disk_dir)
     worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id)
+    warming: asyncio.Task[None] | None = None
     try:
         await rt.transport.start(worker)
         await worker.subscribe()
@@ -58,8 +59,9 @@ async def serve(args: argparse.Namespace) -> None:
             rt.transport.address,
         )
         await rt.stop.wait()
-        await warming
     finally:
+        if warming is not None:
+            warming.cancel()
         await worker.close()
         await rt.close()
         store.close()

@@ -23,7 +23,6 @@ CONNECT_TIMEOUT = 5.0
 
 
 async def keep_warm(registry: NodeRegistry, transport: Transport, stop: asyncio.Event) -> None:
-    warmed: set[str] = set()
     while not stop.is_set():
         try:
             nodes = list((await registry.nodes()).values())
@@ -31,11 +30,11 @@ async def keep_warm(registry: NodeRegistry, transport: Transport, stop: asyncio.
             log.debug("registry not readable: %r", exc)
             nodes = []
         live = {n.data_address for n in nodes if n.role in ("prefill", "decode")}
-        warmed &= live  # a node that left and came back is connected afresh
-        for address in sorted(live - warmed - {""}):
+        for address in sorted(live - {""}):  # warm() skips peers it has a live connection to
+            if stop.is_set():
+                return
             try:
                 await asyncio.wait_for(transport.warm(address), CONNECT_TIMEOUT)
-                warmed.add(address)
             except Exception as exc:  # unreachable now: the next round tries again
                 log.debug("no connection to %s yet: %r", address, exc)
         with contextlib.suppress(TimeoutError):

@@ -222,7 +222,9 @@ class Router:
                 )  # fmt: skip
             else:
                 if local_node is not None:  # refused: the usual path, decode chosen by load
-                    decode_node = self.nodes.pick_decode(blocks) or local_node
+                    # Not that node if another has room: a late cancel of its attempt
+                    # (it timed out) must not meet the request there again.
+                    decode_node = self.nodes.pick_decode(blocks, {local_node.node_id}) or local_node
                     job = msgspec.structs.replace(job, decode_node=decode_node.node_id)
                 await submit_job(self.bus, job)  # carries the request span's trace context
             self.metrics.routes.labels(route).inc()
@@ -266,13 +268,16 @@ class Router:
         for failover in self.failovers.values():
             failover.node_left(node_id)
 
-    async def resubmit(self, node: NodeInfo, job: PrefillJob, attempt: int = 0) -> str:
+    async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int, attempt: int = 0) -> str:
         """A resumed request (failover, or a stream picked up after a router died): straight
         to the decode node, which loads the checkpointed KV itself and recomputes only the
         tail, no prefill node or transfer in the way; through the prefill queue if it
         refuses. Returns the path taken."""
         if await self._send_local(node, job, count=False):
             return "local"
+        other = self.nodes.pick_decode(blocks, {node.node_id})
+        if other is not None:  # not the node that refused or timed out (see _send_local)
+            job = msgspec.structs.replace(job, decode_node=other.node_id)
         await submit_job(self.bus, job, attempt=attempt)
         return "disaggregated"
 

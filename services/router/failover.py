@@ -89,7 +89,7 @@ class Failover:
         )
         self.stream.attempt = job.transfer_id  # from now on the old attempt's errors are stale
         try:
-            path = await self.router.resubmit(node, job, attempt=self.attempts)
+            path = await self.router.resubmit(node, job, self.blocks, attempt=self.attempts)
         except Exception as exc:
             log.warning("failover of %s not submitted: %s", self.job.request_id, exc)
             return False

@@ -102,7 +102,8 @@ class LivenessProbe:
             self._declare_dead(node, "no responders")
         except (NatsTimeout, TimeoutError):
             if node not in self.quiet_nodes(time.monotonic()):
-                return  # its tokens still flow: slow to answer, not dead
+                self.missed.pop(node, None)  # its tokens still flow: slow, not dead
+                return
             self.missed[node] = self.missed.get(node, 0) + 1
             if self.missed[node] >= self.misses:
                 self._declare_dead(node, f"{self.misses} probes unanswered")

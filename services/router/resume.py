@@ -128,7 +128,7 @@ async def resume_stream(router: Router, request: web.Request) -> web.StreamRespo
         )
         stream = await RequestStream(router.bus, internal, output).open()
         try:
-            await router.resubmit(node, job)
+            await router.resubmit(node, job, blocks)
         except BaseException:
             await stream.close()
             raise

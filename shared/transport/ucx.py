@@ -99,7 +99,9 @@ async def _guarded(op: Coroutine[Any, Any, Any]) -> None:
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
-        if not task.done():
+        if task.done():
+            _retire(task)
+        else:
             _orphans.add(task)
             task.add_done_callback(_retire)
         raise

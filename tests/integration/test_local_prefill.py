@@ -117,3 +117,19 @@ async def test_a_cancel_for_another_node_changes_nothing(worker: DecodeWorker) -
     await worker.bus.nc.flush()
     await asyncio.sleep(0.2)
     assert "kept" in worker.engine.requests and "kept" in worker.subjects
+
+
+async def test_a_cancel_that_overtook_its_request_refuses_it(worker: DecodeWorker) -> None:
+    """The router gave up (or its client left) while the request still waited behind other
+    local prefills here: the cancel arrives first, and the request must not start after."""
+    assert worker.bus.nc is not None
+    cancel = Cancel(request_id="queued", reason="local prefill timed out", node_id="d1")
+    await worker.bus.nc.publish(cancel_subject(), encode(cancel))
+    await worker.bus.nc.flush()
+    for _ in range(100):
+        if worker.cancelled_before("queued"):
+            break
+        await asyncio.sleep(0.02)
+    assert await ask(worker, "queued", time.time() + 5) == b"refused: cancelled"
+    assert "queued" not in worker.engine.requests
+    assert await ask(worker, "other", time.time() + 5) == b"ok"  # only that one

@@ -99,11 +99,8 @@ async def _guarded(op: Coroutine[Any, Any, Any]) -> None:
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
-        if task.done():
-            _retire(task)
-        else:
-            _orphans.add(task)
-            task.add_done_callback(_retire)
+        _orphans.add(task)
+        task.add_done_callback(_retire)  # at once if it is done already
         raise
 
 
@@ -248,8 +245,7 @@ class UcxTransport:
     async def warm(self, peer: str) -> None:
         """One pooled endpoint to `peer` (made now: ~0.1 s here, which a first transfer,
         such as a failover's checkpoint load, would otherwise wait for)."""
-        if not any(not ep.closed for ep in self._idle[peer]):
-            self._idle[peer].append(await self._checkout(peer))
+        self._idle[peer].append(await self._checkout(peer))  # an idle live one, or a new one
 
     async def _checkout(self, peer: str) -> Any:
         idle = self._idle[peer]

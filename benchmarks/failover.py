@@ -100,18 +100,17 @@ async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[f
     recomputed = "tandem_resume_recomputed_tokens_sum"  # on whichever node resumed it
     nodes = ["prefill-1", "decode-1", "decode-2"]
     arrivals: list[float] = []
-    killed: dict[str, float] = {}
 
-    async def kill() -> None:
+    async def kill() -> tuple[str, float, float]:
+        """(victim, recomputed tokens so far on the others, when it was dead)."""
         victim = await asyncio.to_thread(serving_decode, stack)
         nodes.remove(victim)
-        killed["before"] = sum(node_metric(stack, n, recomputed) for n in nodes)
+        before = sum(node_metric(stack, n, recomputed) for n in nodes)
         await asyncio.to_thread(stack.kill, victim)
-        killed["at"] = time.perf_counter()  # dead now
-        killed[victim] = 1.0
+        return victim, before, time.perf_counter()
 
     url = stack.url + "/v1/completions"
-    killer: asyncio.Task[None] | None = None
+    killer: asyncio.Task[tuple[str, float, float]] | None = None
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.content:
@@ -120,16 +119,14 @@ async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[f
                 if len(arrivals) == KILL_AFTER:
                     killer = asyncio.create_task(kill())
     assert killer is not None and len(arrivals) == TOKENS, f"{len(arrivals)} tokens streamed"
-    await killer
-    at = killed["at"]
+    victim, before, at = await killer
     # The widest gap between tokens that ends after the death (a delta still in flight
     # when the node died may arrive just after it: the gap is the one after that).
     recovery = max(b - a for a, b in itertools.pairwise(arrivals) if b > at)
     after = sum(node_metric(stack, n, recomputed) for n in nodes)
-    victim = next(n for n in killed if n not in ("at", "before"))
     stack.restart(victim)
     await asyncio.to_thread(wait_for_node, stack, victim)
-    return recovery, after - killed["before"]
+    return recovery, after - before
 
 
 async def throughput(stack: Stack) -> float:

@@ -191,16 +191,6 @@ class BlockStore:
         data = self._read(block_hash)
         return None if data is None else bytes(data)
 
-    def prefix(self, hashes: Iterable[bytes]) -> list[bytes]:
-        """The blocks of the longest stored prefix of `hashes` (each verified)."""
-        out = []
-        for h in hashes:
-            data = self.get(h)
-            if data is None:
-                break
-            out.append(data)
-        return out
-
     def prefix_payload(self, hashes: Sequence[bytes]) -> tuple[memoryview, list[int]]:
         """The longest stored prefix of `hashes` as one buffer, block after block, each
         verified and copied once, with each block's checksum (a transfer's chunk checksums,

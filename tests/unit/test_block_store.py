@@ -44,12 +44,12 @@ def test_lru_order_is_exact_and_prefix_stops_at_first_miss() -> None:
     for i in range(3):
         assert store.put(h(i), block(i))
     assert store.lru_order() == [h(0), h(1), h(2)]
-    assert store.prefix([h(0)]) == [block(0)]  # 0 becomes the most recently used
+    assert bytes(store.prefix_payload([h(0)])[0]) == block(0)  # 0: now most recently used
     assert store.lru_order() == [h(1), h(2), h(0)]
     assert store.put(h(3), block(3))  # evicts the least recently used: 1
     assert store.lru_order() == [h(2), h(0), h(3)]
     assert store.stats.evicted == 1
-    assert store.prefix([h(0), h(1), h(2)]) == [block(0)]
+    assert bytes(store.prefix_payload([h(0), h(1), h(2)])[0]) == block(0)
     assert store.put(h(2), block(2))  # re-storing a known block only refreshes it
     assert store.lru_order() == [h(3), h(0), h(2)]  # the prefix lookup touched 0
 

@@ -27,6 +27,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
+from shared.transport import ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.session import receive_transfer, send_transfer
@@ -44,34 +45,11 @@ def _ucxx() -> Any:
     import ucxx  # ~0.6 s: only processes that use UCX pay it
 
     if not _initialised:
-        _fix_blocking_progress()
+        ucxx_fixes.apply()
         mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         ucxx.init(options=dict(DEFAULT_OPTIONS), env_takes_precedence=True, progress_mode=mode)
         _initialised = True
     return ucxx
-
-
-def _fix_blocking_progress() -> None:
-    """Re-arm ucxx's blocking progress after each worker event (ucxx 0.52 never does).
-
-    Its `BlockingMode` arms the worker's event fd once; the fd's reader callback then
-    progresses the worker but never schedules the re-arm, so after the first event the fd
-    stays readable and the event loop spins on it forever: every node that had ever moved
-    a byte burned a whole core while idle, which on 2 cores starved the engines (decode
-    steps 10x slower). ucx-py scheduled the re-arm in the callback; this restores that.
-    """
-    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
-
-    if getattr(BlockingMode, "_tandem_fixed", False):
-        return
-
-    def _fd_reader_callback(self: Any) -> None:
-        self.worker.progress()
-        if self.arm_task is None or self.arm_task.done():
-            self.arm_task = self.event_loop.create_task(self._arm_worker())
-
-    BlockingMode._fd_reader_callback = _fd_reader_callback  # type: ignore[method-assign]
-    BlockingMode._tandem_fixed = True  # type: ignore[attr-defined]
 
 
 def _errors() -> tuple[type[BaseException], ...]:

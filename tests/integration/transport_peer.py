@@ -4,26 +4,32 @@
 one JSON line per completed (`digest` of the payload) or failed transfer. A transfer whose
 request id is `stall` blocks the receiver's event loop in `allocate`, so the payload is
 never read (the parent kills it mid-transfer). `send KIND ADDRESS NBYTES` sends one transfer
-of random bytes and prints `{"sent": ...}` when it starts. `announced KIND` receives with the
-services' admission rules (PendingTransfers): it reads announcements as JSON lines on stdin
-(what the control plane would tell it), answers `{"expecting": id}`, and prints the digest of
-each announced transfer that arrives and `{"refused": n}` after each refusal.
+of random bytes and prints `{"sent": ...}` when it starts. `cuts KIND ADDRESS N` sends N
+transfers cut off by deadlines of a few ms, each followed by a good one (`{"good": id}`).
+`announced KIND` receives with the services' admission rules (PendingTransfers): it reads
+announcements as JSON lines on stdin (what the control plane would tell it), answers
+`{"expecting": id}`, and prints the digest of each announced transfer that arrives and
+`{"refused": n}` after each refusal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import random
 import sys
 import time
 
 import xxhash
 
-from shared.transport.base import BufferHandler
+from shared.transport.base import BufferHandler, TransferError
 from shared.transport.factory import make_transport
 from shared.transport.frames import TransferHeader, make_header
 from shared.transport.pending import PendingTransfers
+
+MiB = 1 << 20
 
 
 def emit(**fields: object) -> None:
@@ -91,10 +97,31 @@ async def send(kind: str, address: str, nbytes: int) -> None:
     await transport.send(address, header, payload, timeout=60)
 
 
+async def cuts(kind: str, address: str, count: int) -> None:
+    """Sends cut off by deadlines of a few ms (inside the UCX handshake, or mid-payload),
+    each followed by heap churn and a good send: memory UCX still wrote into after the cut
+    would crash this process."""
+    rng = random.Random(count)
+    transport = make_transport(kind)
+    await transport.start(BufferHandler())
+    big = memoryview(bytearray(64 * MiB))
+    for i in range(count):
+        with contextlib.suppress(TransferError):
+            header = make_header("cut", f"cut-{i}", big)
+            await transport.send(address, header, big, timeout=rng.uniform(0.001, 0.03))
+        churn = [bytearray(rng.randint(1, 70_000)) for _ in range(200)]
+        payload = memoryview(bytearray(rng.randbytes(MiB)))
+        await transport.send(address, make_header("good", f"good-{i}", payload), payload, 30)
+        emit(good=f"good-{i}", digest=xxhash.xxh3_128_hexdigest(payload), churned=len(churn))
+    await transport.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "receive":
         asyncio.run(receive(sys.argv[2]))
     elif sys.argv[1] == "announced":
         asyncio.run(announced(sys.argv[2]))
+    elif sys.argv[1] == "cuts":
+        asyncio.run(cuts(sys.argv[2], sys.argv[3], int(sys.argv[4])))
     else:
         asyncio.run(send(sys.argv[2], sys.argv[3], int(sys.argv[4])))

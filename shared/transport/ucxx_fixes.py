@@ -1,0 +1,107 @@
+"""Fixes for two ucxx 0.52 bugs that the UCX transport would otherwise hit; applied once.
+
+Both patch ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
+
+- Blocking progress never re-arms (an idle node spins a whole core).
+- The endpoint handshake frees a buffer that UCX still writes into when it is cancelled
+  (heap corruption: a later, unrelated crash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from typing import Any
+
+log = logging.getLogger("tandem.transport.ucx")
+
+_applied = False
+
+
+def apply() -> None:
+    """Apply every fix (idempotent; call before the first ucxx operation)."""
+    global _applied
+    if _applied:
+        return
+    _fix_blocking_progress()
+    _fix_handshake_buffers()
+    _applied = True
+
+
+def _fix_blocking_progress() -> None:
+    """Re-arm ucxx's blocking progress after each worker event (ucxx 0.52 never does).
+
+    Its `BlockingMode` arms the worker's event fd once; the fd's reader callback then
+    progresses the worker but never schedules the re-arm, so after the first event the fd
+    stays readable and the event loop spins on it forever: every node that had ever moved
+    a byte burned a whole core while idle, which on 2 cores starved the engines (decode
+    steps 10x slower). ucx-py scheduled the re-arm in the callback; this restores that.
+    """
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    def _fd_reader_callback(self: Any) -> None:
+        self.worker.progress()
+        if self.arm_task is None or self.arm_task.done():
+            self.arm_task = self.event_loop.create_task(self._arm_worker())
+
+    BlockingMode._fd_reader_callback = _fd_reader_callback  # type: ignore[method-assign]
+
+
+# Handshake requests that ended early (a timeout, a cancelled caller), with the buffers
+# UCX may still write into or read from; dropped once UCX has finished with them.
+_parked: list[tuple[Any, tuple[Any, ...]]] = []
+PARKED_WARN = 256
+
+
+def _park(request: Any, buffers: tuple[Any, ...]) -> None:
+    _parked[:] = [entry for entry in _parked if not entry[0].completed]
+    if not request.completed:
+        _parked.append((request, buffers))
+        if len(_parked) == PARKED_WARN:
+            log.warning("%d UCX handshakes still pending after their callers left", PARKED_WARN)
+
+
+async def _exchange_peer_info(
+    endpoint: Any, msg_tag: int, listener: bool, connect_timeout: float = 5.0
+) -> dict[str, int]:
+    """ucxx's endpoint handshake, except that buffers outlive a request that ends early.
+
+    ucxx posts a 16-byte stream receive into a local bytearray and awaits it under
+    `wait_for`; when that await is cancelled (its own connect timeout, or a caller's
+    deadline around `create_endpoint`) the bytearray is freed while the receive is still
+    posted, and the peer's handshake, arriving later, is written into freed memory. That
+    corrupted the heap and crashed the process later, somewhere unrelated (seen in CI as a
+    segfault hashing in the next `create_endpoint`, and reproduced by sending with a few ms
+    of deadline). Same wire format as ucxx's: two u64, the tag and its hash.
+    """
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.utils import hash64bits
+
+    fmt = "QQ"
+    mine = struct.pack(fmt, msg_tag, hash64bits(msg_tag))
+    theirs = bytearray(len(mine))
+    mine_arr, theirs_arr = Array(mine), Array(theirs)
+    buffers = (mine, theirs, mine_arr, theirs_arr)
+    steps = ("send", "recv") if listener else ("recv", "send")
+    for step in steps:  # one at a time: ucx-py found interleaved stream calls unsafe
+        if step == "send":
+            request = endpoint.stream_send(mine_arr)
+        else:
+            request = endpoint.stream_recv(theirs_arr)
+        try:
+            await asyncio.wait_for(request.wait(), timeout=connect_timeout)
+        except BaseException:
+            _park(request, buffers)
+            raise
+    tag, checksum = struct.unpack(fmt, theirs)
+    if hash64bits(tag) != checksum:
+        raise RuntimeError("UCX handshake: peer info checksum invalid")
+    return {"msg_tag": tag, "checksum": checksum}
+
+
+def _fix_handshake_buffers() -> None:
+    from ucxx._lib_async import application_context, listener
+
+    application_context.exchange_peer_info = _exchange_peer_info  # type: ignore[attr-defined]
+    listener.exchange_peer_info = _exchange_peer_info  # type: ignore[attr-defined]

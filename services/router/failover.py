@@ -24,10 +24,13 @@ from shared.bus.messages import PrefillJob
 
 if TYPE_CHECKING:
     from services.router.app import Router
+    from shared.bus.messages import NodeInfo
 
 log = logging.getLogger("tandem.router.failover")
 
 MAX_FAILOVERS = 3
+NODE_WAIT = 5.0  # seconds a resume waits for some decode node to be registered
+NODE_POLL = 0.1
 
 
 class Failover:
@@ -59,6 +62,18 @@ class Failover:
             return self.job.decode_node
         return self.stream.node_id
 
+    async def _target(self, exclude: set[str]) -> NodeInfo | None:
+        """Another decode node if one has room, else any; when none is registered (all of
+        them lost at once, or suspected while NATS came back), wait up to NODE_WAIT for
+        one: a suspected node that is alive returns with its next heartbeat."""
+        waited_until = time.monotonic() + NODE_WAIT
+        while True:
+            nodes = self.router.nodes
+            node = nodes.pick_decode(self.blocks, exclude) or nodes.pick_decode(self.blocks)
+            if node is not None or time.monotonic() >= waited_until:
+                return node
+            await asyncio.sleep(NODE_POLL)
+
     async def resume(self, reason: str) -> bool:
         """Resubmit the request after the tokens delivered so far; False if it cannot be."""
         if self.attempts >= MAX_FAILOVERS:
@@ -66,10 +81,10 @@ class Failover:
                         self.attempts)  # fmt: skip
             return False
         exclude = {self.stream.node_id, self.job.decode_node} - {""}
-        node = self.router.nodes.pick_decode(self.blocks, exclude) or self.router.nodes.pick_decode(
-            self.blocks
-        )
+        node = await self._target(exclude)
         if node is None:
+            log.warning("%s: %s, and no decode node came within %.0fs", self.job.request_id,
+                        reason, NODE_WAIT)  # fmt: skip
             return False
         # Decode nodes that held it (token 0 alone came from a prefill node: not that one,
         # which must not mark the request cancelled: it may prefill the resumed job).

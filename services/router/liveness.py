@@ -13,6 +13,12 @@ closing its connection (a pulled cable) answers nothing: after `misses` timed-ou
 in a row while its streams are quiet it is declared dead too (a probe lost while tokens
 still flow counts for nothing: a busy node is not a dead one). A node that answers is
 alive however slow its stream: the stall timeout still bounds that.
+
+While the router's own NATS connection is down, and for `reconnect_grace` after it comes
+back, probes give no verdict: after a NATS restart every node reconnects on its own
+schedule, and one that comes back a moment after the router has no subscription yet, so
+NATS answers "no responders" for a node that is alive (this once failed every stream of a
+NATS restart over to nodes that were all "dead").
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class LivenessProbe:
         interval: float = 0.05,
         floor: float = 0.15,
         every: float = 0.1,
+        reconnect_grace: float = 2.0,
     ) -> None:
         self.router = router
         self.probe_after = probe_after
@@ -52,6 +59,7 @@ class LivenessProbe:
         self.misses = misses
         self.interval = interval
         self.every = every
+        self.reconnect_grace = reconnect_grace
         self.last_probe: dict[str, float] = {}
         self.missed: dict[str, int] = {}  # node → probes unanswered in a row
         self.probing: set[str] = set()
@@ -98,19 +106,30 @@ class LivenessProbe:
         try:
             await self.router.bus.nc.request(ping_subject(node), b"", timeout=self.timeout)
             self.missed.pop(node, None)
-        except NoRespondersError:
-            self._declare_dead(node, "no responders")
-        except (NatsTimeout, TimeoutError):
-            if node not in self.quiet_nodes(time.monotonic()):
-                self.missed.pop(node, None)  # its tokens still flow: slow, not dead
-                return
-            self.missed[node] = self.missed.get(node, 0) + 1
-            if self.missed[node] >= self.misses:
-                self._declare_dead(node, f"{self.misses} probes unanswered")
+        except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
+            self._unanswered(node, no_responders=isinstance(exc, NoRespondersError))
         except Exception as exc:  # NATS itself away: no verdict on the node
             log.debug("probe of %s failed: %r", node, exc)
         finally:
             self.probing.discard(node)
+
+    def _unanswered(self, node: str, no_responders: bool) -> None:
+        if self._reconnecting():
+            self.missed.pop(node, None)
+        elif no_responders:
+            self._declare_dead(node, "no responders")
+        elif node not in self.quiet_nodes(time.monotonic()):
+            self.missed.pop(node, None)  # its tokens still flow: slow, not dead
+        else:
+            self.missed[node] = self.missed.get(node, 0) + 1
+            if self.missed[node] >= self.misses:
+                self._declare_dead(node, f"{self.misses} probes unanswered")
+
+    def _reconnecting(self) -> bool:
+        """The router's NATS connection is down or just came back: no verdict on nodes."""
+        bus = self.router.bus
+        since = time.monotonic() - bus.reconnected_at
+        return not bus.is_connected or since < self.reconnect_grace
 
     def _declare_dead(self, node: str, why: str) -> None:
         self.missed.pop(node, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,6 +43,7 @@ class Bus:
         self.connected = asyncio.Event()
         self.dropped: Counter[str] = Counter()  # malformed messages by subject
         self.reconnects = 0
+        self.reconnected_at = -1e9  # time.monotonic() of the last reconnection
         # Run after every reconnect (e.g. re-creating the topology: a restarted server has
         # lost its memory-backed streams, the node registry among them).
         self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
@@ -54,6 +56,7 @@ class Bus:
 
         async def reconnected() -> None:
             self.reconnects += 1
+            self.reconnected_at = time.monotonic()
             self.connected.set()
             log.info("nats reconnected", extra={"node": self.name})
             for callback in self.on_reconnect:

@@ -82,6 +82,7 @@ async def test_a_dead_node_is_found_before_its_stream_looks_quiet(
     node = await Bus(nats_server.url, "d1").connect()
     assert node.nc is not None and router.bus.nc is not None
     sub = await node.nc.subscribe(ping_subject("d1"), cb=answer)
+    await node.nc.flush()  # the server has the subscription before the first probe
     flow = Flow("d1", Stream(itl=2.0))  # quiet only after 5 s (probe_after)
     router.failovers["r1"] = flow
     probe = LivenessProbe(router, probe_after=5.0)  # type: ignore[arg-type]
@@ -116,6 +117,7 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
         pass
 
     await node.nc.subscribe(ping_subject("d2"), cb=never)
+    await node.nc.flush()
     flow = Flow("d2", Stream(itl=0.05))
     router.failovers["r2"] = flow
     probe = LivenessProbe(router, probe_after=0.5, timeout=0.1)  # type: ignore[arg-type]
@@ -138,3 +140,44 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
         stop.set()
         await task
         await node.close()
+
+
+async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
+    router: RouterStandIn, nats_server: NatsServer
+) -> None:
+    """After a NATS restart a node that reconnects a moment after the router has no
+    subscription yet ("no responders"): alive all the same. One that never comes back is
+    declared dead once the grace after the router's reconnection is over."""
+    late, gone = [await Bus(nats_server.url, n).connect() for n in ("late", "gone")]
+    assert late.nc is not None and gone.nc is not None
+    for node in (late, gone):
+        await node.nc.subscribe(ping_subject(node.name), cb=answer)
+        await node.nc.flush()
+    router.failovers = {"r-late": Flow("late"), "r-gone": Flow("gone")}
+    probe = LivenessProbe(router, reconnect_grace=1.5)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(probe.run(stop))
+    try:
+        await asyncio.sleep(0.3)
+        assert not router.lost
+        reconnects = router.bus.reconnects
+        await asyncio.to_thread(nats_server.stop)
+        for node in (late, gone):  # "gone" dies while the server is away; "late" comes
+            await node.nc.close()  # back late: a new connection, subscribed later
+        await asyncio.to_thread(nats_server.start)
+        while router.bus.reconnects == reconnects:
+            await asyncio.sleep(0.01)
+        back = time.monotonic()
+        await asyncio.sleep(0.5)  # "no responders" for both, all this time
+        assert not router.lost
+        late = await Bus(nats_server.url, "late").connect()
+        assert late.nc is not None
+        await late.nc.subscribe(ping_subject("late"), cb=answer)
+        while "gone" not in router.lost and time.monotonic() - back < 5:
+            await asyncio.sleep(0.01)
+        assert set(router.lost) == {"gone"}
+        assert router.lost["gone"] - back >= 1.5
+    finally:
+        stop.set()
+        await task
+        await late.close()

@@ -145,13 +145,13 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
 async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
     router: RouterStandIn, nats_server: NatsServer
 ) -> None:
-    """After a NATS restart a node that reconnects a moment after the router has no
-    subscription yet ("no responders"): alive all the same. One that never comes back is
-    declared dead once the grace after the router's reconnection is over."""
+    """After a NATS restart a node that resubscribes a moment after the router is back has
+    no subscription yet ("no responders"): alive all the same. One whose subscription never
+    comes back is declared dead once the grace after the router's reconnection is over."""
     late, gone = [await Bus(nats_server.url, n).connect() for n in ("late", "gone")]
     assert late.nc is not None and gone.nc is not None
+    subs = [await n.nc.subscribe(ping_subject(n.name), cb=answer) for n in (late, gone)]
     for node in (late, gone):
-        await node.nc.subscribe(ping_subject(node.name), cb=answer)
         await node.nc.flush()
     router.failovers = {"r-late": Flow("late"), "r-gone": Flow("gone")}
     probe = LivenessProbe(router, reconnect_grace=1.5)  # type: ignore[arg-type]
@@ -162,17 +162,16 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
         assert not router.lost
         reconnects = router.bus.reconnects
         await asyncio.to_thread(nats_server.stop)
-        for node in (late, gone):  # "gone" dies while the server is away; "late" comes
-            await node.nc.close()  # back late: a new connection, subscribed later
+        for sub in subs:  # while the server is away: neither is subscribed when it is back
+            await sub.unsubscribe()
         await asyncio.to_thread(nats_server.start)
         while router.bus.reconnects == reconnects:
             await asyncio.sleep(0.01)
         back = time.monotonic()
         await asyncio.sleep(0.5)  # "no responders" for both, all this time
         assert not router.lost
-        late = await Bus(nats_server.url, "late").connect()
-        assert late.nc is not None
-        await late.nc.subscribe(ping_subject("late"), cb=answer)
+        await late.nc.subscribe(ping_subject("late"), cb=answer)  # "late" is back
+        await late.nc.flush()
         while "gone" not in router.lost and time.monotonic() - back < 5:
             await asyncio.sleep(0.01)
         assert set(router.lost) == {"gone"}
@@ -181,3 +180,4 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
         stop.set()
         await task
         await late.close()
+        await gone.close()

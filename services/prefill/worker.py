@@ -1,35 +1,33 @@
 """A prefill node: pulls jobs, prefills them in batches, hands the KV to decode nodes.
 
-Per job: drop it if cancelled or past its deadline; load the longest cached prefix of its
-prompt from the kvcache service beyond what this node's own pool holds (prefix.py); prefill
-only the rest (batched with the jobs that arrived together) on the engine thread; store the
-newly computed full blocks in the kvcache service in the background; publish the first
-token as delta 0; ask the chosen decode node to expect the transfer (it may refuse: try the
-next decode node); send the KV over the data plane; ack the job only after the decode node
-confirmed receipt. A failed hand-off is nak'ed for a retry (delta 0 is then re-sent and the
-router drops the duplicate).
+Jobs come from the node's own queue (steered here by a router: this pool holds their
+prefix) and the shared one (intake.py). Per job: drop it if cancelled or past its deadline;
+load the longest cached prefix of its prompt from the kvcache service beyond what this
+node's own pool holds (prefix_cache.py); prefill only the rest (batched with the jobs that
+arrived together) on the engine thread; store the newly computed full blocks in the kvcache
+service in the background; announce what the pool now holds (and evicted) as KV events;
+hand each sequence to a decode node (handoff.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
 
 from nats.aio.msg import Msg
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.prefill.handoff import RETRY_DELAY, HandOff
+from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
-from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, TokenDelta, decode, encode
+from shared.bus.kv_events import KVEventPublisher
+from shared.bus.messages import Cancel, NodeInfo, TokenDelta, decode
 from shared.bus.registry import NodeRegistry, node_info
-from shared.bus.topology import assign_subject, cancel_subject, is_token_subject
-from shared.bus.tracing import extract_context, inject_headers
-from shared.bus.workqueue import JobConsumer, ReceivedJob, keep_alive
-from shared.deltas import delta_from_output
+from shared.bus.topology import cancel_subject, is_token_subject
+from shared.bus.tracing import extract_context
+from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import SequenceSnapshot
@@ -37,20 +35,14 @@ from shared.errors import CapacityError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient import KVCacheClient
 from shared.prefix_cache import PrefixCache
-from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
-from shared.transport.base import TransferError, Transport
-from shared.transport.frames import make_header, new_secret
+from shared.transport.base import Transport
 
 log = logging.getLogger("tandem.prefill")
 TRACER = tracer("prefill")
 
-ASSIGN_TIMEOUT = 5.0
-TRANSFER_TIMEOUT = 30.0
-RETRY_DELAY = 0.5
 KEEP_ALIVE_INTERVAL = 2.0  # in_progress for held jobs: well inside the queue's ack_wait
-HANDOFF_PATIENCE = 60.0  # seconds to keep retrying full decode nodes before giving up
 
 
 class PrefillWorker:
@@ -85,6 +77,14 @@ class PrefillWorker:
             "tandem_kv_blocks_used", "KV blocks in use", lambda: engine.pool.num_used
         )
         self._resumed: dict[str, list[int]] = {}  # this batch's failovers: tokens delivered
+        self.handoff = HandOff(self, self._fail)
+        # What this node's pool holds goes out as KV events: routers steer a job to the
+        # prefill node holding its prefix. Collected on the engine thread, sent from the loop.
+        self.events = KVEventPublisher(bus, node_id)
+        self._named: list[bytes] = []
+        self._evicted: list[bytes] = []
+        engine.on_blocks_named = lambda hashes: self._named.extend(hashes)
+        engine.pool.on_evict = lambda _block, h: self._evicted.append(h)
         self.prefix.add_metrics(self.metrics)
 
     async def on_cancel(self, msg: Msg) -> None:
@@ -102,25 +102,36 @@ class PrefillWorker:
 
     def info(self) -> NodeInfo:
         return node_info(
-            self.node_id, "prefill", load=self.queue_depth, data_address=self.transport.address
+            self.node_id,
+            "prefill",
+            load=self.queue_depth,
+            data_address=self.transport.address,
+            free_kv_blocks=self.engine.pool.num_free,
+            total_kv_blocks=self.engine.pool.num_blocks,
+            hash_key=self.engine.hash_extra.decode(),
+            block_size=self.engine.config.block_size,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
-        consumer = await JobConsumer(self.bus).start()
+        intake = await JobIntake(self.bus, self.node_id).start()
         self.stopping = stop
+        self.handoff.stopping = stop
         self.prefix.start()
+        self.events.cleared()  # a restarted node's pool is empty, whatever it held before
+        self.events.start()
         try:
-            await self._loop(consumer, stop)
+            await self._loop(intake, stop)
         finally:
-            await consumer.stop()
+            await intake.stop()
             await self.prefix.close()
+            await self.events.close()
 
-    async def _loop(self, consumer: JobConsumer, stop: asyncio.Event) -> None:
+    async def _loop(self, intake: JobIntake, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                jobs = await consumer.fetch(batch=self.max_batch, timeout=0.5)
+                jobs = await intake.fetch(self.max_batch)
             except Exception as exc:  # disconnected: the client reconnects on its own
                 log.warning("fetch failed: %r", exc)
                 await asyncio.sleep(0.5)
@@ -134,7 +145,7 @@ class PrefillWorker:
                     await job.term()
                 else:
                     live.append(job)
-            live = await self._one_per_request(live)
+            live = await one_per_request(live)
             if live:
                 self.queue_depth = len(live)
                 alive = asyncio.create_task(keep_alive(live, KEEP_ALIVE_INTERVAL))
@@ -185,6 +196,7 @@ class PrefillWorker:
                 self.thread, self._import_and_prefill, prefixes, requests
             )
         except TandemError as exc:
+            self._publish_kv_events()
             for j in jobs:
                 compute[j.job.request_id].set_status(Status(StatusCode.ERROR, exc.message))
                 compute[j.job.request_id].end()
@@ -194,6 +206,7 @@ class PrefillWorker:
                     await self._fail(j, exc.message)
                     await j.term()
             return
+        self._publish_kv_events()
         for span in compute.values():
             span.end()
         m = self.metrics
@@ -220,9 +233,7 @@ class PrefillWorker:
                 self.prefix.store(job.prompt_ids + job.output_ids, out, frame, request)
         await asyncio.gather(
             *(
-                self._traced_hand_off(
-                    by_id[out.request_id], out, snap, frame, contexts[out.request_id]
-                )
+                self.handoff.run(by_id[out.request_id], out, snap, frame, contexts[out.request_id])
                 for out, snap, frame in results
             )
         )
@@ -238,148 +249,13 @@ class PrefillWorker:
                 self.engine.import_cached_blocks(hashes, blocks)
         return self.engine.prefill_and_export(requests, self._resumed)
 
-    async def _traced_hand_off(
-        self,
-        job: ReceivedJob,
-        out: StepOutput,
-        snap: SequenceSnapshot | None,
-        frame: bytes | None,
-        ctx: otel_context.Context,
-    ) -> None:
-        bind(request_id=job.job.request_id)  # this task's log lines carry the request id
-        with TRACER.start_as_current_span("prefill.handoff", context=ctx):
-            log.info("prefilled: %d prompt tokens", out.num_prompt_tokens)
-            try:
-                await self._hand_off(job, out, snap, frame)
-            except Exception as exc:  # one request's failure must not stop the node
-                log.exception("hand-off failed")
-                with contextlib.suppress(Exception):
-                    await self._fail(job, f"internal error in prefill hand-off: {exc!r}")
-                    await job.term()
-
-    async def _hand_off(
-        self, job: ReceivedJob, out: StepOutput, snap: SequenceSnapshot | None, frame: bytes | None
-    ) -> None:
-        await self._publish_first(job, out)
-        if snap is None or frame is None:  # finished on its first token
-            await job.ack()
-            return
-        tried: set[str] = set()
-        deadline = min(time.time() + HANDOFF_PATIENCE, job.job.deadline or float("inf"))
-        delay = 0.05
-        # Decode nodes refuse while full; keep the computed KV and retry them (with backoff)
-        # rather than recomputing later, until the request's deadline.
-        while time.time() < deadline and not self.stopping.is_set():
-            for node in await self._decode_candidates(job.job.decode_node):
-                if job.job.request_id in self.cancelled:
-                    await job.term()
-                    return
-                tried.add(node.node_id)
-                if await self._send_to(node, job, snap, frame):
-                    await job.ack()
-                    return
-            await job.in_progress()  # still ours: do not let ack_wait redeliver it
-            await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
-        log.warning("no decode node took %s (tried %s)", job.job.request_id, sorted(tried))
-        if job.num_delivered >= 3:
-            await self._fail(job, "no decode node accepted the request")
-            await job.term()
-        else:
-            await job.nak(delay=RETRY_DELAY)
-
-    async def _decode_candidates(self, preferred: str) -> list[NodeInfo]:
-        nodes = [
-            n
-            for n in (await self.registry.nodes()).values()
-            if n.role == "decode" and not n.draining
-        ]
-        nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))
-        return nodes
-
-    async def _send_to(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
-    ) -> bool:
-        with TRACER.start_as_current_span(
-            "kv.transfer.send",
-            attributes={
-                "tandem.decode_node": node.node_id,
-                "tandem.transport": self.transport.name,
-                "tandem.bytes": len(frame),
-            },
-        ) as span:
-            started = time.perf_counter()
-            ok = await self._assign_and_send(node, job, snap, frame)
-            elapsed = time.perf_counter() - started
-            span.set_attribute("tandem.accepted", ok)
-            if ok:
-                span.set_attribute("tandem.gbps", len(frame) / max(elapsed, 1e-9) / 1e9)
-                self.metrics.transfer_bytes.labels("send").inc(len(frame))
-                self.metrics.transfer_seconds.labels("send").observe(elapsed)
-            else:
-                span.set_status(Status(StatusCode.ERROR, "decode node refused or transfer failed"))
-            return ok
-
-    async def _assign_and_send(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
-    ) -> bool:
-        assert self.bus.nc is not None
-        rid = job.job.request_id
-        assignment = DecodeAssignment(
-            transfer_id=job.job.transfer_id or rid,
-            snapshot=snap,
-            token_subject=job.job.token_subject,
-            prefill_node=self.node_id,
-            deadline=time.time() + TRANSFER_TIMEOUT,
-            transfer_secret=new_secret(),
-        )
-        try:
-            reply = await self.bus.nc.request(
-                assign_subject(node.node_id),
-                encode(assignment),
-                timeout=ASSIGN_TIMEOUT,
-                headers=inject_headers(),
-            )
-        except Exception as exc:
-            log.warning("assign %s to %s failed: %s", rid, node.node_id, exc)
-            return False
-        if reply.data != b"ok":
-            log.info("%s refused %s: %s", node.node_id, rid, reply.data.decode(errors="replace"))
-            return False
-        payload = memoryview(frame)
-        header = make_header(
-            rid,
-            assignment.transfer_id,
-            payload,
-            chunk_bytes=self.engine.layout.bytes_per_block,
-            num_blocks=self.engine.scheduler.blocks_for(snap.num_computed),
-            traceparent=inject_headers().get("traceparent", ""),
-            secret=assignment.transfer_secret,
-        )
-        trace.get_current_span().set_attribute("tandem.blocks", header.num_blocks)
-        try:
-            await self.transport.send(node.data_address, header, payload, timeout=TRANSFER_TIMEOUT)
-        except TransferError as exc:
-            log.warning("KV transfer of %s to %s failed: %s", rid, node.node_id, exc)
-            return False
-        return True
-
-    async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
-        with TRACER.start_as_current_span("prefill.first_token"):
-            await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
-
-    async def _one_per_request(self, jobs: list[ReceivedJob]) -> list[ReceivedJob]:
-        """One job per request id in a batch: a failover resubmits a request (with the
-        tokens delivered so far) that may still be queued; the resumed one wins."""
-        kept: dict[str, ReceivedJob] = {}
-        for job in jobs:
-            other = kept.get(job.job.request_id)
-            if other is not None:
-                if len(job.job.output_ids) < len(other.job.output_ids):
-                    job, other = other, job
-                await other.term()
-            kept[job.job.request_id] = job
-        return list(kept.values())
+    def _publish_kv_events(self) -> None:
+        """On the loop, once the engine thread is done with a batch (nothing else of this
+        node allocates blocks there meanwhile): what it placed and what it evicted."""
+        evicted, self._evicted = self._evicted, []
+        named, self._named = self._named, []
+        self.events.evicted(evicted)  # evictions first: a block may be evicted and reused
+        self.events.stored(named)
 
     async def _admissible(self, job: ReceivedJob) -> bool:
         """Check one job alone, so a bad one never fails the batch it would have joined."""

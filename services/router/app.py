@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -33,7 +34,7 @@ from shared.bus.topology import (
     token_subject,
 )
 from shared.bus.tracing import inject_headers
-from shared.bus.workqueue import submit_job
+from shared.bus.workqueue import purge_steered, submit_job
 from shared.engine.sampling import new_seed
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.logs import bind
@@ -80,7 +81,8 @@ class Router:
         # request id → its failover state (told when the node serving it leaves)
         self.failovers: dict[str, Failover] = {}
         self.active: set[str] = set()  # client-facing ids of requests this process streams
-        nodes.on_leave.append(self.node_lost)
+        self._background: set[asyncio.Future[None]] = set()
+        nodes.on_leave.append(self.node_left)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -211,7 +213,7 @@ class Router:
                 created=created,
             )
             await self.journal.put(entry)
-            route = "disaggregated"
+            route, steered = "disaggregated", ""
             if local_node is not None and await self._send_local(local_node, job):
                 route = "local"
             elif self.config.colocated:  # no prefill node to fall back on
@@ -226,12 +228,24 @@ class Router:
                     # (it timed out) must not meet the request there again.
                     decode_node = self.nodes.pick_decode(blocks, {local_node.node_id}) or local_node
                     job = msgspec.structs.replace(job, decode_node=decode_node.node_id)
-                await submit_job(self.bus, job)  # carries the request span's trace context
+                elif plan is not None and plan.prefill_node is not None:
+                    steered = plan.prefill_node.node_id  # its pool holds the prefix
+                    self.nodes.inflight[steered] = self.nodes.inflight.get(steered, 0) + 1
+                    self.metrics.steered.inc()
+                    admission.set_attribute("tandem.prefill_node", steered)
+                    admission.set_attribute(
+                        "tandem.prefill_cached_tokens", plan.prefill_cached_tokens
+                    )
+                # carries the request span's trace context
+                await submit_job(self.bus, job, prefill_node=steered)
             self.metrics.routes.labels(route).inc()
             log.info(
-                "routed %s to %s: %d prompt tokens, %d cached on a decode node, %d in kvcache",
+                "routed %s to %s%s: %d prompt tokens, %d cached on a decode node, %d in kvcache",
                 route,
                 decode_node.node_id,
+                f" via {steered} ({plan.prefill_cached_tokens} cached there)"
+                if steered and plan
+                else "",
                 len(parsed.prompt_ids),
                 plan.decode_cached_tokens if plan else 0,
                 plan.kvcache_cached_tokens if plan else 0,
@@ -250,6 +264,7 @@ class Router:
                 route=route,
                 blocks=blocks,
                 start=start,
+                prefill_node=steered,
             )
         except BaseException as exc:  # not admitted: nothing of it may stay anywhere
             self.active.discard(rid)
@@ -267,6 +282,16 @@ class Router:
         """A node left or was declared dead: its requests fail over."""
         for failover in self.failovers.values():
             failover.node_left(node_id)
+
+    def node_left(self, node_id: str) -> None:
+        """A node left the registry (every router sees that): its requests fail over, and
+        jobs steered to it (a prefill node) leave its queue, as every router's requests
+        waiting there fail over too. Not on a probe's verdict alone, which may be this
+        router's only: another router's jobs there would wait on a node that is alive."""
+        self.node_lost(node_id)
+        task = asyncio.ensure_future(purge_steered(self.bus, node_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int, attempt: int = 0) -> str:
         """A resumed request (failover, or a stream picked up after a router died): straight

@@ -34,11 +34,21 @@ NODE_POLL = 0.1
 
 
 class Failover:
-    def __init__(self, router: Router, job: PrefillJob, stream: RequestStream, blocks: int):
+    def __init__(
+        self,
+        router: Router,
+        job: PrefillJob,
+        stream: RequestStream,
+        blocks: int,
+        prefill_node: str = "",
+    ) -> None:
         self.router = router
         self.job = job
         self.stream = stream
         self.blocks = blocks
+        # The prefill node whose own queue holds the job (steered there): until token 0,
+        # its loss is this request's (a shared-queue job is redelivered by JetStream).
+        self.prefill_node = prefill_node
         self.lost = asyncio.Event()
         self.attempts = 0
         # Nodes this request already moved away from: their later "left" (a probe found the
@@ -49,15 +59,19 @@ class Failover:
         """The registry lost a node: if it was serving this request, resume elsewhere."""
         if node_id in self.abandoned:
             return
-        serving = self.stream.node_id
-        if node_id == serving or (node_id == self.job.decode_node and self.stream.next_seq <= 1):
+        serving, seq = self.stream.node_id, self.stream.next_seq
+        if (
+            node_id == serving
+            or (node_id == self.job.decode_node and seq <= 1)
+            or (node_id == self.prefill_node and seq == 0)
+        ):
             self.lost.set()  # the prefill node sent token 0, the decode node had the rest
 
     def expected_sender(self) -> str:
         """The node the next token should come from ("" while a prefill node, unknown to
         the router, works on it: JetStream redelivers a dead prefill node's job)."""
         if self.stream.next_seq <= 1:  # token 0 comes from prefill, the rest from decode
-            return self.job.decode_node if self.stream.next_seq == 1 else ""
+            return self.job.decode_node if self.stream.next_seq == 1 else self.prefill_node
         if self.stream.node_id in self.abandoned:  # resumed: the new node sends next
             return self.job.decode_node
         return self.stream.node_id
@@ -94,6 +108,9 @@ class Failover:
         left -= {"", node.node_id}
         self.attempts += 1
         self.abandoned |= exclude
+        if self.prefill_node and self.stream.next_seq == 0:
+            self.abandoned.add(self.prefill_node)
+        self.prefill_node = ""  # a resumed job is never steered
         delivered = list(self.stream.token_ids)
         self.job = msgspec.structs.replace(self.job, decode_node=node.node_id)
         job = msgspec.structs.replace(

@@ -55,6 +55,11 @@ class RouterMetrics:
             ["path"],
             registry=r,
         )
+        self.steered = Counter(
+            "tandem_router_prefill_steered_total",
+            "Disaggregated requests steered to the prefill node whose pool holds their prefix",
+            registry=r,
+        )
         self.failovers = Counter(
             "tandem_failovers_total",
             "Requests resumed on another node after theirs died or stalled",

@@ -53,6 +53,7 @@ class Relay:
     blocks: int
     start: float  # monotonic
     skip_through: int = -1  # deltas up to this seq were delivered already (a resumed stream)
+    prefill_node: str = ""  # the job was steered to this prefill node's own queue
 
 
 def sse(seq: int | None, body: object) -> bytes:
@@ -105,7 +106,7 @@ async def relay(
     stream_span: trace.Span | None = None
     response: web.StreamResponse | None = None
     finished = False
-    failover = Failover(router, r.job, r.stream, r.blocks)
+    failover = Failover(router, r.job, r.stream, r.blocks, r.prefill_node)
     router.failovers[r.job.request_id] = failover
     router.active.add(rid)
     journal = JournalWriter(router, r.entry)

@@ -7,8 +7,13 @@ come from the decode nodes' registry entries) and looks them up in the KV-event 
   `local_max_tokens` uncached) gets the request directly and prefills that tail itself:
   no prefill queue, no KV transfer; the few tokens it computes barely delay its running
   streams (the reason to disaggregate is long prompts, and this one is short in effect);
-- otherwise the request takes the disaggregated path: a prefill node computes what the
-  kvcache service does not hold (it loads the rest) and the decode node is chosen by load.
+- otherwise the request takes the disaggregated path: a prefill node computes what it and
+  the kvcache service do not hold (it loads the rest) and the decode node is chosen by load.
+  Which prefill node is a cost: uncached tokens to compute, plus tokens to load from
+  kvcache (each ~LOAD_COST of computing one), plus QUEUE_COST for each job it already has.
+  When a prefill node's own pool holds part of the prompt and that makes it cheaper than
+  the shared queue's first free node by STEER_MARGIN, the job is steered to it (its own
+  queue); otherwise it goes to the shared queue, where the first free node takes it.
 
 In colocated mode (`tandem router --colocated`, no prefill nodes) every request takes the
 local path: to the decode node holding the most of its prompt, else to the least loaded
@@ -19,12 +24,19 @@ Expected cached tokens for both paths are reported on the admission span and in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.router.nodes import NodeTable
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
 from shared.kv.block_hash import block_hashes
+
+# Loading a token's KV from kvcache costs this share of computing it: benchmarks/prefix.py,
+# 1,800 of 2,000 tokens cached: 0.22x cold TTFT loaded from kvcache, 0.17x from the pool.
+LOAD_COST = 0.06
+QUEUE_COST = 256  # tokens of work a prefill node is expected to have per job it holds
+STEER_MARGIN = 32  # tokens a steered job must save over the shared queue
 
 
 @dataclass
@@ -33,6 +45,8 @@ class RoutePlan:
     decode_cached_tokens: int  # the longest prefix any decode node's pool holds
     kvcache_cached_tokens: int  # prefix the kvcache nodes hold, for the disaggregated path
     prompt_tokens: int
+    prefill_node: NodeInfo | None = None  # steer the job here (its pool holds the prefix)
+    prefill_cached_tokens: int = 0  # what that node's pool holds of the prompt
 
 
 class PrefixRouter:
@@ -51,17 +65,23 @@ class PrefixRouter:
         if not decoders:
             return plan
         hashes_by_key: dict[tuple[str, int], list[bytes]] = {}
-        best: tuple[int, float, str] | None = None
-        for node in decoders:
-            key = (node.hash_key, node.block_size)
+
+        def hashes_for(node: NodeInfo) -> list[bytes] | None:
             if not node.hash_key or node.block_size <= 0:
-                continue
+                return None
+            key = (node.hash_key, node.block_size)
             if key not in hashes_by_key:
                 # As the engine does: the last prompt token is always computed.
                 hashes_by_key[key] = list(
                     block_hashes(prompt_ids[:-1], node.block_size, node.hash_key.encode())
                 )
-            hashes = hashes_by_key[key]
+            return hashes_by_key[key]
+
+        best: tuple[int, float, str] | None = None
+        for node in decoders:
+            hashes = hashes_for(node)
+            if hashes is None:
+                continue
             cached = self.index.prefix_blocks(node.node_id, hashes) * node.block_size
             plan.kvcache_cached_tokens = max(
                 plan.kvcache_cached_tokens,
@@ -80,4 +100,29 @@ class PrefixRouter:
                 plan.local_node = self.nodes.best_decode(blocks_needed)
         elif best is None or best[0] > self.local_max_tokens:
             plan.local_node = None
+            self._steer(plan, hashes_for)
         return plan
+
+    def _steer(self, plan: RoutePlan, hashes_for: Callable[[NodeInfo], list[bytes] | None]) -> None:
+        """Pick the prefill node whose pool makes the job cheapest, if that beats the shared
+        queue (see the module docstring)."""
+        prefill = self.nodes.by_role("prefill")
+        if not prefill:
+            return
+        n, remote = plan.prompt_tokens, plan.kvcache_cached_tokens
+        queued = {p.node_id: p.load + self.nodes.inflight.get(p.node_id, 0) for p in prefill}
+        shared = (n - remote) + LOAD_COST * remote + QUEUE_COST * min(queued.values())
+        best: tuple[float, str] | None = None
+        for node in prefill:
+            hashes = hashes_for(node)
+            if hashes is None:
+                continue
+            local = self.index.prefix_blocks(node.node_id, hashes) * node.block_size
+            if local == 0:
+                continue
+            cached = max(local, remote)
+            cost = (n - cached) + LOAD_COST * max(0, remote - local)
+            cost += QUEUE_COST * queued[node.node_id]
+            if cost + STEER_MARGIN < shared and (best is None or (cost, node.node_id) < best):
+                best = (cost, node.node_id)
+                plan.prefill_node, plan.prefill_cached_tokens = node, local

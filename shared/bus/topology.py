@@ -1,7 +1,10 @@
 """The control plane's JetStream objects, created or updated idempotently at start-up.
 
-- `TANDEM_PREFILL`: work-queue stream of prefill jobs, one durable pull consumer shared by
-  all prefill nodes (explicit ack, `ack_wait`, `max_deliver`), de-duplicated by Nats-Msg-Id.
+- `TANDEM_PREFILL`: work-queue stream of prefill jobs, de-duplicated by Nats-Msg-Id: one
+  durable pull consumer shared by all prefill nodes (explicit ack, `ack_wait`,
+  `max_deliver`) on `tandem.prefill.jobs`, and one per prefill node on
+  `tandem.prefill.node.<id>` for jobs a router steered to it (its pool holds their prefix);
+  each prefill node creates its own at start-up.
 - `TANDEM_KV_EVENTS`: stream of KV block stored/evicted events for KV-aware routing.
 - `tandem-nodes`: KV bucket, the node registry; entries expire by per-message TTL unless
   refreshed by heartbeats, and expiry leaves a marker watchers see as a leave.
@@ -26,6 +29,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 PREFILL_STREAM = "TANDEM_PREFILL"
 PREFILL_SUBJECT = "tandem.prefill.jobs"
 PREFILL_CONSUMER = "prefill-workers"
+PREFILL_NODE_SUBJECTS = "tandem.prefill.node.*"
 KV_EVENTS_STREAM = "TANDEM_KV_EVENTS"
 KV_EVENTS_SUBJECT = "tandem.kv.events"
 NODES_BUCKET = "tandem-nodes"
@@ -52,6 +56,15 @@ def is_token_subject(subject: str) -> bool:
 
 def cancel_subject() -> str:
     return "tandem.cancel"
+
+
+def prefill_node_subject(node_id: str) -> str:
+    """Jobs steered to one prefill node (its own consumer takes them)."""
+    return f"tandem.prefill.node.{node_id}"
+
+
+def prefill_node_consumer(node_id: str) -> str:
+    return f"prefill-node-{node_id}"
 
 
 def kvcache_subject(node_id: str, op: str) -> str:
@@ -92,6 +105,7 @@ class TopologyConfig:
     kv_events_max_age: float = 600.0
     node_ttl: float = 6.0  # registry entries vanish this long after the last heartbeat
     journal_ttl: float = 3600.0
+    node_consumer_idle: float = 3600.0  # a prefill node's own consumer, unused, is deleted
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -103,6 +117,29 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     await js.update_stream(config)
 
 
+async def ensure_job_consumer(
+    js: JetStreamContext, durable: str, subject: str, cfg: TopologyConfig | None = None
+) -> None:
+    """Create or update a durable pull consumer of prefill jobs on one subject (work-queue
+    consumers may not overlap: the shared one takes only unsteered jobs)."""
+    cfg = cfg or TopologyConfig()
+    consumer = ConsumerConfig(
+        durable_name=durable,
+        filter_subject=subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=cfg.ack_wait,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=1000,
+        # A node's own consumer outlives the node that made it by this much (its jobs'
+        # requests have long since failed over: a router purges its subject).
+        inactive_threshold=None if durable == PREFILL_CONSUMER else cfg.node_consumer_idle,
+    )
+    try:
+        await js.add_consumer(PREFILL_STREAM, consumer)
+    except BadRequestError:
+        await js.add_consumer(PREFILL_STREAM, consumer)  # update of an existing durable
+
+
 async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = None) -> None:
     """Create or update every stream, consumer and bucket; safe to call from every node."""
     cfg = cfg or TopologyConfig()
@@ -110,24 +147,14 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
         js,
         StreamConfig(
             name=PREFILL_STREAM,
-            subjects=[PREFILL_SUBJECT],
+            subjects=[PREFILL_SUBJECT, PREFILL_NODE_SUBJECTS],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=cfg.duplicate_window,
             max_msgs=100_000,
         ),
     )
-    consumer = ConsumerConfig(
-        durable_name=PREFILL_CONSUMER,
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=cfg.ack_wait,
-        max_deliver=cfg.max_deliver,
-        max_ack_pending=1000,
-    )
-    try:
-        await js.add_consumer(PREFILL_STREAM, consumer)
-    except BadRequestError:
-        await js.add_consumer(PREFILL_STREAM, consumer)  # update of an existing durable
+    await ensure_job_consumer(js, PREFILL_CONSUMER, PREFILL_SUBJECT, cfg)
     await _ensure_stream(
         js,
         StreamConfig(

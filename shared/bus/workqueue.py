@@ -18,14 +18,35 @@ from nats.js import JetStreamContext
 
 from shared.bus.client import Bus
 from shared.bus.messages import PrefillJob, decode
-from shared.bus.topology import PREFILL_CONSUMER, PREFILL_STREAM, PREFILL_SUBJECT
+from shared.bus.topology import (
+    PREFILL_CONSUMER,
+    PREFILL_STREAM,
+    PREFILL_SUBJECT,
+    ensure_job_consumer,
+    prefill_node_consumer,
+    prefill_node_subject,
+)
 from shared.errors import WireFormatError
 
 
-async def submit_job(bus: Bus, job: PrefillJob, attempt: int = 0) -> None:
-    """Queue a job once (a retried publish is de-duplicated); a failover is a new attempt."""
+async def submit_job(bus: Bus, job: PrefillJob, attempt: int = 0, prefill_node: str = "") -> None:
+    """Queue a job once (a retried publish is de-duplicated); a failover is a new attempt.
+    With `prefill_node`, only that node's consumer takes it (steered to where its prefix
+    lives); otherwise whichever prefill node asks first."""
     msg_id = job.request_id if attempt == 0 else f"{job.request_id}/failover-{attempt}"
-    await bus.js_publish(PREFILL_SUBJECT, job, msg_id=msg_id)
+    subject = prefill_node_subject(prefill_node) if prefill_node else PREFILL_SUBJECT
+    await bus.js_publish(subject, job, msg_id=msg_id)
+
+
+async def purge_steered(bus: Bus, node_id: str) -> None:
+    """Drop the jobs waiting in a lost node's own queue (their requests fail over; kept,
+    a node coming back under that id would compute them for nothing). Best effort."""
+    if bus.js is None:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(
+            bus.js.purge_stream(PREFILL_STREAM, subject=prefill_node_subject(node_id)), 5.0
+        )
 
 
 @dataclass
@@ -69,17 +90,21 @@ async def keep_alive(jobs: list[ReceivedJob], interval: float) -> None:
 
 
 class JobConsumer:
-    """A prefill node's handle on the shared durable consumer."""
+    """A prefill node's handle on the shared durable consumer, or (`node_id`) on its own."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, node_id: str = "") -> None:
         self.bus = bus
+        self.node_id = node_id
         self.sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> JobConsumer:
         assert self.bus.js is not None
-        self.sub = await self.bus.js.pull_subscribe(
-            PREFILL_SUBJECT, durable=PREFILL_CONSUMER, stream=PREFILL_STREAM
-        )
+        subject, durable = PREFILL_SUBJECT, PREFILL_CONSUMER
+        if self.node_id:
+            subject = prefill_node_subject(self.node_id)
+            durable = prefill_node_consumer(self.node_id)
+            await ensure_job_consumer(self.bus.js, durable, subject)
+        self.sub = await self.bus.js.pull_subscribe(subject, durable=durable, stream=PREFILL_STREAM)
         return self
 
     async def stop(self) -> None:

@@ -80,6 +80,8 @@ class BlockExchange:
         for block_id, (h, _) in zip(ids, todo, strict=True):
             self.pool.commit_hash(block_id, h)
         self.pool.free(ids)
+        if self.on_blocks_named is not None:  # this pool holds them now: routers may use it
+            self.on_blocks_named([h for h, _ in todo])
         return len(todo)
 
     def _on_commit(

@@ -1,9 +1,10 @@
 """Prefix caching through the real stack: a multi-turn chat hits the kvcache service.
 
 Each turn resends the whole history. Its prefix was stored by the previous turn's prefill
-(prompt blocks) and decode (generated blocks) nodes; with two prefill nodes pulling from one
-queue, a turn often lands on the node that never saw the history, and then only the kvcache
-service can supply it. Tokens must equal transformers' greedy generate on the same prompt.
+(prompt blocks) and decode (generated blocks) nodes. The kvcache service supplies what the
+prefill node's own pool lacks (the answers, at least), and the router steers a long turn to
+the prefill node whose pool holds most of its history. Tokens must equal transformers'
+greedy generate on the same prompt.
 """
 
 from __future__ import annotations
@@ -60,13 +61,17 @@ def hit_tokens(stack: Stack) -> float:
     )
 
 
-def routes(stack: Stack, path: str) -> float:
+def router_counter(stack: Stack, name: str, **labels: str) -> float:
     with urllib.request.urlopen(stack.url + "/metrics", timeout=5) as r:
         for family in text_string_to_metric_families(r.read().decode()):
             for s in family.samples:
-                if s.name == "tandem_router_routes_total" and s.labels.get("path") == path:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     return float(s.value)
     return 0.0
+
+
+def routes(stack: Stack, path: str) -> float:
+    return router_counter(stack, "tandem_router_routes_total", path=path)
 
 
 def chat_turns(
@@ -120,10 +125,14 @@ def test_long_turns_load_history_from_the_kvcache_service(
     loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
     kv_hits_before = scrape(stack, "kvcache", "tandem_kvcache_hit_blocks")
     remote_before = routes(stack, "disaggregated")
+    steered_before = router_counter(stack, "tandem_router_prefill_steered_total")
     with client(stack) as c:
         turns = chat_turns(c, stack, real_model, LONG_QUESTIONS)
     check_hits(turns)
     assert routes(stack, "disaggregated") - remote_before == len(LONG_QUESTIONS)
+    # Turns 3-4 went to the prefill node that holds most of their history (600+ tokens in
+    # its pool: it loads only the answer's blocks from kvcache), not to the shared queue.
+    assert router_counter(stack, "tandem_router_prefill_steered_total") - steered_before >= 1
     # The kvcache service served blocks (the answers exist nowhere else but the decode pools).
     assert scrape(stack, "kvcache", "tandem_kvcache_hit_blocks") > kv_hits_before
     assert scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks") > loaded_before

@@ -14,6 +14,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.prefill.intake import JobIntake
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
@@ -27,7 +28,7 @@ from shared.bus.topology import (
     ensure_topology,
 )
 from shared.bus.tracing import extract_context
-from shared.bus.workqueue import JobConsumer, submit_job
+from shared.bus.workqueue import JobConsumer, purge_steered, submit_job
 from shared.engine.sampling import SamplingParams
 from shared.errors import TandemError
 
@@ -93,6 +94,27 @@ async def test_killed_consumer_job_is_redelivered_and_duplicates_stored_once(
     assert received[0].num_delivered == 2
     await received[0].ack()
     assert await consumer.fetch(batch=1, timeout=0.5) == []
+    await bus.close()
+
+
+async def test_steered_jobs_reach_only_their_node_and_a_lost_node_s_are_purged(
+    nats_server: NatsServer,
+) -> None:
+    bus = await connect(nats_server, "router")
+    assert bus.js is not None
+    p1, p2 = await JobIntake(bus, "p1").start(), await JobIntake(bus, "p2").start()
+    await submit_job(bus, job("shared-1"))
+    await submit_job(bus, job("steered-1"), prefill_node="p1")
+    # p1 asks its own queue first: the steered job, although it was queued second
+    assert [j.job.request_id for j in await p1.fetch(1)] == ["steered-1"]
+    assert [j.job.request_id for j in await p2.fetch(4)] == ["shared-1"]  # any node's
+    await submit_job(bus, job("steered-2"), prefill_node="p2")
+    assert await p1.fetch(4) == []  # never another node's steered job
+    await purge_steered(bus, "p2")  # p2 was lost: its request fails over elsewhere
+    assert await p2.fetch(4) == []
+    assert (await bus.js.stream_info(PREFILL_STREAM)).state.messages == 2  # fetched, unacked
+    await p1.stop()
+    await p2.stop()
     await bus.close()
 
 

@@ -83,3 +83,22 @@ async def test_gives_up_when_no_decode_node_comes(monkeypatch: pytest.MonkeyPatc
     assert not await failover_of(router).resume("its decode node was lost")
     assert 0.3 <= time.monotonic() - started < 2.0
     assert router.sent == [] and router.cancels == []
+
+
+async def test_a_steered_job_fails_over_when_its_prefill_node_is_lost() -> None:
+    router = RouterStandIn()
+    router.nodes.decode = [NodeInfo(node_id="d1"), NodeInfo(node_id="d2")]
+    job = PrefillJob(request_id="r2", prompt_ids=[1, 2, 3], decode_node="d1")
+    stream = RequestStream(bus=None, request_id="r2")  # type: ignore[arg-type]
+    failover = Failover(router, job, stream, blocks=1, prefill_node="p1")  # type: ignore[arg-type]
+    assert failover.expected_sender() == "p1"  # probed until it sends token 0
+    failover.node_left("p2")
+    assert not failover.lost.is_set()
+    failover.node_left("p1")
+    assert failover.lost.is_set()
+    assert await failover.resume("its prefill node was lost")
+    failover.lost.clear()
+    [(_, resumed)] = router.sent
+    assert resumed.output_ids == [] and failover.expected_sender() == ""  # not steered again
+    failover.node_left("p1")  # its registry entry expires later: no second failover
+    assert not failover.lost.is_set()

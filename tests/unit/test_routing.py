@@ -66,3 +66,48 @@ def test_long_uncached_tail_or_no_room_takes_the_disaggregated_path() -> None:
 def test_nothing_cached_anywhere_means_no_local_route() -> None:
     plan = router([decode_node("d1")], KVIndex()).plan(list(range(50)), 5)
     assert plan.local_node is None and plan.decode_cached_tokens == 0
+
+
+def prefill_node(name: str, load: int = 0) -> NodeInfo:
+    return NodeInfo(node_id=name, role="prefill", load=load, hash_key=KEY, block_size=16)
+
+
+def test_a_long_prompt_is_steered_to_the_prefill_node_holding_its_prefix() -> None:
+    prompt = list(range(100, 1100))  # 1,000 tokens: disaggregated whatever decode holds
+    index = KVIndex()
+    held(index, "p1", prompt, 20)
+    held(index, "p2", prompt, 50)  # 800 tokens in its pool
+    nodes = [decode_node("d1"), prefill_node("p1"), prefill_node("p2")]
+    plan = router(nodes, index).plan(prompt, 70)
+    assert plan.local_node is None
+    assert plan.prefill_node is not None and plan.prefill_node.node_id == "p2"
+    assert plan.prefill_cached_tokens == 800
+
+
+def test_steering_weighs_what_kvcache_holds_and_each_node_s_queue() -> None:
+    prompt = list(range(100, 1100))
+    index = KVIndex()
+    held(index, "p1", prompt, 50)
+    kv = NodeInfo(node_id="kv", role="kvcache")
+    # kvcache holds as much: p1 saves only the load (~0.06 x 800 = 48 tokens' work)
+    held(index, "kv", prompt, 50)
+    nodes = [decode_node("d1"), kv, prefill_node("p1"), prefill_node("p2")]
+    assert router(nodes, index).plan(prompt, 70).prefill_node is not None
+    # ...which a job already queued on p1 (and none on p2) outweighs
+    busy = [decode_node("d1"), kv, prefill_node("p1", load=1), prefill_node("p2")]
+    assert router(busy, index).plan(prompt, 70).prefill_node is None
+    # a pool holding a little more than kvcache does not pay for the queue either...
+    held(index, "p1", prompt, 52)
+    assert router(busy, index).plan(prompt, 70).prefill_node is None
+    # ...but one holding far more does (kvcache lost most of it)
+    fresh = KVIndex()
+    held(fresh, "p1", prompt, 60)
+    held(fresh, "kv", prompt, 5)
+    plan = router(busy, fresh).plan(prompt, 70)
+    assert plan.prefill_node is not None and plan.prefill_node.node_id == "p1"
+
+
+def test_no_prefill_pool_holding_anything_means_the_shared_queue() -> None:
+    prompt = list(range(100, 1100))
+    nodes = [decode_node("d1"), prefill_node("p1")]
+    assert router(nodes, KVIndex()).plan(prompt, 70).prefill_node is None

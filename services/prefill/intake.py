@@ -1,0 +1,53 @@
+"""Where a prefill node's jobs come from: its own consumer first, then the shared one.
+
+A router steers a job to the prefill node whose pool holds the job's prompt prefix (it then
+computes only the rest and loads nothing); such jobs wait on `tandem.prefill.node.<id>`,
+which only this node takes. Every other job goes to whichever node asks the shared consumer
+first. A node asks its own queue first and briefly, so steered jobs never wait behind the
+shared queue's long poll, and an idle node still polls both several times a second.
+"""
+
+from __future__ import annotations
+
+from shared.bus.client import Bus
+from shared.bus.workqueue import JobConsumer, ReceivedJob
+
+OWN_WAIT = 0.02  # seconds a fetch from the node's own queue waits when it is empty
+SHARED_WAIT = 0.2  # and from the shared queue (a steered job may wait this much more)
+
+
+class JobIntake:
+    def __init__(self, bus: Bus, node_id: str) -> None:
+        self.own = JobConsumer(bus, node_id)
+        self.shared = JobConsumer(bus)
+
+    async def start(self) -> JobIntake:
+        await self.own.start()
+        await self.shared.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.own.stop()
+        await self.shared.stop()
+
+    async def fetch(self, batch: int) -> list[ReceivedJob]:
+        """Up to `batch` jobs: steered ones first, the rest from the shared queue."""
+        jobs = await self.own.fetch(batch=batch, timeout=OWN_WAIT)
+        if len(jobs) < batch:
+            wait = OWN_WAIT if jobs else SHARED_WAIT
+            jobs += await self.shared.fetch(batch=batch - len(jobs), timeout=wait)
+        return jobs
+
+
+async def one_per_request(jobs: list[ReceivedJob]) -> list[ReceivedJob]:
+    """One job per request id in a batch: a failover resubmits a request (with the tokens
+    delivered so far) that may still be queued; the resumed one wins, the other is ended."""
+    kept: dict[str, ReceivedJob] = {}
+    for job in jobs:
+        other = kept.get(job.job.request_id)
+        if other is not None:
+            if len(job.job.output_ids) < len(other.job.output_ids):
+                job, other = other, job
+            await other.term()
+        kept[job.job.request_id] = job
+    return list(kept.values())

@@ -28,7 +28,7 @@ from services.decode.checkpoints import CheckpointWriter
 from services.decode.local_prefill import LocalPrefill
 from services.decode.receiver import Expected, KVReceiver
 from shared.bus.client import Bus
-from shared.bus.kv_events import KVEventPublisher
+from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
 from shared.bus.registry import node_info
 from shared.bus.topology import (
@@ -90,10 +90,7 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         # whose prefix lives here straight to this node. Collected on the engine thread,
         # published after each step.
         self.events = KVEventPublisher(bus, node_id)
-        self._named: list[bytes] = []
-        self._evicted: list[bytes] = []
-        engine.on_blocks_named = lambda hashes: self._named.extend(hashes)  # the list rebinds
-        engine.pool.on_evict = lambda _block, h: self._evicted.append(h)
+        self.pool_events = PoolEvents(engine, self.events)
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.transport_name = transport_name
         self.data_address = data_address
@@ -272,10 +269,9 @@ class DecodeWorker(KVReceiver, LocalPrefill):
     def _step(self) -> list[StepOutput]:
         """On the engine thread: one step, then copy out the blocks it filled (before reuse)."""
         outs = self.engine.step()
-        if self._named or self._evicted:
-            evicted, self._evicted = self._evicted, []
-            named, self._named = self._named, []
-            self.loop.call_soon_threadsafe(self._publish_kv_events, evicted, named)
+        evicted, named = self.pool_events.take()
+        if evicted or named:
+            self.loop.call_soon_threadsafe(self.pool_events.publish, evicted, named)
         if self.uploader is not None:
             hashes, blocks = self.engine.take_filled_blocks()
             points = self.engine.take_checkpoint_points()
@@ -314,10 +310,6 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         self.subjects.clear()
         self.expected.clear()
         await self._run(self.engine.cancel_all)
-
-    def _publish_kv_events(self, evicted: list[bytes], named: list[bytes]) -> None:
-        self.events.evicted(evicted)  # evictions first: a block may be evicted and reused
-        self.events.stored(named)
 
     def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
         span = self.stream_spans.pop(request_id, None)

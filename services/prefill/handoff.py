@@ -55,7 +55,7 @@ class HandOff:
         self.registry = worker.registry
         self.metrics = worker.metrics
         self.cancelled = worker.cancelled  # the worker's: request id → when cancelled
-        self.stopping = worker.stopping
+        self.stopping = asyncio.Event()  # the worker's stop event, once it runs
         self.fail = fail
 
     async def run(

@@ -22,7 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
-from shared.bus.kv_events import KVEventPublisher
+from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import Cancel, NodeInfo, TokenDelta, decode
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
@@ -66,7 +66,6 @@ class PrefillWorker:
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.cancelled: dict[str, float] = {}  # request id → when (kept a while)
         self.queue_depth = 0
-        self.stopping = asyncio.Event()
         self.metrics = NodeMetrics("prefill")
         self.metrics.gauge(
             "tandem_prefill_queue_depth",
@@ -81,10 +80,7 @@ class PrefillWorker:
         # What this node's pool holds goes out as KV events: routers steer a job to the
         # prefill node holding its prefix. Collected on the engine thread, sent from the loop.
         self.events = KVEventPublisher(bus, node_id)
-        self._named: list[bytes] = []
-        self._evicted: list[bytes] = []
-        engine.on_blocks_named = lambda hashes: self._named.extend(hashes)
-        engine.pool.on_evict = lambda _block, h: self._evicted.append(h)
+        self.pool_events = PoolEvents(engine, self.events)
         self.prefix.add_metrics(self.metrics)
 
     async def on_cancel(self, msg: Msg) -> None:
@@ -116,7 +112,6 @@ class PrefillWorker:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         intake = await JobIntake(self.bus, self.node_id).start()
-        self.stopping = stop
         self.handoff.stopping = stop
         self.prefix.start()
         self.events.cleared()  # a restarted node's pool is empty, whatever it held before
@@ -252,10 +247,7 @@ class PrefillWorker:
     def _publish_kv_events(self) -> None:
         """On the loop, once the engine thread is done with a batch (nothing else of this
         node allocates blocks there meanwhile): what it placed and what it evicted."""
-        evicted, self._evicted = self._evicted, []
-        named, self._named = self._named, []
-        self.events.evicted(evicted)  # evictions first: a block may be evicted and reused
-        self.events.stored(named)
+        self.pool_events.publish(*self.pool_events.take())
 
     async def _admissible(self, job: ReceivedJob) -> bool:
         """Check one job alone, so a bad one never fails the batch it would have joined."""

@@ -16,17 +16,11 @@ from typing import Any
 
 log = logging.getLogger("tandem.transport.ucx")
 
-_applied = False
-
 
 def apply() -> None:
-    """Apply every fix (idempotent; call before the first ucxx operation)."""
-    global _applied
-    if _applied:
-        return
+    """Apply every fix: once per process, before ucxx.init (shared.transport.ucx does)."""
     _fix_blocking_progress()
     _fix_handshake_buffers()
-    _applied = True
 
 
 def _fix_blocking_progress() -> None:

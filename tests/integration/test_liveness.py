@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
 
 from services.router.liveness import LivenessProbe
 from services.router.metrics import RouterMetrics
@@ -70,6 +72,31 @@ async def answer(msg: Msg) -> None:
     await msg.respond(b"")
 
 
+SETUP = b"setup"
+
+
+async def subscribe_pings(
+    router: RouterStandIn, node: Bus, cb: Callable[[Msg], Awaitable[None]]
+) -> Subscription:
+    """Subscribe `node` to its pings (probes go to `cb`) once the router reaches it: a
+    freshly started nats-server can answer "no responders" for a moment even to a
+    subscription already flushed (seen in ~1 of 30 fresh servers)."""
+    assert node.nc is not None and router.bus.nc is not None
+
+    async def on_ping(msg: Msg) -> None:
+        await (msg.respond(b"") if msg.data == SETUP else cb(msg))
+
+    sub = await node.nc.subscribe(ping_subject(node.name), cb=on_ping)
+    await node.nc.flush()
+    for _ in range(100):
+        try:
+            await router.bus.nc.request(ping_subject(node.name), SETUP, timeout=0.5)
+            return sub
+        except NoRespondersError:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{node.name} never became reachable")
+
+
 async def keep_flowing(flow: Flow, until: asyncio.Event) -> None:
     while not until.is_set():
         flow.stream.last_delta_at = time.monotonic()
@@ -81,8 +108,7 @@ async def test_a_dead_node_is_found_before_its_stream_looks_quiet(
 ) -> None:
     node = await Bus(nats_server.url, "d1").connect()
     assert node.nc is not None and router.bus.nc is not None
-    sub = await node.nc.subscribe(ping_subject("d1"), cb=answer)
-    await node.nc.flush()  # the server has the subscription before the first probe
+    sub = await subscribe_pings(router, node, answer)
     flow = Flow("d1", Stream(itl=2.0))  # quiet only after 5 s (probe_after)
     router.failovers["r1"] = flow
     probe = LivenessProbe(router, probe_after=5.0)  # type: ignore[arg-type]
@@ -116,8 +142,7 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
     async def never(msg: Msg) -> None:  # subscribed, but never answers (a cut link)
         pass
 
-    await node.nc.subscribe(ping_subject("d2"), cb=never)
-    await node.nc.flush()
+    await subscribe_pings(router, node, never)
     flow = Flow("d2", Stream(itl=0.05))
     router.failovers["r2"] = flow
     probe = LivenessProbe(router, probe_after=0.5, timeout=0.1)  # type: ignore[arg-type]
@@ -150,9 +175,7 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
     comes back is declared dead once the grace after the router's reconnection is over."""
     late, gone = [await Bus(nats_server.url, n).connect() for n in ("late", "gone")]
     assert late.nc is not None and gone.nc is not None
-    subs = [await n.nc.subscribe(ping_subject(n.name), cb=answer) for n in (late, gone)]
-    for node in (late, gone):
-        await node.nc.flush()
+    subs = [await subscribe_pings(router, n, answer) for n in (late, gone)]
     router.failovers = {"r-late": Flow("late"), "r-gone": Flow("gone")}
     probe = LivenessProbe(router, reconnect_grace=1.5)  # type: ignore[arg-type]
     stop = asyncio.Event()
@@ -181,3 +204,67 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
         await task
         await late.close()
         await gone.close()
+
+
+async def test_a_probe_lost_with_the_node_does_not_delay_its_verdict(
+    router: RouterStandIn, nats_server: NatsServer
+) -> None:
+    """A node that dies holding a probe never answers it: the next probes go out meanwhile
+    (they overlap), find its subscription gone, and the verdict comes long before the lost
+    probe's timeout."""
+    node = await Bus(nats_server.url, "d3").connect()
+    assert node.nc is not None
+    died = asyncio.Event()
+
+    async def die_holding_it(msg: Msg) -> None:
+        if not died.is_set():  # the first probe after the order to die is never answered
+            died.set()
+
+    sub = await subscribe_pings(router, node, die_holding_it)
+    router.failovers["r3"] = Flow("d3", Stream(itl=2.0))  # never quiet within the test
+    probe = LivenessProbe(router, probe_after=5.0, timeout=2.0)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(probe.run(stop))
+    try:
+        await asyncio.wait_for(died.wait(), 2)
+        await sub.unsubscribe()
+        await node.nc.flush()
+        dead_at = time.monotonic()
+        while "d3" not in router.lost and time.monotonic() - dead_at < 3:
+            await asyncio.sleep(0.01)
+        assert "d3" in router.lost
+        assert router.lost["d3"] - dead_at < 1.0  # the held probe times out only after 2 s
+    finally:
+        stop.set()
+        await task
+        await node.close()
+
+
+async def test_overlapping_probes_of_a_silent_node_count_one_miss_per_timeout(
+    router: RouterStandIn, nats_server: NatsServer
+) -> None:
+    """A cut-off node (subscribed, never answering) with quiet streams is declared dead
+    after `misses` timeouts' worth of silence, however many probes overlapped in it."""
+    node = await Bus(nats_server.url, "d4").connect()
+    assert node.nc is not None
+
+    async def never(msg: Msg) -> None:
+        pass
+
+    await subscribe_pings(router, node, never)
+    router.failovers["r4"] = Flow("d4", Stream(itl=0.05, last_delta_at=time.monotonic() - 9))
+    probe = LivenessProbe(router, timeout=0.3, misses=3)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    start = time.monotonic()
+    task = asyncio.create_task(probe.run(stop))
+    try:
+        while "d4" not in router.lost and time.monotonic() - start < 5:
+            await asyncio.sleep(0.01)
+        assert "d4" in router.lost
+        # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s
+        # (probes every 0.05 s, three in flight, would count three misses by ~0.4 s)
+        assert router.lost["d4"] - start >= 0.85
+    finally:
+        stop.set()
+        await task
+        await node.close()

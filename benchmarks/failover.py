@@ -149,12 +149,18 @@ async def throughput(stack: Stack) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="prompt tokens")
+    parser.add_argument(
+        "--modes", nargs="+", choices=["checkpointed", "recompute"],
+        default=["checkpointed", "recompute"], help="stacks to start",
+    )  # fmt: skip
+    parser.add_argument("--no-throughput", action="store_true", help="skip part 2")
     args = parser.parse_args()
     logs = Path("bench-results")
     logs.mkdir(exist_ok=True)
     stacks = {
-        "checkpointed": make_stack(logs / "failover-ckpt.log", checkpoints=True),
-        "recompute": make_stack(logs / "failover-recompute.log", checkpoints=False),
+        name: make_stack(logs / f"failover-{name}.log", checkpoints=name == "checkpointed")
+        for name in args.modes
     }
     rng = random.Random(1)
     part1: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -164,7 +170,7 @@ def main() -> None:
             stack.wait_ready()
             for name in ("decode-1", "decode-2"):
                 wait_for_node(stack, name)
-        for size in (512, 2048):
+        for size in args.sizes:
             for r in range(args.rounds):
                 prompt = " ".join(rng.choice(WORDS) for _ in range(size))
                 order = list(stacks) if r % 2 == 0 else list(stacks)[::-1]
@@ -173,7 +179,7 @@ def main() -> None:
                     part1.setdefault((name, size), []).append(got)
                     print(f"  {size} tokens, {name}: recovery {got[0]:.2f}s, "
                           f"recomputed {got[1]:.0f} tokens", flush=True)  # fmt: skip
-        for r in range(args.rounds):
+        for r in range(0 if args.no_throughput else args.rounds):
             for name in list(stacks) if r % 2 == 0 else list(stacks)[::-1]:
                 part2[name].append(asyncio.run(throughput(stacks[name])))
                 print(f"  throughput {name}: {part2[name][-1]:.1f} tokens/s", flush=True)
@@ -186,6 +192,8 @@ def main() -> None:
         rec = [x for x, _ in runs]
         print(f"| {size} | {name} | {statistics.median(rec):.2f} | {max(rec):.2f} "
               f"| {statistics.median(t for _, t in runs):.0f} |")  # fmt: skip
+    if not all(part2.get(name) for name in ("checkpointed", "recompute")):
+        return
     on = statistics.median(part2["checkpointed"])
     off = statistics.median(part2["recompute"])
     print("\n| decode, 8 x 128 tokens | median tokens/s |")

@@ -84,7 +84,11 @@ async def _exchange_peer_info(
         else:
             request = endpoint.stream_recv(theirs_arr)
         try:
-            await asyncio.wait_for(request.wait(), timeout=connect_timeout)
+            # Not wait_for: on Python 3.11 it swallows a cancellation that arrives as the
+            # request completes, and a caller's deadline (asyncio.timeout around the
+            # whole send) then silently never fires: a send ran 0.1 s past its 20 ms.
+            async with asyncio.timeout(connect_timeout):
+                await request.wait()
         except BaseException:
             _park(request, buffers)
             raise

@@ -23,7 +23,7 @@ import xxhash
 from shared.errors import WireFormatError
 
 MAGIC = b"TKX1"
-VERSION = 1
+VERSION = 2  # 2: no ready answer to the header; the payload follows it at once
 PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 256 * 1024
 MAX_TRANSFER_BYTES = 4 << 30
@@ -147,13 +147,13 @@ def decode_header(data: bytes | memoryview, max_bytes: int = MAX_TRANSFER_BYTES)
     return header
 
 
-def verify(header: TransferHeader, payload: memoryview) -> int | None:
-    """Index of the first chunk whose checksum fails, or None when all match."""
-    for i, (got, want) in enumerate(
-        zip(checksums(payload, header.chunk_bytes), header.checksums, strict=True)
-    ):
-        if got != want:
-            return i
+def verify(header: TransferHeader, payload: memoryview, first_chunk: int = 0) -> int | None:
+    """Index of the first chunk whose checksum fails, or None when all match. `payload`
+    may be a part of the transfer: whole chunks from chunk `first_chunk` on."""
+    want = header.checksums[first_chunk:]
+    for i, got in enumerate(checksums(payload, header.chunk_bytes)):
+        if i >= len(want) or got != want[i]:
+            return first_chunk + i
     return None
 
 

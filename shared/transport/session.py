@@ -3,11 +3,21 @@
 A transport only provides a `Channel`: exact-size receives into a given buffer and sends of
 whole byte strings (each send is one message on UCX, a `sendall` on TCP; sending a frame's
 prefix and body separately works for both, since a message-based receiver must know each
-size before it posts the receive).
+size before it posts the receive), and the same for a list of parts.
+
+One transfer: the sender sends the header and, without waiting for an answer, the payload
+in parts of about SEGMENT_BYTES (whole checksum chunks); the receiver answers once, at the
+end. The receiver checks each part's chunks as soon as the part has arrived, while the
+next parts are still on their way (UCX has all of them posted at once), so the checksums
+cost little beyond the transfer itself. A receiver that refuses a transfer (not announced,
+no room) still reads its parts into one scratch part and drops them: the stream stays in
+step. Until protocol version 2 the sender waited for a "ready" answer to the header first;
+that round trip cost ~1.3 ms of the ~10 ms a 16 MiB transfer takes over UCX here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from shared.errors import WireFormatError
@@ -26,11 +36,25 @@ from shared.transport.frames import (
     verify,
 )
 
+SEGMENT_BYTES = 4 << 20  # a payload part: small enough to check while the next arrives
+
 
 class Channel(Protocol):
     async def recv_into(self, buf: memoryview) -> None: ...
 
     async def send(self, data: bytes | memoryview) -> None: ...
+
+    async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
+        """Receive into every part in order; `arrived(i)` once part i is complete."""
+        ...
+
+    async def send_parts(self, parts: list[memoryview]) -> None: ...
+
+
+def parts(buf: memoryview, chunk_bytes: int) -> list[memoryview]:
+    """`buf` cut into parts of whole chunks, about SEGMENT_BYTES each (one chunk at least)."""
+    step = max(1, SEGMENT_BYTES // chunk_bytes) * chunk_bytes
+    return [buf[i : i + step] for i in range(0, len(buf), step)]
 
 
 async def _send_framed(channel: Channel, data: bytes, prefix_size: int) -> None:
@@ -62,16 +86,25 @@ async def receive_transfer(
     try:
         buf = handler.allocate(header)
     except TransferRejected as exc:
+        await _drain(channel, header)
         handler.failed(header, f"refused: {exc.message}")
         await _answer(channel, header.transfer_id, False, exc.message)
         return header
     if len(buf) != header.nbytes:
         raise WireFormatError("handler buffer size mismatch")
-    await _answer(channel, header.transfer_id, True)
-    await channel.recv_into(buf)
-    bad = verify(header, buf)
-    if bad is not None:
-        reason = f"checksum: chunk {bad} corrupt"
+    pieces = parts(buf, header.chunk_bytes)
+    per_part = len(pieces[0]) // header.chunk_bytes
+    bad: list[int] = []
+
+    def arrived(i: int) -> None:
+        if not bad:
+            got = verify(header, pieces[i], first_chunk=i * per_part)
+            if got is not None:
+                bad.append(got)
+
+    await channel.recv_parts(pieces, arrived)
+    if bad:
+        reason = f"checksum: chunk {bad[0]} corrupt"
         handler.failed(header, reason)
         await _answer(channel, header.transfer_id, False, reason)
         return header
@@ -85,17 +118,23 @@ async def receive_transfer(
     return header
 
 
+async def _drain(channel: Channel, header: TransferHeader) -> None:
+    """Read a refused transfer's payload into one reused scratch part and drop it."""
+    step = max(1, SEGMENT_BYTES // header.chunk_bytes) * header.chunk_bytes
+    scratch = memoryview(bytearray(min(step, header.nbytes)))
+    for start in range(0, header.nbytes, step):
+        await channel.recv_into(scratch[: min(step, header.nbytes - start)])
+
+
 async def send_transfer(
     channel: Channel, header: TransferHeader, payload: memoryview, peer: str
 ) -> tuple[bool, str]:
     """Run one transfer as the sender. Returns (ok, reason); the channel stays usable after
     any return (also a refusal); it is in doubt only when this raises."""
     await _send_framed(channel, encode_header(header), PREFIX.size)
-    ready = await read_ack(channel)
-    if not ready.ok:
-        return False, f"{peer} refused: {ready.reason}"
-    await channel.send(payload.cast("B") if payload.format != "B" else payload)
+    view = payload.cast("B") if payload.format != "B" else payload
+    await channel.send_parts(parts(view, header.chunk_bytes))
     done = await read_ack(channel)
     if not done.ok:
-        return False, f"{peer} rejected: {done.reason}"
+        return False, f"{peer} refused: {done.reason}"
     return True, ""

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import socket
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
@@ -57,6 +57,15 @@ class SocketChannel:
 
     async def send(self, data: bytes | memoryview) -> None:
         await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
+        for i, part in enumerate(parts):  # a stream: the kernel buffers the next meanwhile
+            await _recv_exact(self.sock, part)
+            arrived(i)
+
+    async def send_parts(self, parts: list[memoryview]) -> None:
+        for part in parts:
+            await self.send(part)
 
 
 class TcpTransport:

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
@@ -59,7 +59,7 @@ def _errors() -> tuple[type[BaseException], ...]:
 
 
 # ucxx operations whose caller was cancelled (a deadline) before UCX finished with them.
-_orphans: set[asyncio.Task[Any]] = set()
+_orphans: set[asyncio.Future[Any]] = set()
 
 
 async def _guarded(op: Coroutine[Any, Any, Any]) -> None:
@@ -82,7 +82,7 @@ async def _guarded(op: Coroutine[Any, Any, Any]) -> None:
         raise
 
 
-def _retire(task: asyncio.Task[Any]) -> None:
+def _retire(task: asyncio.Future[Any]) -> None:
     _orphans.discard(task)
     if not task.cancelled():
         task.exception()  # its caller is gone: the error is nobody's to raise
@@ -106,6 +106,33 @@ class EndpointChannel:
 
     async def send(self, data: bytes | memoryview) -> None:
         await _guarded(self.ep.send(memoryview(data).cast("B")))
+
+    async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
+        """All receives posted at once (UCX matches them in posting order), so later parts
+        land while `arrived` checks earlier ones."""
+        await _in_order([asyncio.ensure_future(self.ep.recv(p)) for p in parts], arrived)
+
+    async def send_parts(self, parts: list[memoryview]) -> None:
+        await _in_order([asyncio.ensure_future(self.ep.send(p)) for p in parts], None)
+
+
+async def _in_order(ops: list[asyncio.Future[Any]], arrived: Callable[[int], None] | None) -> None:
+    """Await posted ucxx operations in order. If this ends early (an error, a deadline),
+    the ones still running stay referenced in `_orphans`, as in `_guarded`: UCX still
+    holds their buffers."""
+    try:
+        for i, op in enumerate(ops):
+            await asyncio.shield(op)
+            if arrived is not None:
+                arrived(i)
+    except BaseException:
+        for op in ops:
+            if op.done():
+                _retire(op)  # its error, if any, is this one's or moot
+            else:
+                _orphans.add(op)
+                op.add_done_callback(_retire)
+        raise
 
 
 IDLE_POLL_MAX = 0.005  # seconds between probes of an idle endpoint, at most

@@ -32,12 +32,18 @@ def test_round_trip_and_checksums() -> None:
     bad = bytearray(PAYLOAD)
     bad[5000] ^= 1
     assert f.verify(header, memoryview(bad)) == 1
+    # a part of the transfer (whole chunks from chunk 1 on), as a receiver checks it
+    chunk = header.chunk_bytes
+    assert f.verify(header, memoryview(bad)[chunk:], first_chunk=1) == 1
+    assert f.verify(header, memoryview(bad)[2 * chunk :], first_chunk=2) is None
+    assert f.verify(header, PAYLOAD[chunk:], first_chunk=2) == 2  # the wrong chunks
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        {"v": 2},
+        {"v": 1},  # the old protocol, whose sender waits for a ready answer
+        {"v": 3},
         {"dtype": "complex128"},
         {"nbytes": 0},
         {"nbytes": 10_001},

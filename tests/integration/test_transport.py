@@ -251,7 +251,8 @@ async def test_only_announced_transfers_with_their_secret_and_size_get_in(
             with pytest.raises(TransferRejected):
                 await sender.send(address, header, payload, timeout=30)
             assert (await peer.next("refused"))["refused"] == n, why
-        big = memoryview(bytearray(2 * MiB))  # announced id and secret, but oversize
+        # announced id and secret, but oversize; its three parts are read and dropped
+        big = memoryview(bytearray(9 * MiB))
         with pytest.raises(TransferRejected):
             await sender.send(address, make_header("r", "kv-1", big, secret=secret), big, 30)
         assert (await peer.next("refused"))["refused"] == 4

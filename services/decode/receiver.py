@@ -18,6 +18,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from shared.buffers import uninitialised
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine
 from shared.engine.sequence import SequenceSnapshot
@@ -67,7 +68,7 @@ class KVReceiver:
         if header.nbytes > limit:
             raise TransferRejected("transfer larger than announced", transfer_id=header.transfer_id)
         self.receive_started[header.transfer_id] = time.time_ns()
-        return memoryview(bytearray(header.nbytes))
+        return uninitialised(header.nbytes)
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         now = time.time_ns()

@@ -25,6 +25,7 @@ from pathlib import Path
 import xxhash
 
 from services.kvcache.slabs import SlabArena
+from shared.buffers import uninitialised
 
 log = logging.getLogger("tandem.kvcache.store")
 
@@ -201,7 +202,7 @@ class BlockStore:
         if n < len(hashes):
             self.stats.misses += 1  # the first block not stored, as a get would count it
         size = self.block_bytes
-        out = memoryview(bytearray(n * size))
+        out = uninitialised(n * size)  # cut below to the blocks copied in
         sums: list[int] = []
         for i, h in enumerate(hashes[:n]):
             data = self._read(h)

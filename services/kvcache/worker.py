@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
+from shared.buffers import uninitialised
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, encode
@@ -181,7 +182,7 @@ class KVCacheWorker:
             raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
         if header.nbytes != len(put.block_hashes) * put.block_bytes:
             raise TransferRejected("put size does not match its announcement")
-        return memoryview(bytearray(header.nbytes))
+        return uninitialised(header.nbytes)
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         put, _ = self.puts.pop(header.transfer_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
+from shared.buffers import uninitialised
 from shared.errors import TandemError
 from shared.transport.frames import TransferHeader
 
@@ -82,7 +83,7 @@ class BufferHandler:
     def allocate(self, header: TransferHeader) -> memoryview:
         if header.nbytes > self.max_bytes:
             raise TransferRejected(f"{header.nbytes} bytes exceed {self.max_bytes}")
-        return memoryview(bytearray(header.nbytes))
+        return uninitialised(header.nbytes)
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         self.received[header.transfer_id] = (header, payload)

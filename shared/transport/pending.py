@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from shared.buffers import uninitialised
 from shared.transport.base import ReceiveHandler, TransferRejected
 from shared.transport.frames import TransferHeader, secret_matches
 
@@ -52,7 +53,7 @@ class PendingTransfers:
         if header.nbytes > exp.max_bytes:
             self.refused += 1
             raise TransferRejected("transfer larger than expected", transfer_id=header.transfer_id)
-        return memoryview(bytearray(header.nbytes))
+        return uninitialised(header.nbytes)
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         exp = self.expected.pop(header.transfer_id, None)

@@ -1,0 +1,21 @@
+"""Large byte buffers without the cost of zeroing them.
+
+`bytearray(n)` zero-fills, and a large one is freed back to the OS, so every 90 MB KV
+payload (a 2,048-token context) faulted in and zeroed every 4 KiB page again: ~100 ms to
+allocate and fill here, measured on the kvcache node's get and again on the receiving
+node. A numpy array is left uninitialised, and numpy asks for transparent huge pages for
+large ones: allocating and filling 90 MB took ~20 ms (the first one in a process ~150 ms).
+
+Every byte of such a buffer is written before anyone reads it: a transfer's receive buffer
+is filled whole and verified before it is used (a failed transfer's buffer is dropped), and
+a get's payload is cut to the blocks copied into it. Nothing stale can leave the process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def uninitialised(nbytes: int) -> memoryview:
+    """A writable byte buffer (format "B") of `nbytes` whose contents are undefined."""
+    return np.empty(nbytes, dtype=np.uint8).data

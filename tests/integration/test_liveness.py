@@ -97,6 +97,15 @@ async def subscribe_pings(
     raise AssertionError(f"{node.name} never became reachable")
 
 
+async def lost_within(router: RouterStandIn, node: str, seconds: float) -> float:
+    """How long after now `node` was declared dead, waiting at most `seconds`."""
+    start = time.monotonic()
+    while node not in router.lost and time.monotonic() - start < seconds:
+        await asyncio.sleep(0.01)
+    assert node in router.lost, f"{node} not declared dead within {seconds}s"
+    return router.lost[node] - start
+
+
 async def keep_flowing(flow: Flow, until: asyncio.Event) -> None:
     while not until.is_set():
         flow.stream.last_delta_at = time.monotonic()
@@ -119,14 +128,8 @@ async def test_a_dead_node_is_found_before_its_stream_looks_quiet(
         assert not router.lost  # alive and answering
         await sub.unsubscribe()  # what a SIGKILL does to its subscription
         await node.nc.flush()
-        died = time.monotonic()
-        flow.stream.last_delta_at = died  # its last token came just now
-        for _ in range(100):
-            if router.lost:
-                break
-            await asyncio.sleep(0.01)
-        assert "d1" in router.lost
-        assert router.lost["d1"] - died < 0.5  # long before the 5 s quiet threshold
+        flow.stream.last_delta_at = time.monotonic()  # its last token came just now
+        assert await lost_within(router, "d1", 1.0) < 0.5  # long before the 5 s threshold
     finally:
         stop.set()
         await task
@@ -154,13 +157,7 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
         assert not router.lost
         flowing.set()  # the stream goes quiet: now unanswered probes count
         await tokens
-        quiet_from = time.monotonic()
-        for _ in range(300):
-            if router.lost:
-                break
-            await asyncio.sleep(0.01)
-        assert "d2" in router.lost
-        assert router.lost["d2"] - quiet_from < 2.0
+        assert await lost_within(router, "d2", 3.0) < 2.0
     finally:
         stop.set()
         await task
@@ -229,11 +226,7 @@ async def test_a_probe_lost_with_the_node_does_not_delay_its_verdict(
         await asyncio.wait_for(died.wait(), 2)
         await sub.unsubscribe()
         await node.nc.flush()
-        dead_at = time.monotonic()
-        while "d3" not in router.lost and time.monotonic() - dead_at < 3:
-            await asyncio.sleep(0.01)
-        assert "d3" in router.lost
-        assert router.lost["d3"] - dead_at < 1.0  # the held probe times out only after 2 s
+        assert await lost_within(router, "d3", 3.0) < 1.0  # the held probe's timeout is 2 s
     finally:
         stop.set()
         await task
@@ -255,15 +248,11 @@ async def test_overlapping_probes_of_a_silent_node_count_one_miss_per_timeout(
     router.failovers["r4"] = Flow("d4", Stream(itl=0.05, last_delta_at=time.monotonic() - 9))
     probe = LivenessProbe(router, timeout=0.3, misses=3)  # type: ignore[arg-type]
     stop = asyncio.Event()
-    start = time.monotonic()
     task = asyncio.create_task(probe.run(stop))
     try:
-        while "d4" not in router.lost and time.monotonic() - start < 5:
-            await asyncio.sleep(0.01)
-        assert "d4" in router.lost
         # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s
         # (probes every 0.05 s, three in flight, would count three misses by ~0.4 s)
-        assert router.lost["d4"] - start >= 0.85
+        assert await lost_within(router, "d4", 5.0) >= 0.85
     finally:
         stop.set()
         await task

@@ -51,9 +51,13 @@ class Channel(Protocol):
     async def send_parts(self, parts: list[memoryview]) -> None: ...
 
 
+def part_bytes(chunk_bytes: int) -> int:
+    """The size of a payload part: whole chunks, about SEGMENT_BYTES (one chunk at least)."""
+    return max(1, SEGMENT_BYTES // chunk_bytes) * chunk_bytes
+
+
 def parts(buf: memoryview, chunk_bytes: int) -> list[memoryview]:
-    """`buf` cut into parts of whole chunks, about SEGMENT_BYTES each (one chunk at least)."""
-    step = max(1, SEGMENT_BYTES // chunk_bytes) * chunk_bytes
+    step = part_bytes(chunk_bytes)
     return [buf[i : i + step] for i in range(0, len(buf), step)]
 
 
@@ -120,7 +124,7 @@ async def receive_transfer(
 
 async def _drain(channel: Channel, header: TransferHeader) -> None:
     """Read a refused transfer's payload into one reused scratch part and drop it."""
-    step = max(1, SEGMENT_BYTES // header.chunk_bytes) * header.chunk_bytes
+    step = part_bytes(header.chunk_bytes)
     scratch = memoryview(bytearray(min(step, header.nbytes)))
     for start in range(0, header.nbytes, step):
         await channel.recv_into(scratch[: min(step, header.nbytes - start)])

@@ -16,6 +16,7 @@ from shared.procs import die_with_parent
 # Bulk KV never travels over NATS, but raising max_payload keeps a 1 MiB body plus headers
 # from closing the client connection (the limit counts headers). Above 8 MB the server warns.
 MAX_PAYLOAD = "8MB"
+LOG_FILE_LIMIT = "10MB"
 
 
 def nats_server_binary() -> str:
@@ -50,9 +51,18 @@ class NatsServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="tandem-nats-")
         self.store_dir = store_dir or Path(self._tmp.name) / "jetstream"
         self.config_path = Path(self._tmp.name) / "nats.conf"
+        # The server's log goes to a file it rotates itself. It went to a pipe read only if
+        # the server died at start: that pipe was full after ~500 logged client errors
+        # (64 KiB), and from then on every write to it waited for a reader that never came
+        # (a flood of 1,500 such errors took 8.3 s instead of 3.7 s).
+        self.log_path = Path(self._tmp.name) / "nats-server.log"
+        self.out_path = Path(self._tmp.name) / "nats-server.out"
         self.config_path.write_text(
             f'listen: "{host}:{self.port}"\n'
             f"max_payload: {MAX_PAYLOAD}\n"
+            f'log_file: "{self.log_path}"\n'
+            f"logfile_size_limit: {LOG_FILE_LIMIT}\n"
+            f"logfile_max_num: 2\n"
             f'jetstream {{ store_dir: "{self.store_dir}" }}\n' + extra_config
         )
         self.proc: subprocess.Popen[bytes] | None = None
@@ -64,18 +74,23 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> NatsServer:
         # Own session: a Ctrl-C meant for `tandem up` must not stop NATS before the
         # services have drained; it still dies with its parent.
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(self.config_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        # What it says before its log file is open (a bad config) goes to a file as well.
+        with self.out_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-c", str(self.config_path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise TandemError(f"nats-server exited at start: {err.strip()[-500:]}")
+                said = "".join(
+                    p.read_text(errors="replace") for p in (self.out_path, self.log_path)
+                    if p.exists()
+                )  # fmt: skip
+                raise TandemError(f"nats-server exited at start: {said.strip()[-500:]}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
@@ -94,8 +109,6 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stderr:
-            self.proc.stderr.close()
         self.proc = None
 
     def restart(self) -> None:

@@ -113,8 +113,8 @@ class LivenessProbe:
             task.cancel()
 
     async def _probe(self, node: str, sent: float) -> None:
-        assert self.router.bus.nc is not None
         try:
+            assert self.router.bus.nc is not None
             await self.router.bus.nc.request(ping_subject(node), b"", timeout=self.timeout)
             self._answered(node)
         except (NoRespondersError, NatsTimeout, TimeoutError) as exc:

@@ -27,6 +27,7 @@ VERSION = 2  # 2: no ready answer to the header; the payload follows it at once
 PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 256 * 1024
 MAX_TRANSFER_BYTES = 4 << 30
+MAX_CHUNK_BYTES = 64 << 20  # a payload part is at least one chunk: it bounds every part
 ACK_PREFIX = struct.Struct("<4sI")
 ACK_MAGIC = b"TKA1"
 
@@ -140,20 +141,25 @@ def decode_header(data: bytes | memoryview, max_bytes: int = MAX_TRANSFER_BYTES)
         numel *= d
     if numel * size != header.nbytes:
         raise WireFormatError("transfer shape, dtype and byte count disagree")
-    if header.chunk_bytes <= 0:
-        raise WireFormatError("chunk size must be positive")
+    if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
+        raise WireFormatError(f"chunk size {header.chunk_bytes} out of range")
     if len(header.checksums) != -(-header.nbytes // header.chunk_bytes):
         raise WireFormatError("checksum count does not match the chunks")
     return header
 
 
-def verify(header: TransferHeader, payload: memoryview, first_chunk: int = 0) -> int | None:
-    """Index of the first chunk whose checksum fails, or None when all match. `payload`
-    may be a part of the transfer: whole chunks from chunk `first_chunk` on."""
-    want = header.checksums[first_chunk:]
-    for i, got in enumerate(checksums(payload, header.chunk_bytes)):
-        if i >= len(want) or got != want[i]:
-            return first_chunk + i
+def verify(
+    header: TransferHeader, payload: memoryview, first_chunk: int = 0, whole: bool = True
+) -> int | None:
+    """Index of the first chunk whose checksum fails (or that is missing), or None when all
+    match. With `whole=False`, `payload` is a part: whole chunks from `first_chunk` on."""
+    want = header.checksums
+    got = checksums(payload, header.chunk_bytes)
+    for i, value in enumerate(got, start=first_chunk):
+        if i >= len(want) or value != want[i]:
+            return i
+    if whole and first_chunk + len(got) < len(want):
+        return first_chunk + len(got)  # a short payload: its first missing chunk
     return None
 
 

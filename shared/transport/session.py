@@ -37,6 +37,14 @@ from shared.transport.frames import (
 )
 
 SEGMENT_BYTES = 4 << 20  # a payload part: small enough to check while the next arrives
+# A refused transfer up to this size is read and dropped (the connection stays in step);
+# a bigger one costs the connection instead: no unannounced sender gets a receiver to read
+# gigabytes it refused.
+DRAIN_LIMIT = 64 << 20
+
+
+class Undrained(Exception):
+    """A refused transfer too big to drain: the connection must be dropped."""
 
 
 class Channel(Protocol):
@@ -90,8 +98,10 @@ async def receive_transfer(
     try:
         buf = handler.allocate(header)
     except TransferRejected as exc:
-        await _drain(channel, header)
         handler.failed(header, f"refused: {exc.message}")
+        if header.nbytes > DRAIN_LIMIT:
+            raise Undrained(header.transfer_id) from exc
+        await _drain(channel, header)
         await _answer(channel, header.transfer_id, False, exc.message)
         return header
     if len(buf) != header.nbytes:
@@ -102,7 +112,7 @@ async def receive_transfer(
 
     def arrived(i: int) -> None:
         if not bad:
-            got = verify(header, pieces[i], first_chunk=i * per_part)
+            got = verify(header, pieces[i], first_chunk=i * per_part, whole=False)
             if got is not None:
                 bad.append(got)
 
@@ -135,8 +145,10 @@ async def send_transfer(
 ) -> tuple[bool, str]:
     """Run one transfer as the sender. Returns (ok, reason); the channel stays usable after
     any return (also a refusal); it is in doubt only when this raises."""
+    view = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+    if len(view) != header.nbytes:  # the receiver would fall out of step
+        raise ValueError(f"payload of {len(view)} bytes, header says {header.nbytes}")
     await _send_framed(channel, encode_header(header), PREFIX.size)
-    view = payload.cast("B") if payload.format != "B" else payload
     await channel.send_parts(parts(view, header.chunk_bytes))
     done = await read_ack(channel)
     if not done.ok:

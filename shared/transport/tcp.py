@@ -17,7 +17,7 @@ from typing import Any
 from shared.errors import WireFormatError
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import receive_transfer, send_transfer
+from shared.transport.session import Undrained, receive_transfer, send_transfer
 
 SOCKET_BUFFER = 4 << 20
 
@@ -144,6 +144,8 @@ class TcpTransport:
             async with asyncio.timeout(self.frame_timeout):
                 header = await receive_transfer(SocketChannel(conn), prefix, handler)
                 return True
+        except Undrained:
+            pass  # refused and reported; too big to read and drop
         except WireFormatError as exc:
             handler.failed(header, f"malformed: {exc.message}")
         except TimeoutError:

@@ -30,7 +30,7 @@ from shared.errors import WireFormatError
 from shared.transport import ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import receive_transfer, send_transfer
+from shared.transport.session import Undrained, receive_transfer, send_transfer
 
 log = logging.getLogger("tandem.transport.ucx")
 
@@ -239,6 +239,8 @@ class UcxTransport:
             async with asyncio.timeout(self.frame_timeout):
                 header = await receive_transfer(EndpointChannel(ep), prefix, handler)
                 return True
+        except Undrained:
+            pass  # refused and reported; too big to read and drop
         except WireFormatError as exc:
             handler.failed(header, f"malformed: {exc.message}")
         except TimeoutError:

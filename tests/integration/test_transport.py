@@ -20,6 +20,7 @@ import pytest
 import torch
 import xxhash
 
+from shared.transport import session
 from shared.transport.base import BufferHandler, TransferError, TransferRejected, Transport
 from shared.transport.factory import TRANSPORTS, make_transport
 from shared.transport.frames import (
@@ -256,6 +257,12 @@ async def test_only_announced_transfers_with_their_secret_and_size_get_in(
         with pytest.raises(TransferRejected):
             await sender.send(address, make_header("r", "kv-1", big, secret=secret), big, 30)
         assert (await peer.next("refused"))["refused"] == 4
+        # unannounced and too big to read and drop: refused, and the connection with it
+        huge = memoryview(bytearray(session.DRAIN_LIMIT + MiB))
+        with pytest.raises(TransferError) as dropped:
+            await sender.send(address, make_header("r", "kv-9", huge, secret=secret), huge, 30)
+        assert not isinstance(dropped.value, TransferRejected)  # not read, not answered
+        assert (await peer.next("refused"))["refused"] == 5
         # The announced transfer still gets in, whole, after all that.
         await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
         got = await peer.next("digest")

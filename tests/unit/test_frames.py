@@ -34,9 +34,11 @@ def test_round_trip_and_checksums() -> None:
     assert f.verify(header, memoryview(bad)) == 1
     # a part of the transfer (whole chunks from chunk 1 on), as a receiver checks it
     chunk = header.chunk_bytes
-    assert f.verify(header, memoryview(bad)[chunk:], first_chunk=1) == 1
-    assert f.verify(header, memoryview(bad)[2 * chunk :], first_chunk=2) is None
-    assert f.verify(header, PAYLOAD[chunk:], first_chunk=2) == 2  # the wrong chunks
+    assert f.verify(header, memoryview(bad)[chunk:], first_chunk=1, whole=False) == 1
+    assert f.verify(header, memoryview(bad)[2 * chunk :], first_chunk=2, whole=False) is None
+    assert f.verify(header, PAYLOAD[chunk:], first_chunk=2, whole=False) == 2  # wrong chunks
+    assert f.verify(header, PAYLOAD[:chunk]) == 1  # a whole payload cut short
+    assert f.verify(header, PAYLOAD[:chunk], whole=False) is None  # a part may be
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,7 @@ def test_round_trip_and_checksums() -> None:
         {"shape": [0]},
         {"shape": []},
         {"chunk_bytes": 0},
+        {"chunk_bytes": f.MAX_CHUNK_BYTES + 1, "checksums": [1]},  # parts bound memory
         {"checksums": [1]},
         {"nbytes": f.MAX_TRANSFER_BYTES + 1, "shape": [f.MAX_TRANSFER_BYTES + 1]},
     ],

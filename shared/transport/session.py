@@ -10,9 +10,10 @@ in parts of about SEGMENT_BYTES (whole checksum chunks); the receiver answers on
 end. The receiver checks each part's chunks as soon as the part has arrived, while the
 next parts are still on their way (UCX has all of them posted at once), so the checksums
 cost little beyond the transfer itself. A receiver that refuses a transfer (not announced,
-no room) still reads its parts into one scratch part and drops them: the stream stays in
-step. Until protocol version 2 the sender waited for a "ready" answer to the header first;
-that round trip cost ~1.3 ms of the ~10 ms a 16 MiB transfer takes over UCX here.
+no room) still reads its parts into one scratch part and drops them, so the stream stays in
+step, up to DRAIN_LIMIT; a bigger refused transfer costs its connection. Until protocol
+version 2 the sender waited for a "ready" answer to the header first; that round trip cost
+~1.3 ms of the ~10 ms a 16 MiB transfer takes over UCX here.
 """
 
 from __future__ import annotations

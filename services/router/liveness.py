@@ -116,7 +116,7 @@ class LivenessProbe:
         try:
             assert self.router.bus.nc is not None
             await self.router.bus.nc.request(ping_subject(node), b"", timeout=self.timeout)
-            self._answered(node)
+            self._forget_misses(node)
         except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
             self._unanswered(node, isinstance(exc, NoRespondersError), sent)
         except Exception as exc:  # NATS itself away: no verdict on the node
@@ -126,17 +126,17 @@ class LivenessProbe:
             if not self.in_flight[node]:
                 del self.in_flight[node]
 
-    def _answered(self, node: str) -> None:
+    def _forget_misses(self, node: str) -> None:
         self.missed.pop(node, None)
         self.miss_sent.pop(node, None)
 
     def _unanswered(self, node: str, no_responders: bool, sent: float) -> None:
         if self._reconnecting():
-            self._answered(node)
+            self._forget_misses(node)
         elif no_responders:
             self._declare_dead(node, "no responders")
         elif node not in self.quiet_nodes(time.monotonic()):
-            self._answered(node)  # its tokens still flow: slow, not dead
+            self._forget_misses(node)  # its tokens still flow: slow, not dead
         elif sent - self.miss_sent.get(node, -1e9) >= self.timeout:  # a new silence
             self.miss_sent[node] = sent
             self.missed[node] = self.missed.get(node, 0) + 1
@@ -152,7 +152,7 @@ class LivenessProbe:
     def _declare_dead(self, node: str, why: str) -> None:
         if time.monotonic() - self.dead.get(node, -1e9) < 5.0:
             return  # an overlapping probe said so already
-        self._answered(node)  # forget its misses: a node that returns starts afresh
+        self._forget_misses(node)  # a node that returns starts afresh
         self.dead[node] = time.monotonic()
         log.warning("node %s declared dead (%s): failing its requests over", node, why)
         self.router.metrics.errors.labels("node_unresponsive").inc()

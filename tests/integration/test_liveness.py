@@ -8,6 +8,7 @@ The router around the probe is a stand-in holding only what the probe reads."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,18 @@ async def subscribe_pings(
     raise AssertionError(f"{node.name} never became reachable")
 
 
+@contextlib.asynccontextmanager
+async def running(probe: LivenessProbe) -> AsyncIterator[None]:
+    """The probe's loop, running for the body of the `async with`."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(probe.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
 async def lost_within(router: RouterStandIn, node: str, seconds: float) -> float:
     """How long after now `node` was declared dead, waiting at most `seconds`."""
     start = time.monotonic()
@@ -121,18 +134,15 @@ async def test_a_dead_node_is_found_before_its_stream_looks_quiet(
     flow = Flow("d1", Stream(itl=2.0))  # quiet only after 5 s (probe_after)
     router.failovers["r1"] = flow
     probe = LivenessProbe(router, probe_after=5.0)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(probe.run(stop))
     try:
-        await asyncio.sleep(0.5)
-        assert not router.lost  # alive and answering
-        await sub.unsubscribe()  # what a SIGKILL does to its subscription
-        await node.nc.flush()
-        flow.stream.last_delta_at = time.monotonic()  # its last token came just now
-        assert await lost_within(router, "d1", 1.0) < 0.5  # long before the 5 s threshold
+        async with running(probe):
+            await asyncio.sleep(0.5)
+            assert not router.lost  # alive and answering
+            await sub.unsubscribe()  # what a SIGKILL does to its subscription
+            await node.nc.flush()
+            flow.stream.last_delta_at = time.monotonic()  # its last token came just now
+            assert await lost_within(router, "d1", 1.0) < 0.5  # long before the 5 s threshold
     finally:
-        stop.set()
-        await task
         await node.close()
 
 
@@ -149,18 +159,16 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
     flow = Flow("d2", Stream(itl=0.05))
     router.failovers["r2"] = flow
     probe = LivenessProbe(router, probe_after=0.5, timeout=0.1)  # type: ignore[arg-type]
-    stop, flowing = asyncio.Event(), asyncio.Event()
+    flowing = asyncio.Event()
     tokens = asyncio.create_task(keep_flowing(flow, flowing))
-    task = asyncio.create_task(probe.run(stop))
     try:
-        await asyncio.sleep(1.5)  # ~15 unanswered probes, every one while tokens flowed
-        assert not router.lost
-        flowing.set()  # the stream goes quiet: now unanswered probes count
-        await tokens
-        assert await lost_within(router, "d2", 3.0) < 2.0
+        async with running(probe):
+            await asyncio.sleep(1.5)  # ~15 unanswered probes, every one while tokens flowed
+            assert not router.lost
+            flowing.set()  # the stream goes quiet: now unanswered probes count
+            await tokens
+            assert await lost_within(router, "d2", 3.0) < 2.0
     finally:
-        stop.set()
-        await task
         await node.close()
 
 
@@ -175,30 +183,27 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
     subs = [await subscribe_pings(router, n, answer) for n in (late, gone)]
     router.failovers = {"r-late": Flow("late"), "r-gone": Flow("gone")}
     probe = LivenessProbe(router, reconnect_grace=1.5)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(probe.run(stop))
     try:
-        await asyncio.sleep(0.3)
-        assert not router.lost
-        reconnects = router.bus.reconnects
-        await asyncio.to_thread(nats_server.stop)
-        for sub in subs:  # while the server is away: neither is subscribed when it is back
-            await sub.unsubscribe()
-        await asyncio.to_thread(nats_server.start)
-        while router.bus.reconnects == reconnects:
-            await asyncio.sleep(0.01)
-        back = time.monotonic()
-        await asyncio.sleep(0.5)  # "no responders" for both, all this time
-        assert not router.lost
-        await late.nc.subscribe(ping_subject("late"), cb=answer)  # "late" is back
-        await late.nc.flush()
-        while "gone" not in router.lost and time.monotonic() - back < 5:
-            await asyncio.sleep(0.01)
-        assert set(router.lost) == {"gone"}
-        assert router.lost["gone"] - back >= 1.5
+        async with running(probe):
+            await asyncio.sleep(0.3)
+            assert not router.lost
+            reconnects = router.bus.reconnects
+            await asyncio.to_thread(nats_server.stop)
+            for sub in subs:  # while the server is away: neither is subscribed when it is back
+                await sub.unsubscribe()
+            await asyncio.to_thread(nats_server.start)
+            while router.bus.reconnects == reconnects:
+                await asyncio.sleep(0.01)
+            back = time.monotonic()
+            await asyncio.sleep(0.5)  # "no responders" for both, all this time
+            assert not router.lost
+            await late.nc.subscribe(ping_subject("late"), cb=answer)  # "late" is back
+            await late.nc.flush()
+            while "gone" not in router.lost and time.monotonic() - back < 5:
+                await asyncio.sleep(0.01)
+            assert set(router.lost) == {"gone"}
+            assert router.lost["gone"] - back >= 1.5
     finally:
-        stop.set()
-        await task
         await late.close()
         await gone.close()
 
@@ -222,16 +227,13 @@ async def test_a_probe_lost_with_the_node_does_not_delay_its_verdict(
     sub = await subscribe_pings(router, node, die_holding_it)
     router.failovers["r3"] = Flow("d3", Stream(itl=2.0))  # never quiet within the test
     probe = LivenessProbe(router, probe_after=5.0, timeout=2.0)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(probe.run(stop))
     try:
-        await asyncio.wait_for(died.wait(), 2)
-        await sub.unsubscribe()
-        await node.nc.flush()
-        assert await lost_within(router, "d3", 3.0) < 1.0  # the held probe's timeout is 2 s
+        async with running(probe):
+            await asyncio.wait_for(died.wait(), 2)
+            await sub.unsubscribe()
+            await node.nc.flush()
+            assert await lost_within(router, "d3", 3.0) < 1.0  # the held probe's timeout is 2 s
     finally:
-        stop.set()
-        await task
         await node.close()
 
 
@@ -249,13 +251,10 @@ async def test_overlapping_probes_of_a_silent_node_count_one_miss_per_timeout(
     await subscribe_pings(router, node, never)
     router.failovers["r4"] = Flow("d4", Stream(itl=0.05, last_delta_at=time.monotonic() - 9))
     probe = LivenessProbe(router, timeout=0.3, misses=3)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(probe.run(stop))
     try:
-        # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s
-        # (probes every 0.05 s, three in flight, would count three misses by ~0.4 s)
-        assert await lost_within(router, "d4", 5.0) >= 0.85
+        async with running(probe):
+            # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s
+            # (probes every 0.05 s, three in flight, would count three misses by ~0.4 s)
+            assert await lost_within(router, "d4", 5.0) >= 0.85
     finally:
-        stop.set()
-        await task
         await node.close()

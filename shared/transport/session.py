@@ -18,7 +18,6 @@ version 2 the sender waited for a "ready" answer to the header first; that round
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,8 +44,8 @@ SEGMENT_BYTES = 4 << 20  # a payload part: small enough to check while the next 
 DRAIN_LIMIT = 64 << 20
 
 
-class _Undrained(Exception):
-    """A refused transfer too big to drain (already reported): drop the connection."""
+class Undrained(Exception):
+    """A refused transfer too big to drain: the connection must be dropped."""
 
 
 class Channel(Protocol):
@@ -88,33 +87,6 @@ async def read_ack(channel: Channel) -> Ack:
     return decode_ack(body)
 
 
-async def serve_frame(
-    channel: Channel,
-    prefix: memoryview,
-    handler: ReceiveHandler,
-    timeout: float,
-    lost: tuple[type[BaseException], ...],
-    lost_reason: Callable[[BaseException], str],
-) -> bool:
-    """One transfer after its prefix arrived, within `timeout`. False when the connection
-    must be dropped; every failure is reported to the handler (`lost`: the transport's
-    errors for a peer gone mid-transfer, described by `lost_reason`)."""
-    header: TransferHeader | None = None
-    try:
-        async with asyncio.timeout(timeout):
-            header = await receive_transfer(channel, prefix, handler)
-            return True
-    except _Undrained:
-        pass  # refused and reported; too big to read and drop
-    except WireFormatError as exc:
-        handler.failed(header, f"malformed: {exc.message}")
-    except TimeoutError:
-        handler.failed(header, "timeout: frame not received within deadline")
-    except lost as exc:
-        handler.failed(header, lost_reason(exc))
-    return False
-
-
 async def receive_transfer(
     channel: Channel, prefix: memoryview, handler: ReceiveHandler
 ) -> TransferHeader:
@@ -129,7 +101,7 @@ async def receive_transfer(
     except TransferRejected as exc:
         handler.failed(header, f"refused: {exc.message}")
         if header.nbytes > DRAIN_LIMIT:
-            raise _Undrained(header.transfer_id) from exc
+            raise Undrained(header.transfer_id) from exc
         await _drain(channel, header)
         await _answer(channel, header.transfer_id, False, exc.message)
         return header

@@ -30,7 +30,7 @@ from shared.errors import WireFormatError
 from shared.transport import ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import send_transfer, serve_frame
+from shared.transport.session import Undrained, receive_transfer, send_transfer
 
 log = logging.getLogger("tandem.transport.ucx")
 
@@ -73,7 +73,13 @@ async def _guarded(op: Coroutine[Any, Any, Any]) -> None:
     its own task instead, which keeps both alive; a cancelled caller leaves it in
     `_orphans` until it ends (the caller's `abort()` of the endpoint ends it).
     """
-    await _in_order([asyncio.ensure_future(op)], None)
+    task = asyncio.ensure_future(op)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _orphans.add(task)
+        task.add_done_callback(_retire)  # at once if it is done already
+        raise
 
 
 def _retire(task: asyncio.Future[Any]) -> None:
@@ -112,8 +118,8 @@ class EndpointChannel:
 
 async def _in_order(ops: list[asyncio.Future[Any]], arrived: Callable[[int], None] | None) -> None:
     """Await posted ucxx operations in order. If this ends early (an error, a deadline),
-    the ones still running stay referenced in `_orphans` (see `_guarded`): UCX still holds
-    their buffers."""
+    the ones still running stay referenced in `_orphans`, as in `_guarded`: UCX still
+    holds their buffers."""
     try:
         for i, op in enumerate(ops):
             await asyncio.shield(op)
@@ -215,14 +221,33 @@ class UcxTransport:
                     await EndpointChannel(ep).recv_into(prefix)
                 except errors:
                     return  # the peer closed or died between transfers
-                if not await serve_frame(
-                    EndpointChannel(ep), prefix, self._handler, self.frame_timeout, errors,
-                    lambda exc: f"truncated: peer lost mid-transfer ({type(exc).__name__})",
-                ):  # fmt: skip
+                if not await self._serve_frame(ep, prefix, self._handler, errors):
                     return
         finally:
             with contextlib.suppress(*errors):
                 ep.abort()
+
+    async def _serve_frame(
+        self,
+        ep: Any,
+        prefix: memoryview,
+        handler: ReceiveHandler,
+        errors: tuple[type[BaseException], ...],
+    ) -> bool:
+        header: TransferHeader | None = None
+        try:
+            async with asyncio.timeout(self.frame_timeout):
+                header = await receive_transfer(EndpointChannel(ep), prefix, handler)
+                return True
+        except Undrained:
+            pass  # refused and reported; too big to read and drop
+        except WireFormatError as exc:
+            handler.failed(header, f"malformed: {exc.message}")
+        except TimeoutError:
+            handler.failed(header, "timeout: frame not received within deadline")
+        except errors as exc:
+            handler.failed(header, f"truncated: peer lost mid-transfer ({type(exc).__name__})")
+        return False
 
     async def warm(self, peer: str) -> None:
         """One pooled endpoint to `peer` (made now: ~0.1 s here, which a first transfer,

@@ -4,6 +4,7 @@ client that records when every event arrived, and the report read from the stack
 The reference is the engine itself, in this process, on the same prompts (the same code
 the nodes run, batched differently; the engine equals transformers' greedy generate in
 tests/integration). Client texts must equal it exactly: no gap, no repeat, same tokens.
+A copy is stored in the repository and reused where it still holds (reference_cache.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def workload(model: LoadedModel, n: int, min_tokens: int, seed: int = 7) -> list
         ids = model.tokenizer.encode(text, add_special_tokens=False)
         out.append(Request(ids, min_tokens + rng.randrange(0, 9)))
     return out
+
+
+def chaos_requests(model: LoadedModel) -> list[Request]:
+    """The chaos tests' 32 requests of >= 200 output tokens."""
+    return workload(model, 32, 200)
 
 
 def reference(model: LoadedModel, requests: list[Request]) -> list[list[str]]:

@@ -15,7 +15,8 @@ from shared.bus.server import free_port
 from shared.model.loader import LoadedModel
 from tandem.cli import build_parser
 from tandem.launcher import Stack
-from tests.e2e.chaos import Request, reference, workload
+from tests.e2e import reference_cache
+from tests.e2e.chaos import Request, chaos_requests, reference
 from tests.otlp_receiver import OtlpReceiver
 
 
@@ -97,13 +98,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Itera
 
 
 @pytest.fixture(scope="package")
-def chaos_reference(real_model: LoadedModel) -> tuple[list[Request], list[list[str]]]:
+def chaos_reference(
+    real_model: LoadedModel, real_model_dir: Path
+) -> tuple[list[Request], list[list[str]]]:
     """The chaos tests' 32 requests and, per request, the text each token of its
-    uninterrupted run added (computed once; other tests use prefixes of them)."""
-    requests = workload(real_model, 32, 200)
+    uninterrupted run added (other tests use prefixes of them): the stored one if it holds
+    on this machine (tests/e2e/reference_cache.py), else computed now."""
+    requests = chaos_requests(real_model)
     started = time.monotonic()
-    texts = reference(real_model, requests)
-    print(f"chaos reference: {time.monotonic() - started:.0f}s")
+    texts, why = reference_cache.load(real_model, real_model_dir, requests)
+    if texts is None:
+        print(f"chaos reference computed now: {why}")
+        texts = reference(real_model, requests)
+    print(f"chaos reference: {why}, {time.monotonic() - started:.0f}s")
     return requests, texts
 
 

@@ -18,6 +18,7 @@ version 2 the sender waited for a "ready" answer to the header first; that round
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -44,8 +45,8 @@ SEGMENT_BYTES = 4 << 20  # a payload part: small enough to check while the next 
 DRAIN_LIMIT = 64 << 20
 
 
-class Undrained(Exception):
-    """A refused transfer too big to drain: the connection must be dropped."""
+class _Undrained(Exception):
+    """A refused transfer too big to drain (already reported): drop the connection."""
 
 
 class Channel(Protocol):
@@ -87,12 +88,49 @@ async def read_ack(channel: Channel) -> Ack:
     return decode_ack(body)
 
 
+async def serve_frame(
+    channel: Channel,
+    prefix: memoryview,
+    handler: ReceiveHandler,
+    timeout: float,
+    lost: tuple[type[BaseException], ...],
+    lost_reason: Callable[[BaseException], str],
+) -> bool:
+    """One transfer after its prefix arrived, within `timeout`. False when the connection
+    must be dropped; every failure is reported to the handler (`lost`: the transport's
+    errors for a peer gone mid-transfer, described by `lost_reason`), with the transfer's
+    header once the handler has taken it: whoever waits for it learns at once."""
+    accepted: list[TransferHeader] = []
+    try:
+        async with asyncio.timeout(timeout):
+            await receive_transfer(channel, prefix, handler, accepted)
+            return True
+    except _Undrained:
+        pass  # refused and reported; too big to read and drop
+    except WireFormatError as exc:
+        handler.failed(_last(accepted), f"malformed: {exc.message}")
+    except TimeoutError:
+        handler.failed(_last(accepted), "timeout: frame not received within deadline")
+    except lost as exc:
+        handler.failed(_last(accepted), lost_reason(exc))
+    return False
+
+
+def _last(accepted: list[TransferHeader]) -> TransferHeader | None:
+    return accepted[-1] if accepted else None
+
+
 async def receive_transfer(
-    channel: Channel, prefix: memoryview, handler: ReceiveHandler
+    channel: Channel,
+    prefix: memoryview,
+    handler: ReceiveHandler,
+    accepted: list[TransferHeader] | None = None,
 ) -> TransferHeader:
     """One transfer after its prefix arrived. Refusals and bad checksums are answered and
     reported to the handler; the stream stays in step. Raises WireFormatError (or the
-    channel's errors) when the connection must be dropped."""
+    channel's errors) when the connection must be dropped. While the payload is on its way
+    into the handler's buffer, its header is in `accepted`, for the caller to report a
+    failure with."""
     raw = memoryview(bytearray(parse_prefix(prefix)))
     await channel.recv_into(raw)
     header = decode_header(raw)
@@ -101,10 +139,12 @@ async def receive_transfer(
     except TransferRejected as exc:
         handler.failed(header, f"refused: {exc.message}")
         if header.nbytes > DRAIN_LIMIT:
-            raise Undrained(header.transfer_id) from exc
+            raise _Undrained(header.transfer_id) from exc
         await _drain(channel, header)
         await _answer(channel, header.transfer_id, False, exc.message)
         return header
+    if accepted is not None:
+        accepted.append(header)
     if len(buf) != header.nbytes:
         raise WireFormatError("handler buffer size mismatch")
     pieces = parts(buf, header.chunk_bytes)
@@ -118,6 +158,8 @@ async def receive_transfer(
                 bad.append(got)
 
     await channel.recv_parts(pieces, arrived)
+    if accepted is not None:
+        accepted.clear()  # the handler learns the outcome below, once
     if bad:
         reason = f"checksum: chunk {bad[0]} corrupt"
         handler.failed(header, reason)

@@ -17,7 +17,7 @@ from typing import Any
 from shared.errors import WireFormatError
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import Undrained, receive_transfer, send_transfer
+from shared.transport.session import send_transfer, serve_frame
 
 SOCKET_BUFFER = 4 << 20
 
@@ -130,29 +130,13 @@ class TcpTransport:
                     return
                 except OSError:
                     return
-                if not await self._serve_frame(conn, prefix, handler):
+                if not await serve_frame(
+                    SocketChannel(conn), prefix, handler, self.frame_timeout, (OSError,),
+                    lambda exc: f"truncated: {exc}",  # includes the peer closing mid-frame
+                ):  # fmt: skip
                     return
         finally:
             conn.close()
-
-    async def _serve_frame(
-        self, conn: socket.socket, prefix: memoryview, handler: ReceiveHandler
-    ) -> bool:
-        """One transfer after its prefix; False when the connection must be dropped."""
-        header: TransferHeader | None = None
-        try:
-            async with asyncio.timeout(self.frame_timeout):
-                header = await receive_transfer(SocketChannel(conn), prefix, handler)
-                return True
-        except Undrained:
-            pass  # refused and reported; too big to read and drop
-        except WireFormatError as exc:
-            handler.failed(header, f"malformed: {exc.message}")
-        except TimeoutError:
-            handler.failed(header, "timeout: frame not received within deadline")
-        except OSError as exc:  # includes the peer closing mid-frame
-            handler.failed(header, f"truncated: {exc}")
-        return False
 
     async def warm(self, peer: str) -> None:
         """Nothing to do: a TCP connection is made in about a millisecond."""

@@ -30,7 +30,7 @@ from shared.errors import WireFormatError
 from shared.transport import ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import Undrained, receive_transfer, send_transfer
+from shared.transport.session import send_transfer, serve_frame
 
 log = logging.getLogger("tandem.transport.ucx")
 
@@ -221,33 +221,14 @@ class UcxTransport:
                     await EndpointChannel(ep).recv_into(prefix)
                 except errors:
                     return  # the peer closed or died between transfers
-                if not await self._serve_frame(ep, prefix, self._handler, errors):
+                if not await serve_frame(
+                    EndpointChannel(ep), prefix, self._handler, self.frame_timeout, errors,
+                    lambda exc: f"truncated: peer lost mid-transfer ({type(exc).__name__})",
+                ):  # fmt: skip
                     return
         finally:
             with contextlib.suppress(*errors):
                 ep.abort()
-
-    async def _serve_frame(
-        self,
-        ep: Any,
-        prefix: memoryview,
-        handler: ReceiveHandler,
-        errors: tuple[type[BaseException], ...],
-    ) -> bool:
-        header: TransferHeader | None = None
-        try:
-            async with asyncio.timeout(self.frame_timeout):
-                header = await receive_transfer(EndpointChannel(ep), prefix, handler)
-                return True
-        except Undrained:
-            pass  # refused and reported; too big to read and drop
-        except WireFormatError as exc:
-            handler.failed(header, f"malformed: {exc.message}")
-        except TimeoutError:
-            handler.failed(header, "timeout: frame not received within deadline")
-        except errors as exc:
-            handler.failed(header, f"truncated: peer lost mid-transfer ({type(exc).__name__})")
-        return False
 
     async def warm(self, peer: str) -> None:
         """One pooled endpoint to `peer` (made now: ~0.1 s here, which a first transfer,

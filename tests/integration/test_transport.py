@@ -186,7 +186,8 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(
     finally:
         await doomed.close()
     failed = await peer.next("failed", timeout=30)
-    assert failed["failed"]
+    assert failed["failed"].startswith("truncated")
+    assert failed["transfer_id"] == "doomed-1"  # so whoever waits for it learns at once
     payload = memoryview(bytearray(os.urandom(MiB)))
     await sender.send(address, make_header("req", "after", payload), payload, timeout=30)
     assert (await peer.next("digest"))["transfer_id"] == "after"

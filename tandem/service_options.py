@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -88,13 +90,57 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     )
 
 
+log = logging.getLogger("tandem.service")
+
+LEFTOVER_GRACE = 5.0  # seconds for tasks still running once a service has shut down
+
+
 def run_service(
     serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]], args: argparse.Namespace
 ) -> int:
     """Run a service's coroutine; a TandemError (bad model, bad option) is one line, exit 2."""
     try:
-        asyncio.run(serve(args))
+        asyncio.run(_with_bounded_end(serve(args)))
     except TandemError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+async def _with_bounded_end(service: Coroutine[Any, Any, None]) -> None:
+    try:
+        await service
+    finally:
+        await end_leftover_tasks(LEFTOVER_GRACE)
+
+
+async def end_leftover_tasks(grace: float) -> None:
+    """Cancel the tasks a stopped service left running and wait for them, within `grace`.
+
+    asyncio.run does the same but waits without a bound, so one task that swallows its
+    cancellation keeps a stopped node alive until its orchestrator SIGKILLs it (seen in CI:
+    a kvcache node ignoring SIGTERM). A task still running after `grace` is logged with
+    where it waits, and the process ends at once (exit 1) with its logs and traces flushed.
+    """
+    me = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in left:
+        task.cancel()
+    if not left:
+        return
+    _, stuck = await asyncio.wait(left, timeout=grace)
+    if not stuck:
+        return
+    for task in stuck:
+        frames = " <- ".join(
+            f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+            for f in reversed(task.get_stack())
+        )
+        log.warning("task %s ignored cancellation at shutdown: %s", task.get_name(), frames)
+    from shared.telemetry.tracing import flush_tracing
+
+    flush_tracing()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # asyncio.run would wait for the stuck task forever

@@ -70,6 +70,13 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(f"tandem.{name}")
 
 
+def flush_tracing() -> None:
+    """Export what is batched now (bounded), for a process about to end without atexit."""
+    if _installed:  # the provider is then setup_tracing's SDK one
+        provider = trace.get_tracer_provider()
+        provider.force_flush(timeout_millis=FLUSH_AT_EXIT_MS)  # type: ignore[attr-defined]
+
+
 def _flush_and_shut(provider: SdkTracerProvider) -> None:
     """Export what is batched when the service stops, within a bound: a collector that is
     down must not hold a stopping node past its orchestrator's grace period."""

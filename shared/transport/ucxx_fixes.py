@@ -1,8 +1,9 @@
-"""Fixes for two ucxx 0.52 bugs that the UCX transport would otherwise hit; applied once.
+"""Fixes for three ucxx 0.52 bugs that the UCX transport would otherwise hit; applied once.
 
-Both patch ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
+Each patches ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
 
 - Blocking progress never re-arms (an idle node spins a whole core).
+- Its progress watchdog task can swallow its own cancellation (a process never ends).
 - The endpoint handshake frees a buffer that UCX still writes into when it is cancelled
   (heap corruption: a later, unrelated crash).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from typing import Any
 
 log = logging.getLogger("tandem.transport.ucx")
@@ -20,6 +22,7 @@ log = logging.getLogger("tandem.transport.ucx")
 def apply() -> None:
     """Apply every fix: once per process, before ucxx.init (shared.transport.ucx does)."""
     _fix_blocking_progress()
+    _fix_progress_watchdog()
     _fix_handshake_buffers()
 
 
@@ -40,6 +43,35 @@ def _fix_blocking_progress() -> None:
             self.arm_task = self.event_loop.create_task(self._arm_worker())
 
     BlockingMode._fd_reader_callback = _fd_reader_callback  # type: ignore[method-assign]
+
+
+def _fix_progress_watchdog() -> None:
+    """Let blocking progress's watchdog task be cancelled while it waits for the arm task.
+
+    Every second without progress, ucxx's `_progress_with_timeout` cancels the arm task and
+    awaits it inside `except CancelledError: pass`. A cancellation of the watchdog itself
+    that lands in that await (asyncio.run cancelling every task at the end) is swallowed
+    too, and the task goes on sleeping and polling forever: asyncio.run waits for it, and
+    the process never ends. Waiting with `asyncio.wait` instead takes the arm task's end
+    without raising it, so only the watchdog's own cancellation propagates.
+    """
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    async def _progress_with_timeout(self: Any) -> None:
+        while True:
+            worker = self.worker
+            if worker is None:
+                return
+            if time.monotonic() > self.last_progress_time + self._progress_timeout:
+                self.last_progress_time = time.monotonic()
+                arm = self.arm_task
+                if arm is not None:
+                    arm.cancel()  # re-created on the next worker event
+                    await asyncio.wait([arm])
+                worker.progress()
+            await asyncio.sleep(self._progress_timeout)
+
+    BlockingMode._progress_with_timeout = _progress_with_timeout  # type: ignore[method-assign]
 
 
 # Handshake requests that ended early (a timeout, a cancelled caller), with the buffers

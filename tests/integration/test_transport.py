@@ -408,3 +408,34 @@ async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
     finally:
         await transport.close()
         await peer.close()
+
+
+async def test_ucx_progress_watchdog_takes_its_own_cancellation() -> None:
+    """ucxx 0.52's progress watchdog swallowed a cancellation that landed while it awaited
+    the arm task it had just cancelled, and went on polling: asyncio.run, cancelling every
+    task at the end, then waited for it forever (shared/transport/ucxx_fixes.py)."""
+    from ucxx._lib_async import application_context
+
+    transport = make_transport("ucx")
+    await transport.start(BufferHandler())  # progress for this loop starts here
+    try:
+        mode = application_context.ProgressTasks[asyncio.get_running_loop()]
+
+        async def slow_arm() -> None:  # ends a moment after it is cancelled
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                await asyncio.sleep(0.2)
+
+        arm = mode.arm_task = asyncio.create_task(slow_arm())
+        mode.last_progress_time = 0.0  # overdue: the watchdog cancels and awaits the arm
+        async with asyncio.timeout(10):
+            while not arm.cancelling():
+                await asyncio.sleep(0.01)
+        watchdog = mode.progress_task
+        watchdog.cancel()  # as asyncio.run does to every task left at the end
+        await asyncio.wait([watchdog], timeout=3)
+        assert watchdog.done(), "the watchdog swallowed its cancellation"
+        await asyncio.wait([arm], timeout=3)
+    finally:
+        await transport.close()

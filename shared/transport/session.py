@@ -8,7 +8,7 @@ size before it posts the receive), and the same for a list of parts.
 One transfer: the sender sends the header and, without waiting for an answer, the payload
 in parts of about SEGMENT_BYTES (whole checksum chunks); the receiver answers once, at the
 end. The receiver checks each part's chunks as soon as the part has arrived, while the
-next parts are still on their way (UCX has all of them posted at once), so the checksums
+next parts are still on their way (UCX posts up to 8 parts ahead), so the checksums
 cost little beyond the transfer itself. A receiver that refuses a transfer (not announced,
 no room) still reads its parts into one scratch part and drops them, so the stream stays in
 step, up to DRAIN_LIMIT; a bigger refused transfer costs its connection. Until protocol

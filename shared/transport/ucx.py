@@ -108,21 +108,34 @@ class EndpointChannel:
         await _guarded(self.ep.send(memoryview(data).cast("B")))
 
     async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
-        """All receives posted at once (UCX matches them in posting order), so later parts
+        """Receives posted WINDOW ahead (UCX matches them in posting order), so later parts
         land while `arrived` checks earlier ones."""
-        await _in_order([asyncio.ensure_future(self.ep.recv(p)) for p in parts], arrived)
+        await _in_order(self.ep.recv, parts, arrived)
 
     async def send_parts(self, parts: list[memoryview]) -> None:
-        await _in_order([asyncio.ensure_future(self.ep.send(p)) for p in parts], None)
+        await _in_order(self.ep.send, parts, None)
 
 
-async def _in_order(ops: list[asyncio.Future[Any]], arrived: Callable[[int], None] | None) -> None:
-    """Await posted ucxx operations in order. If this ends early (an error, a deadline),
-    the ones still running stay referenced in `_orphans`, as in `_guarded`: UCX still
-    holds their buffers."""
+# Parts of one transfer posted at once: enough to keep data moving while `arrived` checks
+# the earliest, few enough that a 4 GiB transfer is not ~1,000 posted requests, each of
+# which busy-yields on the event loop while it waits.
+WINDOW = 8
+
+
+async def _in_order(
+    post: Callable[[memoryview], Coroutine[Any, Any, Any]],
+    parts: list[memoryview],
+    arrived: Callable[[int], None] | None,
+) -> None:
+    """Post an operation per part, at most WINDOW ahead of the earliest unfinished one, and
+    await them in order. If this ends early (an error, a deadline), the ones still running
+    stay referenced in `_orphans`, as in `_guarded`: UCX still holds their buffers."""
+    ops: list[asyncio.Future[Any]] = []
     try:
-        for i, op in enumerate(ops):
-            await asyncio.shield(op)
+        for i in range(len(parts)):
+            while len(ops) < min(len(parts), i + WINDOW):
+                ops.append(asyncio.ensure_future(post(parts[len(ops)])))
+            await asyncio.shield(ops[i])
             if arrived is not None:
                 arrived(i)
     except BaseException:

@@ -439,3 +439,27 @@ async def test_ucx_progress_watchdog_takes_its_own_cancellation() -> None:
         await asyncio.wait([arm], timeout=3)
     finally:
         await transport.close()
+
+
+async def test_ucx_posts_a_bounded_window_of_parts_and_checks_them_in_order() -> None:
+    """At most WINDOW operations are posted at a time (each waiting ucxx request spins the
+    event loop), in part order, and each part is checked once it is done."""
+    from shared.transport import ucx
+
+    posted: list[int] = []
+    running = 0
+    most = 0
+
+    async def post(part: memoryview) -> None:
+        nonlocal running, most
+        posted.append(part[0])
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.001 * random.random())
+        running -= 1
+
+    parts = [memoryview(bytes([i])) for i in range(3 * ucx.WINDOW + 1)]
+    checked: list[int] = []
+    await ucx._in_order(post, parts, checked.append)
+    assert posted == checked == list(range(len(parts)))
+    assert most == ucx.WINDOW

@@ -11,7 +11,6 @@ of the requests whose blocks it carries, so a request's trace leads to its check
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from shared.kvclient import KVCacheClient
+from shared.tasks import cancel_and_wait
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.kv_uploader")
@@ -147,7 +147,4 @@ class BlockUploader:
             return False
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

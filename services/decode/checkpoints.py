@@ -13,13 +13,13 @@ background, and are bounded: the decode loop never waits on them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord
 from shared.engine.block_exchange import CheckpointPoint
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.decode.checkpoints")
 
@@ -75,7 +75,4 @@ class CheckpointWriter:
                     log.debug("checkpoint record of %s not written: %r", rid, exc)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.router.nodes")
 REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
@@ -127,7 +127,4 @@ class NodeTable:
         self.inflight.pop(node_id, None)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

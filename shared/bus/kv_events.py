@@ -27,6 +27,7 @@ from shared.bus.client import Bus
 from shared.bus.messages import KVEvent, decode
 from shared.bus.topology import KV_EVENTS_SUBJECT, kv_events_subject
 from shared.errors import WireFormatError
+from shared.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from shared.engine.engine import Engine
@@ -98,10 +99,7 @@ class KVEventPublisher:
                 self.pending.popleft()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), 1.0)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
+from shared.tasks import cancel_and_wait
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.session import send_transfer, serve_frame
@@ -181,11 +182,7 @@ class TcpTransport:
             raise TransferRejected(reason, **ids)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self._listener is not None:
             self._listener.close()
         for socks in self._idle.values():

@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
+from shared.tasks import cancel_and_wait
 from shared.transport import ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
@@ -294,11 +295,7 @@ class UcxTransport:
                 with contextlib.suppress(*errors):
                     ep.abort()
         self._idle.clear()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._tasks)
         left = await settle_orphans(2.0)  # the endpoints are aborted: they end now
         if left:
             log.warning("%d UCX operations still pending at close", left)

@@ -23,6 +23,10 @@ class TandemError(Exception):
         return prefix + self.message
 
 
+class Stopped(Exception):
+    """A service was asked to stop (SIGTERM, SIGINT) before it was up: not an error."""
+
+
 class InvalidRequestError(TandemError):
     """The request itself is wrong (empty prompt, bad parameter, too long)."""
 

@@ -41,9 +41,13 @@ def setup_logging(service: str, node_id: str, level: str = "INFO") -> None:
 
 
 async def connect_bus(
-    url: str, node_id: str, auth: BusAuth | None = None, topology: TopologyConfig | None = None
+    url: str,
+    node_id: str,
+    auth: BusAuth | None = None,
+    topology: TopologyConfig | None = None,
+    stop: asyncio.Event | None = None,
 ) -> Bus:
-    bus = await Bus(url, node_id, auth).connect()
+    bus = await Bus(url, node_id, auth).connect(stop=stop)
     assert bus.js is not None
     await ensure_topology(bus.js, topology)
 
@@ -105,7 +109,7 @@ class NodeRuntime:
         setup_tracing(role, node_id)
         rt = cls(role, node_id, args)
         rt.stop = stop_on_signals()
-        rt.bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
+        rt.bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), stop=rt.stop)
         rt.registry = await NodeRegistry(rt.bus, ttl=args.heartbeat_ttl).start()
         rt.transport = make_transport(args.transport, args.data_host, args.data_port)
         return rt

@@ -11,7 +11,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.engine.engine import Engine, EngineConfig
-from shared.errors import TandemError
+from shared.errors import Stopped, TandemError
+from shared.tasks import cancel_and_wait
 from tandem.options import add_model_options, add_option
 
 
@@ -104,6 +105,8 @@ def run_service(
     except TandemError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
     return 0
 
 
@@ -118,19 +121,16 @@ async def end_leftover_tasks(grace: float) -> None:
     """Cancel the tasks a stopped service left running and wait for them, within `grace`.
 
     asyncio.run does the same but waits without a bound, so one task that swallows its
-    cancellation keeps a stopped node alive until its orchestrator SIGKILLs it (seen in CI:
-    a kvcache node ignoring SIGTERM). A task still running after `grace` is logged with
-    where it waits, and the process ends at once (exit 1) with its logs and traces flushed.
+    cancellation keeps a stopped node alive until its orchestrator SIGKILLs it. A task
+    still running after `grace` (cancelled again while it runs on: shared/tasks.py) is
+    logged with where it waits, and the process ends at once (exit 1) with its logs and
+    traces flushed.
     """
     me = asyncio.current_task()
     left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-    for task in left:
-        task.cancel()
-    if not left:
+    if await cancel_and_wait(*left, timeout=grace):
         return
-    _, stuck = await asyncio.wait(left, timeout=grace)
-    if not stuck:
-        return
+    stuck = [t for t in left if not t.done()]
     for task in stuck:
         frames = " <- ".join(
             f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"

@@ -104,7 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("no API keys configured: the API is open to anyone who can reach it")
     tokenizer = load_tokenizer(args.model)
     stop = stop_on_signals()
-    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args))
+    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), stop=stop)
     registry = await NodeRegistry(bus).start()
     nodes = await NodeTable(registry, colocated=args.colocated).start()
     bus.on_reconnect.append(nodes.on_reconnect)

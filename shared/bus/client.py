@@ -9,7 +9,6 @@ headers, and refuse bodies that would break the connection's max_payload.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -23,7 +22,8 @@ from nats.js import JetStreamContext
 from shared.bus.auth import BusAuth
 from shared.bus.messages import Message, encode
 from shared.bus.tracing import inject_headers
-from shared.errors import TandemError
+from shared.errors import Stopped, TandemError
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.bus")
 
@@ -49,7 +49,10 @@ class Bus:
         self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def connect(self, timeout: float = 10.0) -> Bus:
+    async def connect(self, timeout: float = 10.0, stop: asyncio.Event | None = None) -> Bus:
+        """Connect, retrying while the server is unreachable, until connected or `stop` is
+        set (raises Stopped: a node asked to stop before NATS is up must still end)."""
+
         async def disconnected() -> None:
             self.connected.clear()
             log.warning("nats disconnected", extra={"node": self.name})
@@ -88,12 +91,14 @@ class Bus:
             )
         )
         rejected = asyncio.ensure_future(refused.wait())
-        await asyncio.wait({connecting, rejected}, return_when=asyncio.FIRST_COMPLETED)
+        stopped = asyncio.ensure_future(stop.wait() if stop else asyncio.Event().wait())
+        await asyncio.wait({connecting, rejected, stopped}, return_when=asyncio.FIRST_COMPLETED)
         rejected.cancel()
+        stopped.cancel()
         if not connecting.done():
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await connecting
+            await cancel_and_wait(connecting)
+            if stop is not None and stop.is_set():
+                raise Stopped(f"asked to stop while connecting to NATS at {self.url}")
             raise TandemError(
                 f"NATS at {self.url} refused this node's credentials "
                 "(--nats-user/--nats-password or --nats-creds)"

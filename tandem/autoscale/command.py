@@ -88,7 +88,7 @@ async def run_controller(
     router_url: str | None,
     stop: asyncio.Event,
 ) -> None:
-    bus = await Bus(nats_url, "autoscaler", auth).connect()
+    bus = await Bus(nats_url, "autoscaler", auth).connect(stop=stop)
     try:
         controller = Controller(
             bus, backend, policy_from_args(args), router_url, interval=args.scale_interval

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
-from shared.bus.server import NatsServer
+from shared.bus.server import NatsServer, free_port
 from shared.bus.topology import ensure_topology
 from shared.kv.sharding import shard
 from shared.kvclient import KVCacheClient
@@ -147,3 +147,29 @@ async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: N
         await bus.close()
         for p in procs.values():
             stop(p)
+
+
+def test_a_node_stopped_before_nats_is_up_ends_cleanly() -> None:
+    """nats-py retries a first connection forever (right while a server starts, as under
+    compose); SIGTERM in that time must still end the node, not wait for NATS."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", f"nats://127.0.0.1:{free_port()}",
+         "--node-id", "kv-early", "--capacity-mb", "1"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        seen = []
+        while not any("nats error" in line for line in seen[-1:]):  # connecting to nothing
+            seen.append(proc.stderr.readline())
+            assert seen[-1], f"the node ended before connecting: {''.join(seen)}"
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "stopped: asked to stop while connecting to NATS" in err

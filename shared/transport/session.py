@@ -103,7 +103,7 @@ async def serve_frame(
     accepted: list[TransferHeader] = []
     try:
         async with asyncio.timeout(timeout):
-            await receive_transfer(channel, prefix, handler, accepted)
+            await _receive_transfer(channel, prefix, handler, accepted)
             return True
     except _Undrained:
         pass  # refused and reported; too big to read and drop
@@ -120,12 +120,9 @@ def _last(accepted: list[TransferHeader]) -> TransferHeader | None:
     return accepted[-1] if accepted else None
 
 
-async def receive_transfer(
-    channel: Channel,
-    prefix: memoryview,
-    handler: ReceiveHandler,
-    accepted: list[TransferHeader] | None = None,
-) -> TransferHeader:
+async def _receive_transfer(
+    channel: Channel, prefix: memoryview, handler: ReceiveHandler, accepted: list[TransferHeader]
+) -> None:
     """One transfer after its prefix arrived. Refusals and bad checksums are answered and
     reported to the handler; the stream stays in step. Raises WireFormatError (or the
     channel's errors) when the connection must be dropped. While the payload is on its way
@@ -142,9 +139,8 @@ async def receive_transfer(
             raise _Undrained(header.transfer_id) from exc
         await _drain(channel, header)
         await _answer(channel, header.transfer_id, False, exc.message)
-        return header
-    if accepted is not None:
-        accepted.append(header)
+        return
+    accepted.append(header)
     if len(buf) != header.nbytes:
         raise WireFormatError("handler buffer size mismatch")
     pieces = parts(buf, header.chunk_bytes)
@@ -158,21 +154,19 @@ async def receive_transfer(
                 bad.append(got)
 
     await channel.recv_parts(pieces, arrived)
-    if accepted is not None:
-        accepted.clear()  # the handler learns the outcome below, once
+    accepted.clear()  # the handler learns the outcome below, once
     if bad:
         reason = f"checksum: chunk {bad[0]} corrupt"
         handler.failed(header, reason)
         await _answer(channel, header.transfer_id, False, reason)
-        return header
+        return
     try:
         await handler.complete(header, buf)
     except TransferRejected as exc:
         handler.failed(header, f"refused: {exc.message}")
         await _answer(channel, header.transfer_id, False, exc.message)
-        return header
+        return
     await _answer(channel, header.transfer_id, True)
-    return header
 
 
 async def _drain(channel: Channel, header: TransferHeader) -> None:

@@ -3,7 +3,9 @@
 In: a prefill node fetches a prompt's cached prefix from kvcache and places the blocks in
 its pool as cached (free, findable) blocks, so the next admission finds them like any
 local hit. Out: a decode node collects the blocks its forwards fill and hands them to the
-uploader between steps, before they can be reused.
+uploader between steps, before they can be reused, and the partly filled last block of
+each running sequence (its tail, `shared.kv.tail`), so a resume elsewhere recomputes one
+token rather than up to a block; a resumed sequence's tail goes back into a fresh block.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.errors import WireFormatError
-from shared.kv.block_hash import BlockHash, block_hashes
+from shared.kv.block_hash import ROOT_HASH, BlockHash, block_hashes
+from shared.kv.tail import TailBlock, fit_tail
 
 if TYPE_CHECKING:
     from shared.engine.engine import EngineConfig
+    from shared.engine.scheduler import Scheduler
     from shared.engine.sequence import Sequence
     from shared.kv.block_pool import BlockPool
     from shared.kv.paged_cache import KVLayout, PagedKVCache
@@ -43,8 +47,11 @@ class BlockExchange:
     layout: KVLayout
     pool: BlockPool
     cache: PagedKVCache
+    scheduler: Scheduler
     hash_extra: bytes
     collect_filled: bool
+    collect_tails: bool  # take_tails returns the running sequences' partial blocks
+    _tails_taken: dict[str, int]  # request id → num_computed its last taken tail covered
     checkpoint_every: int  # filled blocks per sequence handed over together (the cadence)
     _filled: list[tuple[BlockHash, int]]
     # request id → (sequence, [(block index, hash, block id)]) filled, not yet handed over
@@ -117,6 +124,7 @@ class BlockExchange:
             self._hand_over(seq, point=False)
         else:
             self._pending.pop(seq.request_id, None)
+        self._tails_taken.pop(seq.request_id, None)
 
     def take_filled_blocks(self) -> tuple[list[BlockHash], list[bytes]]:
         """Blocks handed over since the last call (every `checkpoint_every` blocks of a
@@ -140,3 +148,60 @@ class BlockExchange:
         """Per sequence, how far the blocks handed over so far reach (latest only)."""
         points, self._points = list(self._points.values()), {}
         return points
+
+    def take_tails(self) -> list[TailBlock]:
+        """The partly filled last block of every running sequence whose KV grew since the
+        last call (none for one whose KV ends on a block boundary: its full blocks say all).
+
+        Call on the engine thread between steps, like `take_filled_blocks`.
+        """
+        if not self.collect_tails:
+            return []
+        bs = self.config.block_size
+        found: list[tuple[Sequence, int]] = []
+        for seq in self.scheduler.running:
+            computed = seq.num_computed
+            start = computed - computed % bs
+            if (
+                computed == start
+                or self._tails_taken.get(seq.request_id) == computed
+                or len(seq.block_hashes) < start // bs  # unnamed (no prefix caching)
+                or len(seq.block_ids) <= start // bs
+            ):
+                continue
+            self._tails_taken[seq.request_id] = computed
+            found.append((seq, start))
+        if not found:
+            return []
+        data = self.cache.read_blocks([s.block_ids[start // bs] for s, start in found])
+        raw = data.view(torch.uint8).reshape(len(found), -1).numpy().tobytes()
+        size = self.layout.bytes_per_block
+        return [
+            TailBlock(
+                seq.request_id,
+                start,
+                seq.block_hashes[start // bs - 1] if start else ROOT_HASH,
+                seq.all_ids[start : seq.num_computed],
+                raw[i * size : (i + 1) * size],
+            )
+            for i, (seq, start) in enumerate(found)
+        ]
+
+    def fit_tail(self, tail: TailBlock, context: list[int]) -> TailBlock | None:
+        """The part of a stored tail a resume of `context` can use (None: unusable)."""
+        bs = self.config.block_size
+        if len(tail.data) != self.layout.bytes_per_block:
+            return None
+        hashes = block_hashes(context[: tail.start], bs, self.hash_extra)
+        return fit_tail(tail, context, hashes, bs)
+
+    def _place_tail(self, seq: Sequence) -> None:
+        """At admission: a resumed sequence's tail goes into the block after its cached
+        prefix, if that prefix reaches exactly to it; its tokens then count as computed."""
+        tail, seq.tail = seq.tail, None
+        index = tail.start // self.config.block_size if tail is not None else 0
+        if tail is None or seq.num_computed != tail.start or len(seq.block_ids) <= index:
+            return  # no tail, or the prefix hit ended elsewhere: the tokens are recomputed
+        self.cache.write_block_buffers([seq.block_ids[index]], [tail.data])
+        seq.num_computed += len(tail.token_ids)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)

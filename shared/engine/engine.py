@@ -26,6 +26,7 @@ from shared.kv.block_hash import BlockHash
 from shared.kv.block_pool import BlockPool
 from shared.kv.export import decode_kv, encode_kv
 from shared.kv.paged_cache import PagedKVCache
+from shared.kv.tail import TailBlock
 from shared.model.loader import LoadedModel
 from shared.model.runner import ModelRunner, PackedItem, kv_layout
 
@@ -98,6 +99,8 @@ class Engine(BlockExchange):
         # Blocks filled since the last `take_filled_blocks` (only while someone collects them).
         self.collect_filled = False
         self.checkpoint_every = 1
+        self.collect_tails = False
+        self._tails_taken = {}
         self._filled: list[tuple[BlockHash, int]] = []
         self._pending = {}
         self._points = {}
@@ -184,16 +187,26 @@ class Engine(BlockExchange):
         params: SamplingParams,
         request_id: str | None = None,
         output_ids: list[int] | None = None,
+        tail: TailBlock | None = None,
     ) -> str:
         """Queue a request for prefill; returns its id. Invalid input raises and changes nothing.
 
         `output_ids`: tokens a failed node already generated (and the client received); the
         sequence resumes after them, sampling exactly what it would have sampled next.
+        `tail`: the failed node's partial last block, as `fit_tail` cut it for this context;
+        used if the prefix found at admission reaches its start.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         self.validate(request_id, prompt_ids, params, output_ids)
+        if tail is not None:
+            context = prompt_ids + (output_ids or [])
+            if self.fit_tail(tail, context) != tail:
+                raise WireFormatError(
+                    "the KV tail does not fit this context", request_id=request_id
+                )
         seed = params.seed if params.seed is not None else new_seed()
         seq = self._new_sequence(request_id, prompt_ids, params, seed, output_ids)
+        seq.tail = tail
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -282,6 +295,9 @@ class Engine(BlockExchange):
     def step(self) -> list[StepOutput]:
         """One forward pass (prefill batch or decode step); outputs of the sequences in it."""
         batch = self.scheduler.schedule_prefill()
+        for seq in batch:
+            if seq.tail is not None:
+                self._place_tail(seq)
         if batch:
             logits = self.runner.forward_packed(
                 [PackedItem(s.pending_ids, s.num_computed, s.block_ids) for s in batch]

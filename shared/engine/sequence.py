@@ -18,6 +18,7 @@ import msgspec
 from shared.engine.detokenize import IncrementalDetokenizer
 from shared.engine.sampling import SamplingParams
 from shared.kv.block_hash import BlockHash
+from shared.kv.tail import TailBlock
 
 
 class SequenceStatus(Enum):
@@ -52,6 +53,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     detok: IncrementalDetokenizer | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)  # of its full computed blocks
+    tail: TailBlock | None = None  # a resume's stored partial block, placed at admission
 
     @property
     def all_ids(self) -> list[int]:

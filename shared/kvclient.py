@@ -2,9 +2,11 @@
 
 `put`/`get` talk to one named node. `store`/`load_prefix` spread blocks over every live
 kvcache node by rendezvous hashing (`shared.kv.sharding`) and are what the prefill and
-decode nodes use. Both are best effort by design: the cache only ever saves work, so a
-kvcache node that is down or slow makes them return less (logged, counted, the node skipped
-for a few seconds), never an error for the request and never a long wait.
+decode nodes use, and `store_tails`/`load_tail` do the same for running requests' partial
+last blocks (on the node that owns the request id). All are best effort by design: the cache
+only ever saves work, so a kvcache node that is down or slow makes them return less (logged,
+counted, the node skipped for a few seconds), never an error for the request and never a
+long wait.
 """
 
 from __future__ import annotations
@@ -16,12 +18,25 @@ import uuid
 from collections.abc import Sequence
 
 from shared.bus.client import Bus
-from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, encode
+from shared.bus.messages import (
+    KVGet,
+    KVGetReply,
+    KVGetTail,
+    KVPut,
+    KVPutTails,
+    KVTail,
+    KVTailReply,
+    NodeInfo,
+    decode,
+    encode,
+)
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import inject_headers
 from shared.errors import TandemError
-from shared.kv.sharding import shard
+from shared.kv.block_hash import BlockHash
+from shared.kv.sharding import owner, shard
+from shared.kv.tail import TailBlock
 from shared.transport.base import Transport
 from shared.transport.frames import make_header, new_secret
 from shared.transport.pending import PendingTransfers
@@ -205,3 +220,100 @@ class KVCacheClient:
             if len(got) < len(positions):  # this node's first miss ends the joint prefix
                 end = min(end, positions[len(got)])
         return [found[i] for i in range(end)]
+
+    # ---- requests' partial last blocks (tails), on the node owning the request id ----------
+
+    async def _tail_owner(self, request_id: str) -> NodeInfo | None:
+        nodes = {n.node_id: n for n in await self.nodes()}
+        return nodes[owner(request_id.encode(), list(nodes))] if nodes else None
+
+    async def store_tails(self, tails: Sequence[TailBlock]) -> int:
+        """Replace these requests' stored tails; returns how many were handed over."""
+        groups: dict[str, tuple[NodeInfo, list[TailBlock]]] = {}
+        for tail in tails:
+            node = await self._tail_owner(tail.request_id)
+            if node is not None:
+                groups.setdefault(node.node_id, (node, []))[1].append(tail)
+
+        async def put_group(node: NodeInfo, group: list[TailBlock]) -> int:
+            try:
+                await self._put_tails(node, group)
+                return len(group)
+            except Exception as exc:
+                self._mark_down(node, "put_tails", exc)
+                return 0
+
+        done = await asyncio.gather(*(put_group(n, g) for n, g in groups.values()))
+        return sum(done)
+
+    async def _put_tails(self, node: NodeInfo, tails: list[TailBlock]) -> None:
+        assert self.bus.nc is not None
+        size = len(tails[0].data)
+        if any(len(t.data) != size for t in tails):
+            raise KVCacheError("tails of one put must be blocks of one size")
+        announce = KVPutTails(
+            transfer_id=f"tails-{uuid.uuid4().hex}",
+            tails=[KVTail(t.request_id, t.start, bytes(t.parent), t.token_ids) for t in tails],
+            block_bytes=size,
+            transfer_secret=new_secret(),
+        )
+        reply = await self.bus.nc.request(
+            kvcache_subject(node.node_id, "put_tails"), encode(announce), timeout=REQUEST_TIMEOUT
+        )
+        if reply.data != b"ok":
+            raise KVCacheError(
+                f"kvcache {node.node_id} refused tails: {reply.data.decode(errors='replace')}"
+            )
+        payload = memoryview(b"".join(t.data for t in tails))
+        header = make_header(
+            "kvcache-tails",
+            announce.transfer_id,
+            payload,
+            chunk_bytes=size,
+            secret=announce.transfer_secret,
+        )
+        await self.transport.send(node.data_address, header, payload, timeout=TRANSFER_TIMEOUT)
+
+    async def load_tail(self, request_id: str, block_bytes: int) -> TailBlock | None:
+        """The request's stored tail (None: none, or its node is unavailable)."""
+        node = await self._tail_owner(request_id)
+        if node is None:
+            return None
+        try:
+            return await self._get_tail(node, request_id, block_bytes)
+        except Exception as exc:
+            self._mark_down(node, "get_tail", exc)
+            return None
+
+    async def _get_tail(
+        self, node: NodeInfo, request_id: str, block_bytes: int
+    ) -> TailBlock | None:
+        assert self.bus.nc is not None
+        transfer_id = f"tail-{uuid.uuid4().hex}"
+        secret = new_secret()
+        arrived = self.pending.expect(transfer_id, block_bytes, TRANSFER_TIMEOUT, secret)
+        try:
+            ask = KVGetTail(
+                transfer_id=transfer_id,
+                request_id=request_id,
+                reply_address=self.transport.address,
+                transfer_secret=secret,
+            )
+            raw = await self.bus.nc.request(
+                kvcache_subject(node.node_id, "get_tail"),
+                encode(ask),
+                timeout=REQUEST_TIMEOUT,
+                headers=inject_headers(),
+            )
+            reply = decode(raw.data, KVTailReply)
+            if reply.error:
+                raise KVCacheError(f"kvcache {node.node_id}: {reply.error}")
+            if reply.tail is None or reply.tail.request_id != request_id:
+                return None
+            if reply.block_bytes != block_bytes:  # another model's block: unusable
+                return None
+            data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
+        finally:
+            self.pending.forget(transfer_id)
+        t = reply.tail
+        return TailBlock(t.request_id, t.start, BlockHash(t.parent), t.token_ids, data)

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from services.kvcache.store import BlockStore
+from services.kvcache.tails import TAIL_TTL, TailStore
 from services.kvcache.warm import keep_warm
 from services.kvcache.worker import KVCacheWorker
 from shared.node import NodeRuntime
@@ -30,6 +31,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="disk tier for blocks spilled from memory (0: off)",
     )
     add_option(p, "--disk-dir", default=None, help="directory of the disk tier's arena file")
+    add_option(
+        p,
+        "--tail-mb",
+        type=int,
+        default=0,
+        help="memory for running requests' partly filled last blocks (0: an eighth of "
+        "--capacity-mb, at least 64)",
+    )
+    add_option(
+        p,
+        "--tail-ttl",
+        type=float,
+        default=TAIL_TTL,
+        help="seconds a request's partial last block is kept after its last write",
+    )
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     p.set_defaults(func=run)
 
@@ -37,13 +53,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 async def serve(args: argparse.Namespace) -> None:
     if args.disk_mb < 0 or args.capacity_mb <= 0:
         raise SystemExit("tandem kvcache: --capacity-mb must be > 0 and --disk-mb >= 0")
+    if args.tail_mb < 0 or args.tail_ttl <= 0:
+        raise SystemExit("tandem kvcache: --tail-mb must be >= 0 and --tail-ttl > 0")
     if args.disk_mb and not args.disk_dir:
         raise SystemExit("tandem kvcache: --disk-mb needs --disk-dir")
     rt = await NodeRuntime.open("kvcache", args)
     assert rt.bus is not None and rt.transport is not None
     disk_dir = Path(args.disk_dir) / rt.node_id if args.disk_dir else None
     store = BlockStore(args.capacity_mb << 20, args.disk_mb << 20, disk_dir)
-    worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id)
+    tail_mb = args.tail_mb or max(64, args.capacity_mb // 8)
+    tails = TailStore(tail_mb << 20, args.tail_ttl)
+    worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id, tails)
     warming: asyncio.Task[None] | None = None
     try:
         await rt.transport.start(worker)

@@ -18,10 +18,21 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
+from services.kvcache.tails import TailStore
 from shared.buffers import uninitialised
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
-from shared.bus.messages import KVGet, KVGetReply, KVPut, NodeInfo, decode, encode
+from shared.bus.messages import (
+    KVGet,
+    KVGetReply,
+    KVGetTail,
+    KVPut,
+    KVPutTails,
+    KVTailReply,
+    NodeInfo,
+    decode,
+    encode,
+)
 from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import extract_context
@@ -37,17 +48,26 @@ TRACER = tracer("kvcache")
 PUT_TIMEOUT = 30.0
 SEND_TIMEOUT = 30.0
 MAX_BLOCKS_PER_REQUEST = 4096
+MAX_TAILS_PER_PUT = 1024
 
 
 class KVCacheWorker:
-    def __init__(self, store: BlockStore, bus: Bus, transport: Transport, node_id: str) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        bus: Bus,
+        transport: Transport,
+        node_id: str,
+        tails: TailStore | None = None,
+    ) -> None:
         self.store = store
+        self.tails = tails if tails is not None else TailStore(64 << 20)
         self.bus = bus
         self.transport = transport
         self.node_id = node_id
         self.events = KVEventPublisher(bus, node_id)
         store.on_evict = self.events.evicted
-        self.puts: dict[str, tuple[KVPut, float]] = {}
+        self.puts: dict[str, tuple[KVPut | KVPutTails, float]] = {}
         self.failures = 0
         self.lookups = 0
         self._sends: set[asyncio.Task[None]] = set()
@@ -83,11 +103,19 @@ class KVCacheWorker:
         m.gauge(
             "tandem_kvcache_rejected_blocks", "Blocks not stored (all pinned)", lambda: st.rejected
         )
+        tails = self.tails
+        m.gauge("tandem_kvcache_tails", "Requests' partial blocks held", lambda: len(tails))
+        m.gauge("tandem_kvcache_tail_bytes", "Bytes of partial blocks", lambda: tails.used_bytes)
+        m.gauge("tandem_kvcache_tails_served", "Partial blocks sent", lambda: tails.served)
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "put"), cb=self.on_put)
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get"), cb=self.on_get)
+        await self.bus.nc.subscribe(
+            kvcache_subject(self.node_id, "put_tails"), cb=self.on_put_tails
+        )
+        await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get_tail"), cb=self.on_get_tail)
         self.events.cleared()  # a fresh store: whatever an earlier run announced is gone
         self.events.start()
 
@@ -142,13 +170,60 @@ class KVCacheWorker:
         span.set_attribute("tandem.blocks_hit", len(sums))
         await msg.respond(encode(KVGetReply(hits=len(sums), block_bytes=size)))
         if sums:
-            ctx = otel_context.get_current()
-            task = asyncio.create_task(self._send(get, payload, sums, ctx))
-            self._sends.add(task)
-            task.add_done_callback(self._sends.discard)
+            self._start_send(get.transfer_id, get.reply_address, get.transfer_secret, payload, sums)
+
+    async def on_put_tails(self, msg: Msg) -> None:
+        try:
+            put = decode(msg.data, KVPutTails)
+            if not put.tails or put.block_bytes <= 0:
+                raise WireFormatError("put_tails needs tails and a block size")
+            if len(put.tails) > MAX_TAILS_PER_PUT:
+                raise WireFormatError("too many tails in one put")
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(b"refused: " + str(exc).encode())
+            return
+        self.puts[put.transfer_id] = (put, time.monotonic() + PUT_TIMEOUT)
+        await msg.respond(b"ok")
+
+    async def on_get_tail(self, msg: Msg) -> None:
+        try:
+            get = decode(msg.data, KVGetTail)
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(encode(KVTailReply(error=str(exc))))
+            return
+        found = self.tails.get(get.request_id)
+        if found is None:
+            await msg.respond(encode(KVTailReply()))
+            return
+        tail, data = found
+        await msg.respond(encode(KVTailReply(tail=tail, block_bytes=len(data))))
+        self._start_send(
+            get.transfer_id, get.reply_address, get.transfer_secret, memoryview(data), None
+        )
+
+    def _start_send(
+        self,
+        transfer_id: str,
+        address: str,
+        secret: str,
+        payload: memoryview,
+        sums: list[int] | None,
+    ) -> None:
+        ctx = otel_context.get_current()
+        task = asyncio.create_task(self._send(transfer_id, address, secret, payload, sums, ctx))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     async def _send(
-        self, get: KVGet, payload: memoryview, sums: list[int], ctx: otel_context.Context
+        self,
+        transfer_id: str,
+        address: str,
+        secret: str,
+        payload: memoryview,
+        sums: list[int] | None,
+        ctx: otel_context.Context,
     ) -> None:
         with TRACER.start_as_current_span(
             "kv.transfer.send",
@@ -157,18 +232,18 @@ class KVCacheWorker:
         ) as span:
             header = make_header(
                 "kvcache-get",
-                get.transfer_id,
+                transfer_id,
                 payload,
-                chunk_bytes=len(payload) // len(sums),
+                chunk_bytes=len(payload) // len(sums) if sums else len(payload),
                 known_checksums=sums,  # the stored blocks' own, verified on read
-                secret=get.transfer_secret,
+                secret=secret,
             )
             try:
-                await self.transport.send(get.reply_address, header, payload, timeout=SEND_TIMEOUT)
+                await self.transport.send(address, header, payload, timeout=SEND_TIMEOUT)
             except TransferError as exc:
                 self.failures += 1
                 span.set_status(Status(StatusCode.ERROR, exc.message))
-                log.warning("get %s to %s failed: %s", get.transfer_id, get.reply_address, exc)
+                log.warning("get %s to %s failed: %s", transfer_id, address, exc)
 
     # ---- ReceiveHandler (puts) ------------------------------------------------------------
 
@@ -180,12 +255,18 @@ class KVCacheWorker:
         put = entry[0]
         if not secret_matches(put.transfer_secret, header):
             raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
-        if header.nbytes != len(put.block_hashes) * put.block_bytes:
+        count = len(put.tails) if isinstance(put, KVPutTails) else len(put.block_hashes)
+        if header.nbytes != count * put.block_bytes:
             raise TransferRejected("put size does not match its announcement")
         return uninitialised(header.nbytes)
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         put, _ = self.puts.pop(header.transfer_id)
+        if isinstance(put, KVPutTails):
+            size = put.block_bytes
+            for i, tail in enumerate(put.tails):
+                self.tails.put(tail, payload[i * size : (i + 1) * size])
+            return
         stored = []
         try:
             for i, block_hash in enumerate(put.block_hashes):
@@ -202,6 +283,7 @@ class KVCacheWorker:
         log.warning("transfer %s failed: %s", header.transfer_id if header else "?", reason)
 
     def info(self) -> NodeInfo:
+        self.tails.expire()  # called every heartbeat: stale tails go within a lease
         return node_info(
             self.node_id,
             "kvcache",

@@ -174,6 +174,43 @@ class KVGetReply(Message, frozen=True, tag="kv_get_reply"):
     error: str = ""
 
 
+class KVTail(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request's partial last KV block (`shared.kv.tail`): where it starts, the full block
+    before it, the tokens whose KV it holds."""
+
+    request_id: str
+    start: int
+    parent: bytes
+    token_ids: list[int]
+
+
+class KVPutTails(Message, frozen=True, tag="kv_put_tails"):
+    """→ kvcache node: expect transfer `transfer_id` holding one block per tail, in order;
+    each replaces the tail its request had stored."""
+
+    transfer_id: str = ""
+    tails: list[KVTail] = []
+    block_bytes: int = 0
+    transfer_secret: str = ""
+
+
+class KVGetTail(Message, frozen=True, tag="kv_get_tail"):
+    """→ kvcache node: send request `request_id`'s stored tail to `reply_address`."""
+
+    transfer_id: str = ""
+    request_id: str = ""
+    reply_address: str = ""
+    transfer_secret: str = ""
+
+
+class KVTailReply(Message, frozen=True, tag="kv_tail_reply"):
+    """← kvcache node: the tail it will send (None: none stored, nothing follows)."""
+
+    tail: KVTail | None = None
+    block_bytes: int = 0
+    error: str = ""
+
+
 M = TypeVar("M", bound=Message)
 
 _encoder = msgspec.msgpack.Encoder()

@@ -12,11 +12,14 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared.bus.client import Bus
+from shared.bus.messages import KVPutTails, encode
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import NatsServer, free_port
-from shared.bus.topology import ensure_topology
+from shared.bus.topology import ensure_topology, kvcache_subject
+from shared.kv.block_hash import BlockHash
 from shared.kv.sharding import shard
-from shared.kvclient import KVCacheClient
+from shared.kv.tail import TailBlock
+from shared.kvclient import KVCacheClient, KVCacheError
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
 from tests.otlp_receiver import OtlpReceiver
@@ -147,6 +150,68 @@ async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: N
         await bus.close()
         for p in procs.values():
             stop(p)
+
+
+async def test_request_tails_are_replaced_expire_and_bad_input_is_refused(
+    nats_server: NatsServer,
+) -> None:
+    """Running requests' partial last blocks through a real node: the latest per request,
+    the whole block back, gone a lease after the last write; bad puts change nothing."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
+         "--node-id", "kv-t", "--transport", "ucx", "--capacity-mb", "4", "--tail-ttl", "1.5"],
+        cwd=ROOT,
+    )  # fmt: skip
+    bus = await Bus(nats_server.url, "client").connect()
+    assert bus.js is not None and bus.nc is not None
+    await ensure_topology(bus.js)
+    transport = make_transport("ucx")
+    pending = PendingTransfers()
+    await transport.start(pending)
+    try:
+        registry = await NodeRegistry(bus).start()
+        client = KVCacheClient(bus, transport, pending, registry)
+        for _ in range(200):
+            if await client.nodes():
+                break
+            await asyncio.sleep(0.1)
+            client._nodes_at = 0.0  # re-read the registry now
+
+        def tail(rid: str, tokens: list[int]) -> TailBlock:
+            return TailBlock(rid, 32, BlockHash(h(1)), tokens, os.urandom(BLOCK))
+
+        a1, b1 = tail("req-a", [5, 6]), tail("req-b", [7])
+        assert await client.store_tails([a1, b1]) == 2
+        got = await client.load_tail("req-a", BLOCK)
+        assert got is not None and (got.request_id, got.start, got.parent, got.token_ids) == (
+            "req-a",
+            32,
+            h(1),
+            [5, 6],
+        )
+        assert bytes(got.data) == a1.data
+        a2 = tail("req-a", [5, 6, 8])
+        assert await client.store_tails([a2]) == 1
+        got = await client.load_tail("req-a", BLOCK)
+        assert got is not None and got.token_ids == [5, 6, 8] and bytes(got.data) == a2.data
+        assert await client.load_tail("req-none", BLOCK) is None
+        assert await client.load_tail("req-b", BLOCK // 2) is None  # another model's size
+        # malformed or inconsistent puts are refused; the node keeps serving
+        subject = kvcache_subject("kv-t", "put_tails")
+        for bad in (b"\x93garbage", encode(KVPutTails(transfer_id="x", block_bytes=BLOCK))):
+            reply = await bus.nc.request(subject, bad, timeout=2)
+            assert reply.data.startswith(b"refused")
+        with pytest.raises(KVCacheError):
+            odd = TailBlock("req-c", 32, BlockHash(h(1)), [1], b"x" * 10)  # another size
+            await client._put_tails((await client.nodes())[0], [a1, odd])
+        await asyncio.sleep(2.0)  # past the lease of 1.5 s with no write
+        assert await client.load_tail("req-a", BLOCK) is None
+        assert await client.load_tail("req-b", BLOCK) is None
+        assert client.failures == 0
+    finally:
+        await transport.close()
+        await bus.close()
+        stop(proc)
 
 
 def test_a_node_stopped_before_nats_is_up_ends_cleanly() -> None:

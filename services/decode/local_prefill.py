@@ -27,6 +27,7 @@ from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine, StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
+from shared.kv.tail import TailBlock
 from shared.prefix_cache import PrefixCache
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
@@ -35,6 +36,10 @@ from shared.telemetry.tracing import tracer
 log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
 PREFIX_LOAD_TIMEOUT = 5.0
+
+
+async def _none() -> None:
+    return None
 
 
 class LocalPrefill:
@@ -107,15 +112,22 @@ class LocalPrefill:
         """Queue the request in the engine, its cached prefix placed first; why not if not.
         Only before `reply_by`: after it the router has sent the request another way, and
         admitting it here too would run it twice."""
-        hashes, blocks = await self._load_prefix(context, reply_by - time.time() - 0.1)
+        patience = reply_by - time.time() - 0.1
+        (hashes, blocks), tail = await asyncio.gather(
+            self._load_prefix(context, patience),
+            self._load_tail(job.request_id, patience) if job.output_ids else _none(),
+        )
 
         def admit() -> str | None:
             if time.time() > reply_by:
                 return "the router stopped waiting"
             if hashes:  # cached, findable: the admission right after finds them
                 self.engine.import_cached_blocks(hashes, blocks)
+            fitted = self.engine.fit_tail(tail, context) if tail is not None else None
+            if tail is not None and fitted is None:
+                log.info("the stored KV tail of %s does not fit its context", job.request_id)
             self.engine.add_request(
-                job.prompt_ids, job.sampling_params(), job.request_id, job.output_ids
+                job.prompt_ids, job.sampling_params(), job.request_id, job.output_ids, fitted
             )
             return None
 
@@ -140,6 +152,19 @@ class LocalPrefill:
         except Exception as exc:  # the tail is computed instead
             log.warning("prefix load from kvcache failed: %r", exc)
             return [], []
+
+    async def _load_tail(self, request_id: str, patience: float) -> TailBlock | None:
+        """A resumed request's partial last block, from kvcache (best effort, like the
+        prefix: without it the tokens after the last full block are recomputed)."""
+        patience = min(PREFIX_LOAD_TIMEOUT, patience)
+        if self.prefix is None or self.prefix.cache is None or patience <= 0:
+            return None
+        size = self.engine.layout.bytes_per_block
+        try:
+            return await asyncio.wait_for(self.prefix.cache.load_tail(request_id, size), patience)
+        except Exception as exc:
+            log.warning("KV tail load from kvcache failed: %r", exc)
+            return None
 
     def resumed_here(self, out: StepOutput) -> None:
         """A request resumed here sent its first token: count what was recomputed."""

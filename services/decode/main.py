@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from services.decode.checkpoints import CheckpointWriter
+from services.decode.tails import TailUploader
 from services.decode.worker import DecodeWorker
 from shared.bus.journal import RequestJournal
 from shared.kv_uploader import BlockUploader
@@ -47,6 +48,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p,
+        "--no-checkpoint-tails",
+        action="store_true",
+        help="with checkpoints on, do not also store each sequence's partly filled last block "
+        "after every step (a resume then recomputes up to a block instead of one token)",
+    )
+    add_option(
+        p,
         "--lease",
         type=float,
         default=5.0,
@@ -63,7 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.checkpoint_every < 0:
         raise SystemExit("--checkpoint-every must be >= 0")
     pending = PendingTransfers()  # kvcache replies to this node's gets
-    client = uploader = checkpoints = prefix = None
+    client = uploader = checkpoints = prefix = tails = None
     if not args.no_kvcache:
         client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
         prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
@@ -71,6 +79,8 @@ async def serve(args: argparse.Namespace) -> None:
         uploader = BlockUploader(client)
         engine.checkpoint_every = args.checkpoint_every
         journal = await RequestJournal(rt.bus).start()
+        if not args.no_checkpoint_tails:
+            tails = TailUploader(client)
     worker = DecodeWorker(
         engine,
         rt.bus,
@@ -80,6 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
         drain_timeout=args.drain_timeout,
         lease=max(args.lease, args.heartbeat_ttl),
         prefix=prefix,
+        tails=tails,
     )
     if uploader is not None:
         checkpoints = CheckpointWriter(journal, rt.node_id, lambda rid: rid in worker.subjects)

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from services.decode.checkpoints import CheckpointWriter
 from services.decode.local_prefill import LocalPrefill
 from services.decode.receiver import Expected, KVReceiver
+from services.decode.tails import TailUploader
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
@@ -65,6 +66,7 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         checkpoints: CheckpointWriter | None = None,
         lease: float = 5.0,
         prefix: PrefixCache | None = None,
+        tails: TailUploader | None = None,
     ) -> None:
         self.engine = engine
         self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
@@ -86,6 +88,10 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         # turn of a conversation finds its whole history cached.
         self.uploader = uploader
         engine.collect_filled = uploader is not None
+        # And each running sequence's partial last block after every step: a resume
+        # elsewhere then recomputes one token, not up to a block.
+        self.tails = tails
+        engine.collect_tails = tails is not None
         # What this node's pool holds goes out as KV events, so routers can send a request
         # whose prefix lives here straight to this node. Collected on the engine thread,
         # published after each step.
@@ -108,6 +114,8 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         m.gauge("tandem_kv_blocks_free", "KV blocks free", lambda: engine.pool.num_free)
         m.gauge("tandem_decode_running_sequences", "Running batch", lambda: engine.num_running)
         m.gauge("tandem_decode_waiting_sequences", "Queued sequences", lambda: engine.num_waiting)
+        if tails is not None:
+            m.gauge("tandem_checkpoint_tails_stored", "Partial blocks stored", lambda: tails.stored)
         self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
         self.stream_spans: dict[str, trace.Span] = {}
 
@@ -210,6 +218,8 @@ class DecodeWorker(KVReceiver, LocalPrefill):
     async def run(self, stop: asyncio.Event) -> None:
         if self.uploader is not None:
             self.uploader.start()
+        if self.tails is not None:
+            self.tails.start()
         try:
             await self._run_steps(stop.is_set, stop)
             await self._drain()
@@ -217,6 +227,8 @@ class DecodeWorker(KVReceiver, LocalPrefill):
             if self.uploader is not None:
                 await self.uploader.drain(2.0)
                 await self.uploader.close()
+            if self.tails is not None:
+                await self.tails.close()
             await self.events.close()
 
     async def _drain(self) -> None:
@@ -277,6 +289,10 @@ class DecodeWorker(KVReceiver, LocalPrefill):
             points = self.engine.take_checkpoint_points()
             if hashes:
                 self.loop.call_soon_threadsafe(self._checkpoint, hashes, blocks, points)
+        if self.tails is not None:
+            tails = self.engine.take_tails()
+            if tails:
+                self.loop.call_soon_threadsafe(self.tails.submit, tails)
         return outs
 
     def _checkpoint(
@@ -312,6 +328,8 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         await self._run(self.engine.cancel_all)
 
     def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
+        if self.tails is not None:
+            self.tails.forget(request_id)
         span = self.stream_spans.pop(request_id, None)
         if span is None:
             return

@@ -1,10 +1,13 @@
 """Failover: recovery time and recomputed tokens, checkpointed resume vs full recompute;
 and what checkpointing costs a decode node.
 
-Two stacks side by side (1 prefill, 2 decode; the same UCX data plane), used in turn:
-  checkpointed:  decode nodes store every KV block they fill in the kvcache service, so a
-                 resume loads the prompt's and the generated tokens' blocks and recomputes
-                 only the tail after the last full block;
+Stacks side by side (1 prefill, 2 decode; the same UCX data plane), used in turn:
+  checkpointed:  decode nodes store every KV block they fill in the kvcache service, and
+                 after every step each sequence's partly filled last block, so a resume
+                 loads the prompt's and the generated tokens' KV and recomputes only the
+                 last delivered token;
+  blocks:        the same without the partial blocks (--no-checkpoint-tails): a resume
+                 recomputes the tokens after the last full block;
   recompute:     no kvcache service and no prefix reuse: a resume recomputes the prompt
                  and every generated token.
 Part 1, for prompts of 512 and 2,048 tokens: one greedy stream of 64 tokens; after 32 the
@@ -45,13 +48,15 @@ KILL_AFTER = 32
 TOKENS = 64
 
 
-def make_stack(log: Path, checkpoints: bool) -> Stack:
+def make_stack(log: Path, checkpoints: bool, tails: bool = True) -> Stack:
     argv = ["up", "--prefill", "1", "--decode", "2", "--kvcache", "1" if checkpoints else "0"]
     argv += ["--port", str(free_port()), "--transport", "ucx", "--kv-cache-mb", "200"]
     argv += ["--threads", "1", "--heartbeat-ttl", "2"]
     stack = Stack(build_parser().parse_args(argv))
     if not checkpoints:
         stack.env = {"TANDEM_NO_PREFIX_CACHING": "1", "TANDEM_NO_KVCACHE": "1"}
+    elif not tails:
+        stack.env = {"TANDEM_NO_CHECKPOINT_TAILS": "1"}
     stack.out = log.open("w")
     stack.start()
     return stack
@@ -151,7 +156,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="prompt tokens")
     parser.add_argument(
-        "--modes", nargs="+", choices=["checkpointed", "recompute"],
+        "--modes", nargs="+", choices=["checkpointed", "blocks", "recompute"],
         default=["checkpointed", "recompute"], help="stacks to start",
     )  # fmt: skip
     parser.add_argument("--no-throughput", action="store_true", help="skip part 2")
@@ -159,7 +164,9 @@ def main() -> None:
     logs = Path("bench-results")
     logs.mkdir(exist_ok=True)
     stacks = {
-        name: make_stack(logs / f"failover-{name}.log", checkpoints=name == "checkpointed")
+        name: make_stack(
+            logs / f"failover-{name}.log", checkpoints=name != "recompute", tails=name != "blocks"
+        )
         for name in args.modes
     }
     rng = random.Random(1)

@@ -4,7 +4,7 @@ SIGKILLed; a few seconds later the other 8 start and the prefill node seen holdi
 jobs is SIGKILLed too. Every stream completes with exactly the uninterrupted text. The test
 prints recovery time per failed-over stream (p50/p99), recomputed tokens per resume and the
 second wave's time to first token; afterwards no node holds a block, nothing is pinned in
-the kvcache node, and the journal is empty.
+the kvcache node (and no request's partial block is left there), and the journal is empty.
 """
 
 from __future__ import annotations
@@ -135,12 +135,17 @@ async def test_decode_then_prefill_killed_under_32_streams(
         + f"\n  second wave (its prefill node killed): TTFT p50 {statistics.median(ttft):.1f}s"
         f" max {max(ttft):.1f}s"
     )
-    assert recomputed and statistics.median(recomputed) <= 16  # resumed from checkpoints
+    # resumed from checkpoints with each sequence's partial last block: the last delivered
+    # token or two (a tail written a step behind); full blocks alone would leave ~8
+    assert recomputed and statistics.median(recomputed) <= 4
     nodes = ("decode-2", "decode-3", "kvcache-1", "prefill-1", "prefill-2")
     survivors = [n for n in nodes if n not in kills]
     deadline = time.monotonic() + 15  # no leaked blocks, nothing left in the journal
     while (held := held_blocks(stack, survivors)) and any(held.values()):
         assert time.monotonic() < deadline, f"blocks still held after the run: {held}"
+        await asyncio.sleep(0.5)
+    while metric(stack, "kvcache-1", "tandem_kvcache_tails"):  # partial blocks: a lease
+        assert time.monotonic() < deadline, "partial blocks still held after the run"
         await asyncio.sleep(0.5)
     while await journal_size(stack):
         assert time.monotonic() < deadline, "journal entries left after the run"

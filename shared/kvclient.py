@@ -12,10 +12,11 @@ long wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from shared.bus.client import Bus
 from shared.bus.messages import (
@@ -26,6 +27,7 @@ from shared.bus.messages import (
     KVPutTails,
     KVTail,
     KVTailReply,
+    Message,
     NodeInfo,
     decode,
     encode,
@@ -78,7 +80,6 @@ class KVCacheClient:
     async def put(
         self, node_id: str, address: str, hashes: list[bytes], blocks: bytes | memoryview
     ) -> None:
-        assert self.bus.nc is not None
         if not hashes or len(blocks) % len(hashes):
             raise KVCacheError("blocks must split evenly into one per hash")
         transfer_id = f"put-{uuid.uuid4().hex}"
@@ -88,16 +89,9 @@ class KVCacheClient:
             block_bytes=len(blocks) // len(hashes),
             transfer_secret=new_secret(),
         )
-        reply = await self.bus.nc.request(
-            kvcache_subject(node_id, "put"),
-            encode(announce),
-            timeout=REQUEST_TIMEOUT,
-            headers=inject_headers(),
-        )
-        if reply.data != b"ok":
-            raise KVCacheError(
-                f"kvcache {node_id} refused put: {reply.data.decode(errors='replace')}"
-            )
+        reply = await self._ask(node_id, "put", announce)
+        if reply != b"ok":
+            raise KVCacheError(f"kvcache {node_id} refused put: {reply.decode(errors='replace')}")
         payload = memoryview(blocks)
         header = make_header(
             "kvcache-put",
@@ -111,33 +105,44 @@ class KVCacheClient:
     async def get(self, node_id: str, hashes: list[bytes], max_bytes: int) -> list[memoryview]:
         """The stored blocks of the longest stored prefix of `hashes` (possibly none), as
         views of the one buffer they arrived in."""
-        assert self.bus.nc is not None
-        transfer_id = f"get-{uuid.uuid4().hex}"
-        secret = new_secret()
-        arrived = self.pending.expect(transfer_id, max_bytes, TRANSFER_TIMEOUT, secret)
-        try:
+        with self._incoming("get", max_bytes) as (transfer_id, secret, arrived):
             ask = KVGet(
                 transfer_id=transfer_id,
                 block_hashes=hashes,
                 reply_address=self.transport.address,
                 transfer_secret=secret,
             )
-            raw = await self.bus.nc.request(
-                kvcache_subject(node_id, "get"),
-                encode(ask),
-                timeout=REQUEST_TIMEOUT,
-                headers=inject_headers(),
-            )
-            reply = decode(raw.data, KVGetReply)
+            reply = decode(await self._ask(node_id, "get", ask), KVGetReply)
             if reply.error:
                 raise KVCacheError(f"kvcache {node_id}: {reply.error}")
             if reply.hits == 0:
                 return []
             data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
-        finally:
-            self.pending.forget(transfer_id)
         size = reply.block_bytes
         return [data[i * size : (i + 1) * size] for i in range(reply.hits)]  # views: no copy
+
+    @contextlib.contextmanager
+    def _incoming(
+        self, kind: str, max_bytes: int
+    ) -> Iterator[tuple[str, str, asyncio.Future[memoryview]]]:
+        """A transfer id and secret this node accepts one reply transfer for, while inside."""
+        transfer_id = f"{kind}-{uuid.uuid4().hex}"
+        secret = new_secret()
+        arrived = self.pending.expect(transfer_id, max_bytes, TRANSFER_TIMEOUT, secret)
+        try:
+            yield transfer_id, secret, arrived
+        finally:
+            self.pending.forget(transfer_id)
+
+    async def _ask(self, node_id: str, op: str, ask: Message) -> bytes:
+        assert self.bus.nc is not None
+        raw = await self.bus.nc.request(
+            kvcache_subject(node_id, op),
+            encode(ask),
+            timeout=REQUEST_TIMEOUT,
+            headers=inject_headers(),
+        )
+        return bytes(raw.data)
 
     # ---- sharded over every live kvcache node ----------------------------------------------
 
@@ -247,7 +252,6 @@ class KVCacheClient:
         return sum(done)
 
     async def _put_tails(self, node: NodeInfo, tails: list[TailBlock]) -> None:
-        assert self.bus.nc is not None
         size = len(tails[0].data)
         if any(len(t.data) != size for t in tails):
             raise KVCacheError("tails of one put must be blocks of one size")
@@ -257,12 +261,10 @@ class KVCacheClient:
             block_bytes=size,
             transfer_secret=new_secret(),
         )
-        reply = await self.bus.nc.request(
-            kvcache_subject(node.node_id, "put_tails"), encode(announce), timeout=REQUEST_TIMEOUT
-        )
-        if reply.data != b"ok":
+        reply = await self._ask(node.node_id, "put_tails", announce)
+        if reply != b"ok":
             raise KVCacheError(
-                f"kvcache {node.node_id} refused tails: {reply.data.decode(errors='replace')}"
+                f"kvcache {node.node_id} refused tails: {reply.decode(errors='replace')}"
             )
         payload = memoryview(b"".join(t.data for t in tails))
         header = make_header(
@@ -288,24 +290,14 @@ class KVCacheClient:
     async def _get_tail(
         self, node: NodeInfo, request_id: str, block_bytes: int
     ) -> TailBlock | None:
-        assert self.bus.nc is not None
-        transfer_id = f"tail-{uuid.uuid4().hex}"
-        secret = new_secret()
-        arrived = self.pending.expect(transfer_id, block_bytes, TRANSFER_TIMEOUT, secret)
-        try:
+        with self._incoming("tail", block_bytes) as (transfer_id, secret, arrived):
             ask = KVGetTail(
                 transfer_id=transfer_id,
                 request_id=request_id,
                 reply_address=self.transport.address,
                 transfer_secret=secret,
             )
-            raw = await self.bus.nc.request(
-                kvcache_subject(node.node_id, "get_tail"),
-                encode(ask),
-                timeout=REQUEST_TIMEOUT,
-                headers=inject_headers(),
-            )
-            reply = decode(raw.data, KVTailReply)
+            reply = decode(await self._ask(node.node_id, "get_tail", ask), KVTailReply)
             if reply.error:
                 raise KVCacheError(f"kvcache {node.node_id}: {reply.error}")
             if reply.tail is None or reply.tail.request_id != request_id:
@@ -313,7 +305,5 @@ class KVCacheClient:
             if reply.block_bytes != block_bytes:  # another model's block: unusable
                 return None
             data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
-        finally:
-            self.pending.forget(transfer_id)
         t = reply.tail
         return TailBlock(t.request_id, t.start, BlockHash(t.parent), t.token_ids, data)

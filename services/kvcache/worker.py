@@ -141,9 +141,16 @@ class KVCacheWorker:
                     f"blocks here are {self.store.block_bytes} bytes, not {put.block_bytes}"
                 )
         except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(b"refused: " + str(exc).encode())
+            await self._refuse_put(msg, exc)
             return
+        await self._expect_put(msg, put)
+
+    async def _refuse_put(self, msg: Msg, exc: WireFormatError) -> None:
+        self.bus.count_drop(msg.subject, str(exc))
+        await msg.respond(b"refused: " + str(exc).encode())
+
+    async def _expect_put(self, msg: Msg, put: KVPut | KVPutTails) -> None:
+        """Accept the announced transfer (until PUT_TIMEOUT) and say so."""
         self.puts[put.transfer_id] = (put, time.monotonic() + PUT_TIMEOUT)
         await msg.respond(b"ok")
 
@@ -180,11 +187,9 @@ class KVCacheWorker:
             if len(put.tails) > MAX_TAILS_PER_PUT:
                 raise WireFormatError("too many tails in one put")
         except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(b"refused: " + str(exc).encode())
+            await self._refuse_put(msg, exc)
             return
-        self.puts[put.transfer_id] = (put, time.monotonic() + PUT_TIMEOUT)
-        await msg.respond(b"ok")
+        await self._expect_put(msg, put)
 
     async def on_get_tail(self, msg: Msg) -> None:
         try:

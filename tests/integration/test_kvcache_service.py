@@ -41,6 +41,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         raise AssertionError("kvcache node ignored SIGTERM for 30 s") from None
 
 
+async def wait_for_nodes(client: KVCacheClient, names: set[str]) -> None:
+    for _ in range(200):
+        if {n.node_id for n in await client.nodes()} == names:
+            return
+        await asyncio.sleep(0.1)
+        client._nodes_at = 0.0  # re-read the registry now
+    raise AssertionError(f"kvcache nodes {names} did not register in 20 s")
+
+
 def h(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
@@ -122,11 +131,7 @@ async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: N
     try:
         registry = await NodeRegistry(bus).start()
         client = KVCacheClient(bus, transport, pending, registry)
-        for _ in range(200):
-            if {n.node_id for n in await client.nodes()} == {"kv-a", "kv-b"}:
-                break
-            await asyncio.sleep(0.1)
-            client._nodes_at = 0.0  # re-read the registry now
+        await wait_for_nodes(client, {"kv-a", "kv-b"})
         hashes = [os.urandom(16) for _ in range(24)]
         blocks = [os.urandom(BLOCK) for _ in range(24)]
         assert await client.store(hashes, blocks) == 24
@@ -171,11 +176,7 @@ async def test_request_tails_are_replaced_expire_and_bad_input_is_refused(
     try:
         registry = await NodeRegistry(bus).start()
         client = KVCacheClient(bus, transport, pending, registry)
-        for _ in range(200):
-            if await client.nodes():
-                break
-            await asyncio.sleep(0.1)
-            client._nodes_at = 0.0  # re-read the registry now
+        await wait_for_nodes(client, {"kv-t"})
 
         def tail(rid: str, tokens: list[int]) -> TailBlock:
             return TailBlock(rid, 32, BlockHash(h(1)), tokens, os.urandom(BLOCK))

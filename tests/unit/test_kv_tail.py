@@ -1,12 +1,15 @@
 """Tail checkpoints: a running sequence's partial last block, taken on one engine and placed on
-another, lets a resume compute one token instead of up to a block, with the same output."""
+another, lets a resume compute one token instead of up to a block, with the same output; the
+decode node's uploader writes only each request's latest tail."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
+from services.decode.tails import TailUploader
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.errors import WireFormatError
@@ -22,13 +25,13 @@ SEEDED = SamplingParams(max_tokens=30, temperature=0.9, seed=11, ignore_eos=True
 
 def dying_node(
     model: LoadedModel, prompt: list[int], params: SamplingParams, tokens: int
-) -> tuple[list[bytes], list[bytes], TailBlock | None, list[int]]:
+) -> tuple[list[BlockHash], list[bytes], TailBlock | None, list[int]]:
     """Run until `tokens` are out, as a checkpointing decode node: its stored full blocks,
     its latest tail, and the tokens it delivered."""
     engine = Engine(model, EngineConfig(num_blocks=64))
     engine.collect_filled = engine.collect_tails = True
     rid = engine.add_request(prompt, params, "r")
-    hashes: list[bytes] = []
+    hashes: list[BlockHash] = []
     blocks: list[bytes] = []
     tail = None
     out: list[int] = []
@@ -49,7 +52,7 @@ def resume(
     model: LoadedModel,
     prompt: list[int],
     params: SamplingParams,
-    stored: tuple[list[bytes], list[bytes], TailBlock | None, list[int]],
+    stored: tuple[list[BlockHash], list[bytes], TailBlock | None, list[int]],
 ) -> tuple[list[int], int]:
     """A fresh node resumes the request: (tokens it makes, context tokens it recomputed)."""
     hashes, blocks, tail, delivered = stored
@@ -137,3 +140,41 @@ def test_fit_tail_rules() -> None:
     short = fit_tail(tail, context[:20], hashes, 16)  # the last token stays to compute
     assert short is not None and short.token_ids == context[16:19]
     assert fit_tail(tail, context[:17], hashes, 16) is None
+
+
+class SlowTailStore:
+    """A kvcache client (the real one: tested against a kvcache node in
+    tests/integration/test_kvcache_service.py) whose first write waits to be released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.writes: list[list[tuple[str, list[int]]]] = []
+
+    async def store_tails(self, tails: list[TailBlock]) -> int:
+        self.writes.append([(t.request_id, t.token_ids) for t in tails])
+        if len(self.writes) == 1:
+            await self.release.wait()
+        return len(tails)
+
+
+async def test_the_uploader_writes_only_the_latest_tail_and_never_queues() -> None:
+    client = SlowTailStore()
+    uploader = TailUploader(client).start()  # type: ignore[arg-type]
+
+    def t(rid: str, n: int) -> TailBlock:
+        return TailBlock(rid, 0, ROOT_HASH, list(range(n)), b"")
+
+    uploader.submit([t("a", 1)])
+    await asyncio.sleep(0.01)  # the first write is in flight, held
+    uploader.submit([t("a", 2), t("b", 1)])
+    uploader.submit([t("a", 3), t("c", 1)])
+    uploader.forget("c")  # ended here meanwhile: not written
+    client.release.set()
+    for _ in range(100):
+        if len(client.writes) == 2:
+            break
+        await asyncio.sleep(0.01)
+    await uploader.close()
+    assert client.writes[0] == [("a", [0])]
+    assert sorted(client.writes[1]) == [("a", [0, 1, 2]), ("b", [0])]
+    assert uploader.skipped == 1 and uploader.stored == 3

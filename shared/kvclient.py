@@ -82,20 +82,29 @@ class KVCacheClient:
     ) -> None:
         if not hashes or len(blocks) % len(hashes):
             raise KVCacheError("blocks must split evenly into one per hash")
-        transfer_id = f"put-{uuid.uuid4().hex}"
         announce = KVPut(
-            transfer_id=transfer_id,
+            transfer_id=f"put-{uuid.uuid4().hex}",
             block_hashes=hashes,
             block_bytes=len(blocks) // len(hashes),
             transfer_secret=new_secret(),
         )
-        reply = await self._ask(node_id, "put", announce)
+        await self._announce_and_send(node_id, address, "put", announce, memoryview(blocks))
+
+    async def _announce_and_send(
+        self,
+        node_id: str,
+        address: str,
+        op: str,
+        announce: KVPut | KVPutTails,
+        payload: memoryview,
+    ) -> None:
+        """Announce a put (the node must answer ok), then send its blocks as one transfer."""
+        reply = await self._ask(node_id, op, announce)
         if reply != b"ok":
-            raise KVCacheError(f"kvcache {node_id} refused put: {reply.decode(errors='replace')}")
-        payload = memoryview(blocks)
+            raise KVCacheError(f"kvcache {node_id} refused {op}: {reply.decode(errors='replace')}")
         header = make_header(
-            "kvcache-put",
-            transfer_id,
+            f"kvcache-{op}",
+            announce.transfer_id,
             payload,
             chunk_bytes=announce.block_bytes,
             secret=announce.transfer_secret,
@@ -261,20 +270,10 @@ class KVCacheClient:
             block_bytes=size,
             transfer_secret=new_secret(),
         )
-        reply = await self._ask(node.node_id, "put_tails", announce)
-        if reply != b"ok":
-            raise KVCacheError(
-                f"kvcache {node.node_id} refused tails: {reply.decode(errors='replace')}"
-            )
         payload = memoryview(b"".join(t.data for t in tails))
-        header = make_header(
-            "kvcache-tails",
-            announce.transfer_id,
-            payload,
-            chunk_bytes=size,
-            secret=announce.transfer_secret,
+        await self._announce_and_send(
+            node.node_id, node.data_address, "put_tails", announce, payload
         )
-        await self.transport.send(node.data_address, header, payload, timeout=TRANSFER_TIMEOUT)
 
     async def load_tail(self, request_id: str, block_bytes: int) -> TailBlock | None:
         """The request's stored tail (None: none, or its node is unavailable)."""

@@ -38,10 +38,6 @@ TRACER = tracer("decode")
 PREFIX_LOAD_TIMEOUT = 5.0
 
 
-async def _none() -> None:
-    return None
-
-
 class LocalPrefill:
     engine: Engine
     bus: Bus
@@ -115,7 +111,7 @@ class LocalPrefill:
         patience = reply_by - time.time() - 0.1
         (hashes, blocks), tail = await asyncio.gather(
             self._load_prefix(context, patience),
-            self._load_tail(job.request_id, patience) if job.output_ids else _none(),
+            self._load_tail(job, patience),
         )
 
         def admit() -> str | None:
@@ -153,15 +149,18 @@ class LocalPrefill:
             log.warning("prefix load from kvcache failed: %r", exc)
             return [], []
 
-    async def _load_tail(self, request_id: str, patience: float) -> TailBlock | None:
+    async def _load_tail(self, job: PrefillJob, patience: float) -> TailBlock | None:
         """A resumed request's partial last block, from kvcache (best effort, like the
-        prefix: without it the tokens after the last full block are recomputed)."""
+        prefix: without it the tokens after the last full block are recomputed). A new
+        request has none."""
         patience = min(PREFIX_LOAD_TIMEOUT, patience)
-        if self.prefix is None or self.prefix.cache is None or patience <= 0:
+        if not job.output_ids or self.prefix is None or self.prefix.cache is None or patience <= 0:
             return None
         size = self.engine.layout.bytes_per_block
         try:
-            return await asyncio.wait_for(self.prefix.cache.load_tail(request_id, size), patience)
+            return await asyncio.wait_for(
+                self.prefix.cache.load_tail(job.request_id, size), patience
+            )
         except Exception as exc:
             log.warning("KV tail load from kvcache failed: %r", exc)
             return None

@@ -139,10 +139,14 @@ class BlockExchange:
         filled, self._filled = self._filled, []
         if not filled:
             return [], []
-        data = self.cache.read_blocks([b for _, b in filled])
-        raw = data.view(torch.uint8).reshape(len(filled), -1).numpy().tobytes()
+        return [h for h, _ in filled], self._block_bytes([b for _, b in filled])
+
+    def _block_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """A copy of each block, as the bytes the kvcache service stores (one read)."""
+        data = self.cache.read_blocks(block_ids)
+        raw = data.view(torch.uint8).reshape(len(block_ids), -1).numpy().tobytes()
         size = self.layout.bytes_per_block
-        return [h for h, _ in filled], [raw[i * size : (i + 1) * size] for i in range(len(filled))]
+        return [raw[i * size : (i + 1) * size] for i in range(len(block_ids))]
 
     def take_checkpoint_points(self) -> list[CheckpointPoint]:
         """Per sequence, how far the blocks handed over so far reach (latest only)."""
@@ -173,18 +177,16 @@ class BlockExchange:
             found.append((seq, start))
         if not found:
             return []
-        data = self.cache.read_blocks([s.block_ids[start // bs] for s, start in found])
-        raw = data.view(torch.uint8).reshape(len(found), -1).numpy().tobytes()
-        size = self.layout.bytes_per_block
+        blocks = self._block_bytes([s.block_ids[start // bs] for s, start in found])
         return [
             TailBlock(
                 seq.request_id,
                 start,
                 seq.block_hashes[start // bs - 1] if start else ROOT_HASH,
                 seq.all_ids[start : seq.num_computed],
-                raw[i * size : (i + 1) * size],
+                block,
             )
-            for i, (seq, start) in enumerate(found)
+            for (seq, start), block in zip(found, blocks, strict=True)
         ]
 
     def fit_tail(self, tail: TailBlock, context: list[int]) -> TailBlock | None:
@@ -199,9 +201,11 @@ class BlockExchange:
         """At admission: a resumed sequence's tail goes into the block after its cached
         prefix, if that prefix reaches exactly to it; its tokens then count as computed."""
         tail, seq.tail = seq.tail, None
-        index = tail.start // self.config.block_size if tail is not None else 0
-        if tail is None or seq.num_computed != tail.start or len(seq.block_ids) <= index:
-            return  # no tail, or the prefix hit ended elsewhere: the tokens are recomputed
+        if tail is None:
+            return
+        index = tail.start // self.config.block_size
+        if seq.num_computed != tail.start or len(seq.block_ids) <= index:
+            return  # the prefix hit ended elsewhere: the tokens are recomputed
         self.cache.write_block_buffers([seq.block_ids[index]], [tail.data])
         seq.num_computed += len(tail.token_ids)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,10 +345,19 @@ class Router:
         except Exception as exc:  # best effort: that node's lease frees the blocks anyway
             log.debug("cancel on %s not sent: %s", node_id, exc)
 
-    async def cancel(self, rid: str, internal_id: str, reason: str) -> None:
-        """Every node drops the request's current attempt; the journal forgets it."""
+    async def cancel(
+        self,
+        rid: str,
+        internal_id: str,
+        reason: str,
+        settle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Every node drops the request's current attempt; the journal forgets it (after
+        `settle`, which lets a journal write in flight land so it can't re-create the entry)."""
         try:
             await self.bus.publish(cancel_subject(), Cancel(request_id=internal_id, reason=reason))
+            if settle is not None:
+                await settle()
             await self.journal.delete(rid, internal_id)
         except Exception as exc:  # best effort: nodes also expire work past its deadline
             log.warning("cancel of %s failed: %s", rid, exc)

@@ -213,8 +213,11 @@ async def relay(
         router.active.discard(rid)
         await r.stream.close()
         if not finished:
-            await journal.settle()
-            # client gone, error or timeout: every node drops the request, blocks freed
+            # client gone, error or timeout: every node drops the request, blocks freed. The
+            # nodes hear it at once; only the journal delete waits for a write in flight.
             await router.cancel(
-                rid, failover.job.request_id, "client disconnected or request failed"
+                rid,
+                failover.job.request_id,
+                "client disconnected or request failed",
+                settle=journal.settle,
             )

@@ -7,6 +7,7 @@ import io
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 
 import aiohttp
 import openai
@@ -166,8 +167,38 @@ async def test_embedded_nats_refuses_connections_without_credentials(stack: Stac
         await Bus(stack.nats_url, "stranger").connect()
 
 
+DecodeLoad = dict[str, tuple[int, int, int]]  # node → (running, free blocks, total blocks)
+
+
+def idle(nodes: DecodeLoad) -> bool:
+    return all(running == 0 and free == total for running, free, total in nodes.values())
+
+
+def busy(nodes: DecodeLoad) -> bool:
+    return any(running > 0 for running, _, _ in nodes.values())
+
+
+async def wait_for_decode_nodes(
+    stack: Stack, condition: Callable[[DecodeLoad], bool], within: float
+) -> DecodeLoad:
+    """The decode nodes' heartbeats (~0.7 s apart) until `condition` holds or `within` s pass."""
+    deadline = time.monotonic() + within
+    while True:
+        now = await decode_nodes(stack)
+        if condition(now) or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.1)
+
+
+def stack_log_lines(stack: Stack, word: str) -> list[str]:
+    with open(stack.out.name) as log:
+        return [line.rstrip() for line in log if word in line][-20:]
+
+
 async def test_client_disconnect_frees_blocks_everywhere(stack: Stack) -> None:
-    before = await decode_nodes(stack)
+    # From idle: the last heartbeats may still show the previous test's streams.
+    before = await wait_for_decode_nodes(stack, idle, 10.0)
+    assert idle(before), before
     async with aiohttp.ClientSession() as session:
         body = {
             "model": MODEL,
@@ -183,21 +214,12 @@ async def test_client_disconnect_frees_blocks_everywhere(stack: Stack) -> None:
                     got += 1
                 if got >= 5:
                     break
-            # Heartbeats report load every ~0.7 s: wait for one that shows the stream.
-            for _ in range(40):
-                busy = await decode_nodes(stack)
-                if any(running > 0 for running, _, _ in busy.values()):
-                    break
-                await asyncio.sleep(0.1)
-            assert any(running > 0 for running, _, _ in busy.values())
-    disconnected = time.monotonic()
-    while time.monotonic() - disconnected < 2.0:
-        now = await decode_nodes(stack)
-        if all(r == 0 and free == total for r, free, total in now.values()):
-            break
-        await asyncio.sleep(0.1)
-    now = await decode_nodes(stack)
-    assert all(r == 0 and free == total for r, free, total in now.values()), (before, now)
+            running = await wait_for_decode_nodes(stack, busy, 4.0)
+            assert busy(running), running
+    # The router cancels on every node as soon as the client is gone; the stream would
+    # run ~20 s more otherwise. 5 s is the design's bound for freeing a request's blocks.
+    now = await wait_for_decode_nodes(stack, idle, 5.0)
+    assert idle(now), (running, now, stack_log_lines(stack, "cancel"))
 
 
 BAD = [

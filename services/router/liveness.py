@@ -4,15 +4,17 @@ registry entry to expire.
 Heartbeat expiry takes the registry TTL (seconds); a decode step takes ~0.1 s. So the
 router pings every node that should send the next token of some in-flight stream
 (`tandem.node.<id>.ping`, answered by every node's event loop, which stays free while its
-engine computes): every `every` seconds (0.1), and every `interval` once a stream has had
-no token for 3x its usual gap between tokens (at least 0.15 s, at most `probe_after`). A
-SIGKILLed node's subscription is gone with its connection, and NATS answers "no
-responders" at once: the node is declared dead and its requests fail over right away,
-within ~0.1 s of its death rather than after three token gaps. A node cut off without
-closing its connection (a pulled cable) answers nothing: after `misses` timed-out probes
-in a row while its streams are quiet it is declared dead too (a probe lost while tokens
-still flow counts for nothing: a busy node is not a dead one). A node that answers is
-alive however slow its stream: the stall timeout still bounds that.
+engine computes): every `every` seconds (0.05), and every `interval` (0.025) once a stream
+has had no token for 3x its usual gap between tokens (at least 0.15 s, at most
+`probe_after`). A SIGKILLed node's subscription is gone with its connection (its sockets
+close once the kernel has freed its memory, tens of ms after the kill), and NATS answers
+the next probe "no responders" at once: the node is declared dead and its requests fail
+over right away, half a probe period after its connection closed on average, rather than
+after three token gaps. A node cut off without closing its connection (a pulled cable)
+answers nothing: after `misses` timed-out probes in a row while its streams are quiet it is
+declared dead too (a probe lost while tokens still flow counts for nothing: a busy node is
+not a dead one). A node that answers is alive however slow its stream: the stall timeout
+still bounds that.
 
 Probes of one node overlap (up to `max_in_flight`): a probe sent a moment before the node
 died is never answered, and waiting out its timeout before the next one went out made
@@ -52,9 +54,9 @@ class LivenessProbe:
         probe_after: float = 0.5,
         timeout: float = 0.25,
         misses: int = 3,
-        interval: float = 0.05,
+        interval: float = 0.025,
         floor: float = 0.15,
-        every: float = 0.1,
+        every: float = 0.05,
         reconnect_grace: float = 2.0,
         max_in_flight: int = 3,
     ) -> None:

@@ -1,5 +1,5 @@
 """The router's liveness probe against a real NATS server: a node that should send the next
-token of an in-flight stream is pinged every 0.1 s, so a node that died (its subscription
+token of an in-flight stream is pinged every 0.05 s, so a node that died (its subscription
 gone: NATS answers "no responders") is declared dead within a fraction of a second even
 while its stream still looks healthy; a node slow to answer is not declared dead while its
 tokens flow, only once its streams are quiet and several probes in a row went unanswered.
@@ -254,7 +254,7 @@ async def test_overlapping_probes_of_a_silent_node_count_one_miss_per_timeout(
     try:
         async with running(probe):
             # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s
-            # (probes every 0.05 s, three in flight, would count three misses by ~0.4 s)
+            # (probes every 0.025 s, three in flight, would count three misses by ~0.4 s)
             assert await lost_within(router, "d4", 5.0) >= 0.85
     finally:
         await node.close()

@@ -10,8 +10,9 @@ together ~2-3.8 GB/s for 16 MiB against ~0.6 with defaults. Error handling OFF w
 is faster (5-7 GB/s) but not safe: a sender dying mid-transfer makes UCX abort the
 *receiving* process. `posix` shared memory with UCX_POSIX_ERROR_HANDLING=y keeps error
 handling and is ~2x faster than TCP here, but a sender killed mid-transfer left the
-receiver's worker wedged (busy forever, no further transfers) in ~1 of 4 kills. Every UCX_* environment variable set by an operator (e.g. UCX_TLS=rc
-on InfiniBand) overrides these defaults.
+receiver's worker wedged (busy forever, no further transfers) in ~1 of 4 kills. Every
+UCX_* environment variable set by an operator (e.g. UCX_TLS=rc on InfiniBand) overrides
+these defaults.
 
 The protocol is `shared/transport/session.py`'s; each of its sends is one tagged UCX
 message on a listener endpoint (payloads land straight in the handler's buffer), one

@@ -296,7 +296,7 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         return outs
 
     def _checkpoint(
-        self, hashes: Sequence[bytes], blocks: list[bytes], points: list[CheckpointPoint]
+        self, hashes: Sequence[bytes], blocks: list[memoryview], points: list[CheckpointPoint]
     ) -> None:
         """On the event loop (it owns `stream_spans`): hand filled blocks to the uploader,
         linked to the requests running now (those that filled them); once stored, their

@@ -126,7 +126,7 @@ class BlockExchange:
             self._pending.pop(seq.request_id, None)
         self._tails_taken.pop(seq.request_id, None)
 
-    def take_filled_blocks(self) -> tuple[list[BlockHash], list[bytes]]:
+    def take_filled_blocks(self) -> tuple[list[BlockHash], list[memoryview]]:
         """Blocks handed over since the last call (every `checkpoint_every` blocks of a
         sequence, and at its end), as (hashes, bytes per block).
 
@@ -141,10 +141,11 @@ class BlockExchange:
             return [], []
         return [h for h, _ in filled], self._block_bytes([b for _, b in filled])
 
-    def _block_bytes(self, block_ids: list[int]) -> list[bytes]:
-        """A copy of each block, as the bytes the kvcache service stores (one read)."""
+    def _block_bytes(self, block_ids: list[int]) -> list[memoryview]:
+        """A copy of each block, as the bytes the kvcache service stores: views into one
+        read (no further copies: this runs on the engine thread between steps)."""
         data = self.cache.read_blocks(block_ids)
-        raw = data.view(torch.uint8).reshape(len(block_ids), -1).numpy().tobytes()
+        raw = data.view(torch.uint8).reshape(-1).numpy().data
         size = self.layout.bytes_per_block
         return [raw[i * size : (i + 1) * size] for i in range(len(block_ids))]
 

@@ -90,9 +90,15 @@ class PagedKVCache:
         return k, v
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A block-major copy `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(2, index).movedim(2, 0).contiguous()
+        """A block-major copy `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`.
+
+        One pass over the data: block by block into the result (index_select, then making
+        it block-major, copied everything twice, on the engine thread between steps)."""
+        shape = self.layout.blocks_shape(len(block_ids))
+        out = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+        for i, block_id in enumerate(block_ids):
+            out[i].copy_(self.kv[:, :, block_id])
+        return out
 
     def write_block_buffers(
         self, block_ids: list[int], buffers: Sequence[bytes | memoryview]

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
@@ -134,8 +135,21 @@ async def one_failover(stack: Stack, prompt: str, prompt_tokens: int) -> tuple[f
     return recovery, after - before
 
 
-async def throughput(stack: Stack) -> float:
-    """Output tokens per second of 8 concurrent 128-token streams."""
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU time each of the stack's processes has used so far (user + system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for child in stack.children:
+        if child.proc is not None and child.proc.poll() is None:
+            with open(f"/proc/{child.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[child.name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+async def throughput(stack: Stack, cpu: dict[str, list[float]]) -> float:
+    """Output tokens per second of 8 concurrent 128-token streams; appends the CPU seconds
+    each process used meanwhile to `cpu`."""
     body = {"model": MODEL, "max_tokens": 128, "temperature": 0, "ignore_eos": True}
     rng = random.Random(3)
     async with aiohttp.ClientSession() as s:
@@ -146,15 +160,21 @@ async def throughput(stack: Stack) -> float:
                 r.raise_for_status()
                 assert json.loads(await r.read())["usage"]["completion_tokens"] == 128
 
-        start = time.perf_counter()
+        start, used = time.perf_counter(), cpu_seconds(stack)
         await asyncio.gather(*(one() for _ in range(8)))
-        return 8 * 128 / (time.perf_counter() - start)
+        rate = 8 * 128 / (time.perf_counter() - start)
+        for name, seconds in cpu_seconds(stack).items():
+            cpu.setdefault(name, []).append(seconds - used.get(name, seconds))
+        return rate
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="prompt tokens")
+    parser.add_argument(
+        "--sizes", type=int, nargs="*", default=[512, 2048],
+        help="prompt tokens (none: part 2 only)",
+    )  # fmt: skip
     parser.add_argument(
         "--modes", nargs="+", choices=["checkpointed", "blocks", "recompute"],
         default=["checkpointed", "recompute"], help="stacks to start",
@@ -172,6 +192,7 @@ def main() -> None:
     rng = random.Random(1)
     part1: dict[tuple[str, int], list[tuple[float, float]]] = {}
     part2: dict[str, list[float]] = {name: [] for name in stacks}
+    cpu: dict[str, dict[str, list[float]]] = {name: {} for name in stacks}
     try:
         for stack in stacks.values():
             stack.wait_ready()
@@ -188,25 +209,35 @@ def main() -> None:
                           f"recomputed {got[1]:.0f} tokens", flush=True)  # fmt: skip
         for r in range(0 if args.no_throughput else args.rounds):
             for name in list(stacks) if r % 2 == 0 else list(stacks)[::-1]:
-                part2[name].append(asyncio.run(throughput(stacks[name])))
+                part2[name].append(asyncio.run(throughput(stacks[name], cpu[name])))
                 print(f"  throughput {name}: {part2[name][-1]:.1f} tokens/s", flush=True)
     finally:
         for stack in stacks.values():
             stack.stop()
-    print("\n| prompt | mode | recovery p50 s | recovery max s | recomputed tokens p50 |")
-    print("|---:|---|---:|---:|---:|")
+    if part1:
+        print("\n| prompt | mode | recovery p50 s | recovery max s | recomputed tokens p50 |")
+        print("|---:|---|---:|---:|---:|")
     for (name, size), runs in sorted(part1.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rec = [x for x, _ in runs]
         print(f"| {size} | {name} | {statistics.median(rec):.2f} | {max(rec):.2f} "
               f"| {statistics.median(t for _, t in runs):.0f} |")  # fmt: skip
     if not all(part2.get(name) for name in ("checkpointed", "recompute")):
         return
-    on = statistics.median(part2["checkpointed"])
     off = statistics.median(part2["recompute"])
-    print("\n| decode, 8 x 128 tokens | median tokens/s |")
-    print("|---|---:|")
-    print(f"| checkpoint uploads on | {on:.1f} |\n| off | {off:.1f} |")
-    print(f"| overhead | {(1 - on / off) * 100:.1f}% |")
+    print("\n| decode, 8 x 128 tokens | per round tokens/s | median | overhead |")
+    print("|---|---|---:|---:|")
+    rows = {"checkpointed": "checkpoint uploads on", "blocks": "on, full blocks only"}
+    rows["recompute"] = "off"
+    for name, label in rows.items():
+        if part2.get(name):
+            rate = statistics.median(part2[name])
+            each = " ".join(f"{x:.1f}" for x in part2[name])
+            print(f"| {label} | {each} | {rate:.1f} | {(1 - rate / off) * 100:.1f}% |")
+    print("\n| mode | CPU seconds per run, median (per process) |")
+    print("|---|---|")
+    for name, used in cpu.items():
+        each = ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in sorted(used.items()))
+        print(f"| {name} | {each} |")
 
 
 if __name__ == "__main__":

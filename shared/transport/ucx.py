@@ -2,8 +2,9 @@
 
 Configuration, measured on these 2-core machines (docs/benchmarks.md has the table):
 endpoints have peer-failure error handling ON, so a SIGKILLed peer surfaces as an
-exception within ~5-15 ms instead of a hang. With error handling on UCX cannot use shared
-memory (sm/cma lack peer-failure support), so data moves over TCP; the TCP segment size of
+exception within ~5-15 ms instead of a hang. With error handling on UCX uses no shared
+memory (cma has no peer-failure support; posix's is off by default, see below), so data
+moves over TCP; the TCP segment size of
 1 MiB switches large messages to UCX's zero-copy rendezvous, and the `blocking` progress
 mode (the worker's event fd in the asyncio loop, no polling thread) gives another 2-3x:
 together ~2-3.8 GB/s for 16 MiB against ~0.6 with defaults. Error handling OFF with `cma`

@@ -5,7 +5,10 @@ Stacks side by side (1 prefill, 2 decode; the same UCX data plane), used in turn
   checkpointed:  decode nodes store every KV block they fill in the kvcache service, and
                  after every step each sequence's partly filled last block, so a resume
                  loads the prompt's and the generated tokens' KV and recomputes only the
-                 last delivered token;
+                 last delivered token; after 16 tokens the other decode node, the stream's
+                 standby, loads the KV stored so far, and a resume there loads the rest;
+  nostandby:     the same without a standby (router --standby-after 0): a resume loads
+                 the whole context from the kvcache service;
   blocks:        the same without the partial blocks (--no-checkpoint-tails): a resume
                  recomputes the tokens after the last full block;
   recompute:     no kvcache service and no prefix reuse: a resume recomputes the prompt
@@ -49,15 +52,18 @@ KILL_AFTER = 32
 TOKENS = 64
 
 
-def make_stack(log: Path, checkpoints: bool, tails: bool = True) -> Stack:
+def make_stack(log: Path, mode: str) -> Stack:
+    checkpoints = mode != "recompute"
     argv = ["up", "--prefill", "1", "--decode", "2", "--kvcache", "1" if checkpoints else "0"]
     argv += ["--port", str(free_port()), "--transport", "ucx", "--kv-cache-mb", "200"]
     argv += ["--threads", "1", "--heartbeat-ttl", "2"]
     stack = Stack(build_parser().parse_args(argv))
     if not checkpoints:
         stack.env = {"TANDEM_NO_PREFIX_CACHING": "1", "TANDEM_NO_KVCACHE": "1"}
-    elif not tails:
+    elif mode == "blocks":
         stack.env = {"TANDEM_NO_CHECKPOINT_TAILS": "1"}
+    elif mode == "nostandby":
+        stack.env = {"TANDEM_STANDBY_AFTER": "0"}
     stack.out = log.open("w")
     stack.start()
     return stack
@@ -176,19 +182,14 @@ def main() -> None:
         help="prompt tokens (none: part 2 only)",
     )  # fmt: skip
     parser.add_argument(
-        "--modes", nargs="+", choices=["checkpointed", "blocks", "recompute"],
+        "--modes", nargs="+", choices=["checkpointed", "nostandby", "blocks", "recompute"],
         default=["checkpointed", "recompute"], help="stacks to start",
     )  # fmt: skip
     parser.add_argument("--no-throughput", action="store_true", help="skip part 2")
     args = parser.parse_args()
     logs = Path("bench-results")
     logs.mkdir(exist_ok=True)
-    stacks = {
-        name: make_stack(
-            logs / f"failover-{name}.log", checkpoints=name != "recompute", tails=name != "blocks"
-        )
-        for name in args.modes
-    }
+    stacks = {name: make_stack(logs / f"failover-{name}.log", name) for name in args.modes}
     rng = random.Random(1)
     part1: dict[tuple[str, int], list[tuple[float, float]]] = {}
     part2: dict[str, list[float]] = {name: [] for name in stacks}

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from services.decode.checkpoints import CheckpointWriter
 from services.decode.local_prefill import LocalPrefill
 from services.decode.receiver import Expected, KVReceiver
+from services.decode.standby import Standby
 from services.decode.tails import TailUploader
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
@@ -37,6 +38,7 @@ from shared.bus.topology import (
     cancel_subject,
     is_token_subject,
     local_prefill_subject,
+    prefetch_subject,
 )
 from shared.deltas import delta_from_output
 from shared.engine.block_exchange import CheckpointPoint
@@ -53,7 +55,7 @@ UNKNOWN_CANCEL_TTL = 30.0  # seconds a cancel for an unknown request is remember
 MAX_UNKNOWN_CANCELS = 4096
 
 
-class DecodeWorker(KVReceiver, LocalPrefill):
+class DecodeWorker(KVReceiver, LocalPrefill, Standby):
     def __init__(
         self,
         engine: Engine,
@@ -72,6 +74,8 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
         self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
         self.admitting: dict[str, bool] = {}  # local prefills being admitted → cancelled?
+        self.prefetching = 0  # standby prefetches under way
+        self.prefetched_blocks = 0
         # Cancels for requests this node did not know (yet): a local prefill of one still
         # queued behind others here must not start after its router gave up on it.
         self.unknown_cancels: OrderedDict[str, float] = OrderedDict()
@@ -114,6 +118,11 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         m.gauge("tandem_kv_blocks_free", "KV blocks free", lambda: engine.pool.num_free)
         m.gauge("tandem_decode_running_sequences", "Running batch", lambda: engine.num_running)
         m.gauge("tandem_decode_waiting_sequences", "Queued sequences", lambda: engine.num_waiting)
+        m.gauge(
+            "tandem_standby_prefetched_blocks",
+            "KV blocks loaded ahead of a failover, as another stream's standby",
+            lambda: self.prefetched_blocks,
+        )
         if tails is not None:
             m.gauge("tandem_checkpoint_tails_stored", "Partial blocks stored", lambda: tails.stored)
         self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
@@ -363,6 +372,7 @@ class DecodeWorker(KVReceiver, LocalPrefill):
         await self.bus.nc.subscribe(assign_subject(self.node_id), cb=self.on_assign)
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         await self.bus.nc.subscribe(local_prefill_subject(self.node_id), cb=self.on_prefill)
+        await self.bus.nc.subscribe(prefetch_subject(self.node_id), cb=self.on_prefetch)
         self.events.cleared()
         self.events.start()
 

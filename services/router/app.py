@@ -59,6 +59,7 @@ class RouterConfig:
     request_timeout: float = 600.0  # whole request, streaming included
     limits: Limits = field(default_factory=Limits)
     colocated: bool = False  # no prefill nodes: decode nodes prefill every request
+    standby_after: int = 16  # delivered tokens before a stream gets a standby (0: never)
 
 
 class Router:

@@ -7,6 +7,11 @@ block they fill), recomputes only what no block holds, samples the next token ex
 the lost node would have (seeded by (seed, position); greedy is greedy), and hands the
 sequence to another decode node. New deltas continue at the next sequence number, and the
 stream drops any duplicate, so the client sees no gap and no repeat.
+
+Once a stream has delivered `standby_after` tokens (by then its prompt's blocks are
+stored), another decode node is picked as its standby and told to load the context's
+stored KV into its pool (`services/decode/standby.py`); a resume goes there if it can, and
+then loads only what was stored since.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import msgspec
 from opentelemetry import trace
 
 from services.router.streams import RequestStream
-from shared.bus.messages import PrefillJob
+from shared.bus.messages import Prefetch, PrefillJob
+from shared.bus.topology import prefetch_subject
 
 if TYPE_CHECKING:
     from services.router.app import Router
@@ -54,6 +60,7 @@ class Failover:
         # Nodes this request already moved away from: their later "left" (a probe found the
         # node dead, then its registry entry expires) must not resume it a second time.
         self.abandoned: set[str] = set()
+        self.standby = ""  # the decode node told to load this stream's KV ahead of a failure
 
     def node_left(self, node_id: str) -> None:
         """The registry lost a node: if it was serving this request, resume elsewhere."""
@@ -83,10 +90,34 @@ class Failover:
         waited_until = time.monotonic() + NODE_WAIT
         while True:
             nodes = self.router.nodes
-            node = nodes.pick_decode(self.blocks, exclude) or nodes.pick_decode(self.blocks)
+            node = nodes.pick_decode(self.blocks, exclude, prefer=self.standby)
+            node = node or nodes.pick_decode(self.blocks)
             if node is not None or time.monotonic() >= waited_until:
                 return node
             await asyncio.sleep(NODE_POLL)
+
+    async def warm_standby(self) -> None:
+        """Once the stream has delivered `standby_after` tokens: pick another decode node as
+        its standby and have it load the context's stored KV (best effort; only with a
+        kvcache service, which holds that KV)."""
+        after = self.router.config.standby_after
+        delivered = self.stream.token_ids
+        if self.standby or not after or len(delivered) < after:
+            return
+        self.standby = "-"  # tried: once per stream
+        nodes = self.router.nodes
+        if not nodes.by_role("kvcache"):
+            return
+        serving = {self.stream.node_id, self.job.decode_node} - {""}
+        node = nodes.best_decode(self.blocks, serving)
+        if node is None:
+            return
+        self.standby = node.node_id
+        hint = Prefetch(request_id=self.job.request_id, token_ids=self.job.prompt_ids + delivered)
+        try:
+            await self.router.bus.publish(prefetch_subject(node.node_id), hint)
+        except Exception as exc:  # no standby then: a resume loads everything itself
+            log.debug("prefetch hint to %s not sent: %s", node.node_id, exc)
 
     async def resume(self, reason: str) -> bool:
         """Resubmit the request after the tokens delivered so far; False if it cannot be."""

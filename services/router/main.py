@@ -84,6 +84,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p,
+        "--standby-after",
+        type=int,
+        default=16,
+        help="delivered tokens after which another decode node loads a stream's stored KV, "
+        "so that a failover there loads only what was stored since (0: no standby)",
+    )
+    add_option(
+        p,
         "--colocated",
         action="store_true",
         help="no prefill nodes: every request is prefilled on a decode node (the baseline)",
@@ -123,6 +131,7 @@ async def serve(args: argparse.Namespace) -> None:
             max_stop_len=args.max_stop_len,
         ),
         colocated=args.colocated,
+        standby_after=args.standby_after,
     )
     index = KVIndex()
     await index.follow(bus)

@@ -92,12 +92,29 @@ class NodeTable:
         prefill = self.colocated or bool(self.by_role("prefill"))
         return prefill and bool(self.by_role("decode"))
 
-    def pick_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
-        """The least loaded decode node (`best_decode`), counted as sent one more request."""
-        choice = self.best_decode(blocks_needed, exclude)
+    def pick_decode(
+        self, blocks_needed: int, exclude: set[str] | None = None, prefer: str = ""
+    ) -> NodeInfo | None:
+        """Node `prefer` if it is a live decode node with room, else the least loaded one
+        (`best_decode`); counted as sent one more request."""
+        choice = self._with_room(prefer, blocks_needed, exclude) or self.best_decode(
+            blocks_needed, exclude
+        )
         if choice is not None:
             self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
         return choice
+
+    def _with_room(
+        self, node_id: str, blocks_needed: int, exclude: set[str] | None
+    ) -> NodeInfo | None:
+        if not node_id or (exclude and node_id in exclude):
+            return None
+        for node in self.by_role("decode"):
+            if node.node_id == node_id:
+                sent = self.inflight.get(node_id, 0)
+                free = node.free_kv_blocks - sent * blocks_needed
+                return node if free >= blocks_needed else None
+        return None
 
     def best_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
         """The decode node with the most free blocks per running sequence.

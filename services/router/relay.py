@@ -147,6 +147,8 @@ async def relay(
                 completion_tokens = max(completion_tokens, delta.completion_tokens)
                 reason = delta.finish_reason if delta.finished else None
                 journal.delivered(delta, r.stream.token_ids)
+                if not failover.standby:
+                    await failover.warm_standby()
                 text = delta.text
                 if delta.seq <= r.skip_through:  # the client has it (regenerated on resume)
                     if not delta.finished:

@@ -87,6 +87,15 @@ class Cancel(Message, frozen=True, tag="cancel"):
     node_id: str = ""
 
 
+class Prefetch(Message, frozen=True, tag="prefetch"):
+    """Router → the decode node it chose as a stream's standby: load the stored KV blocks of
+    this context into your pool now (cached, evictable). If the stream's node dies, its
+    resume here then loads only what was stored since."""
+
+    request_id: str = ""
+    token_ids: list[int] = []
+
+
 class NodeInfo(Message, frozen=True, tag="node_info"):
     """A node's registry entry, refreshed by heartbeats."""
 

@@ -84,6 +84,10 @@ def local_prefill_subject(node_id: str) -> str:
 REPLY_BY_HEADER = "Tandem-Reply-By"
 
 
+def prefetch_subject(node_id: str) -> str:
+    return f"tandem.decode.{node_id}.prefetch"
+
+
 def ping_subject(node_id: str) -> str:
     """Every node answers here: a router probes a node whose stream went quiet. A dead
     node's subscription is gone, so NATS answers "no responders" at once."""

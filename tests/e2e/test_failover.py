@@ -71,3 +71,59 @@ async def test_decode_node_stopped_gracefully_finishes_its_streams(
             if b'"decode": 2' in r.read():
                 break
         await asyncio.sleep(0.2)
+
+
+def node_metric(stack: Stack, node: str, name: str) -> float:
+    port = stack.metrics_ports[node]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == name:
+                    return float(s.value)
+    return 0.0
+
+
+async def test_a_decode_node_killed_resumes_on_its_standby_which_loaded_the_context_first(
+    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]]
+) -> None:
+    """A stream past `--standby-after` tokens has a standby: the other decode node loads the
+    stream's stored KV ahead of any failure. SIGKILL the stream's node: it resumes on the
+    standby, which loads only the blocks stored since (not the whole context), and the text
+    equals the uninterrupted run."""
+    requests, pieces = chaos_reference
+    i = max(range(len(requests)), key=lambda j: len(requests[j].prompt_ids))  # ~300 tokens
+    request, expected = Request(requests[i].prompt_ids, 96), "".join(pieces[i][:96])
+    context_blocks = len(request.prompt_ids) // 16
+    decode = ["decode-1", "decode-2"]
+    loaded, prefetched = "tandem_prefix_cache_loaded_blocks", "tandem_standby_prefetched_blocks"
+    prefetched_before = {n: node_metric(stack, n, prefetched) for n in decode}
+    stream = Stream()
+    victim = standby = ""
+    loaded_before = 0.0
+
+    async def kill() -> None:
+        nonlocal victim, standby, loaded_before
+        while stream.events < 24:  # past the standby's 16 tokens
+            await asyncio.sleep(0.02)
+        for _ in range(200):  # the standby loaded the prompt's blocks
+            grew = {n: node_metric(stack, n, prefetched) - prefetched_before[n] for n in decode}
+            if max(grew.values()) >= context_blocks:
+                break
+            await asyncio.sleep(0.05)
+        standby = max(decode, key=lambda n: grew[n])
+        assert grew[standby] >= context_blocks, grew
+        victim = next(n for n in decode if n != standby)
+        loaded_before = node_metric(stack, standby, loaded)
+        await asyncio.to_thread(stack.kill, victim)
+
+    try:
+        await asyncio.gather(run_streams(stack.url, [request], [stream]), kill())
+        assert stream.text == expected
+        # The resume loaded what was stored after the prefetch: a few blocks of generated
+        # tokens at most (the context is ~20 blocks); the tail came on its own.
+        assert node_metric(stack, standby, loaded) - loaded_before <= 6
+        assert router_metric(stack, "tandem_failovers_total") >= 1
+    finally:
+        if victim:
+            stack.restart(victim)
+    await asyncio.to_thread(wait_for_every_node, stack, 300)

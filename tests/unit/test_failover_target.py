@@ -1,7 +1,8 @@
-"""Where a failover resumes: another decode node when one is registered, and when none is
-(all of them suspected at once, as while NATS comes back), the first one that registers
-within NODE_WAIT; past that the resume gives up. The router is a stand-in holding what
-Failover reads; RequestStream is the real one (its bus is never used here)."""
+"""Where a failover resumes: another decode node when one is registered (its standby if it
+has room), and when none is (all of them suspected at once, as while NATS comes back), the
+first one that registers within NODE_WAIT; past that the resume gives up. Which node
+becomes a stream's standby, and when. The router is a stand-in holding what Failover
+reads; RequestStream is the real one (its bus is never used here)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ import pytest
 from services.router import failover as failover_module
 from services.router.failover import Failover
 from services.router.metrics import RouterMetrics
+from services.router.nodes import NodeTable
 from services.router.streams import RequestStream
-from shared.bus.messages import NodeInfo, PrefillJob
+from shared.bus.messages import Message, NodeInfo, Prefetch, PrefillJob
 
 
 class Nodes:
     def __init__(self) -> None:
         self.decode: list[NodeInfo] = []
 
-    def pick_decode(self, blocks: int, exclude: set[str] | None = None) -> NodeInfo | None:
+    def pick_decode(
+        self, blocks: int, exclude: set[str] | None = None, prefer: str = ""
+    ) -> NodeInfo | None:
         return next((n for n in self.decode if n.node_id not in (exclude or set())), None)
 
 
 class Config:
     first_token_timeout = 60.0
+    standby_after = 2
 
 
 class RouterStandIn:
@@ -102,3 +107,72 @@ async def test_a_steered_job_fails_over_when_its_prefill_node_is_lost() -> None:
     assert resumed.output_ids == [] and failover.expected_sender() == ""  # not steered again
     failover.node_left("p1")  # its registry entry expires later: no second failover
     assert not failover.lost.is_set()
+
+
+def decode_node(node_id: str, free: int, running: int = 0) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id, role="decode", free_kv_blocks=free, total_kv_blocks=100, running=running
+    )
+
+
+def table(*nodes: NodeInfo) -> NodeTable:
+    t = NodeTable(None)  # type: ignore[arg-type]  # never started: its nodes are set here
+    t.nodes = {n.node_id: n for n in nodes}
+    return t
+
+
+async def test_resumes_on_its_standby_if_it_is_alive_with_room() -> None:
+    router = RouterStandIn()
+    nodes = table(decode_node("d1", 90), decode_node("d2", 90), decode_node("d3", 40, 3))
+    router.nodes = nodes  # type: ignore[assignment]
+    failover = failover_of(router)
+    failover.standby = "d3"  # busier than d2: chosen only as the standby
+    assert await failover.resume("its decode node was lost")
+    assert [node for node, _ in router.sent] == ["d3"]
+
+    for standby, why in [("d3", "no room"), ("d1", "it was serving"), ("d9", "not registered")]:
+        nodes.nodes["d3"] = decode_node("d3", 0 if why == "no room" else 40, 3)
+        router.sent.clear()
+        failover = failover_of(router)
+        failover.standby = standby
+        assert await failover.resume("its decode node was lost")
+        assert [node for node, _ in router.sent] == ["d2"], why  # the least loaded instead
+
+
+class Bus:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, Message]] = []
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        self.published.append((subject, msg))
+
+
+async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
+    router = RouterStandIn()
+    router.nodes = table(  # type: ignore[assignment]
+        decode_node("d1", 90), decode_node("d2", 50), decode_node("d3", 80),
+        NodeInfo(node_id="k1", role="kvcache"),
+    )  # fmt: skip
+    router.bus = Bus()  # type: ignore[attr-defined]
+    job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
+    stream = RequestStream(bus=None, request_id="r1", output_ids=[7])  # type: ignore[arg-type]
+    stream.node_id = "d1"
+    failover = Failover(router, job, stream, blocks=1)  # type: ignore[arg-type]
+    await failover.warm_standby()
+    assert router.bus.published == [] and failover.standby == ""  # 1 token < standby_after
+    stream.token_ids.append(8)
+    await failover.warm_standby()
+    await failover.warm_standby()  # once per stream
+    assert failover.standby == "d3"  # the most room, not the node serving it
+    assert router.bus.published == [
+        ("tandem.decode.d3.prefetch", Prefetch(request_id="r1", token_ids=[1, 2, 3, 7, 8]))
+    ]
+
+
+async def test_no_standby_without_a_kvcache_service_to_load_from() -> None:
+    router = RouterStandIn()
+    router.nodes = table(decode_node("d1", 90), decode_node("d2", 90))  # type: ignore[assignment]
+    router.bus = Bus()  # type: ignore[attr-defined]
+    failover = failover_of(router)  # 2 tokens delivered
+    await failover.warm_standby()
+    assert router.bus.published == [] and failover.standby == "-"

@@ -1,0 +1,71 @@
+"""A decode node as a stream's standby: it loads the stream's stored KV ahead of a failure.
+
+A resume after a decode node dies loads the stream's checkpoint from the kvcache service
+first (at 2,048 tokens of context, 95 MB: about as long as the resume's decode step). So,
+once a stream is under way, its router picks another decode node as its standby and sends
+it a `Prefetch` of the stream's context; the standby loads the blocks stored so far into
+its pool as cached blocks, evictable like any other, and the router resumes the stream
+there if its node dies. The resume then finds most of its context in the pool and loads
+only the blocks stored since, and the partial last block.
+
+Best effort and bounded: one prefetch at a time (hints meanwhile are dropped), none while
+draining, and only when the pool has room for twice the context, so a standby copy never
+crowds out the node's own streams. A mixin of DecodeWorker (the attributes below are the
+worker's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from shared.bus.client import Bus
+from shared.bus.messages import Prefetch, decode
+from shared.engine.engine import Engine
+from shared.errors import WireFormatError
+from shared.kv.block_hash import BlockHash
+from shared.prefix_cache import PrefixCache
+
+log = logging.getLogger("tandem.decode")
+PREFETCH_TIMEOUT = 10.0  # seconds for one prefetch's load from kvcache
+MAX_PREFETCHES = 1  # at once
+
+
+class Standby:
+    engine: Engine
+    bus: Bus
+    draining: bool
+    prefix: PrefixCache | None
+    prefetching: int
+    prefetched_blocks: int
+    _run: Callable[..., Any]
+    reserved_blocks: Callable[[], int]
+    _load_prefix: Callable[[list[int], float], Awaitable[tuple[list[BlockHash], list[memoryview]]]]
+
+    async def on_prefetch(self, msg: Msg) -> None:
+        try:
+            hint = decode(msg.data, Prefetch)
+            if len(hint.token_ids) > self.engine.model.max_model_len:
+                raise WireFormatError("prefetch context longer than the model's")
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            return
+        if self.draining or self.prefix is None or self.prefetching >= MAX_PREFETCHES:
+            return
+        need = self.engine.scheduler.blocks_for(len(hint.token_ids))
+        if self.engine.pool.num_free - self.reserved_blocks() < 2 * need:
+            return
+        self.prefetching += 1
+        try:
+            hashes, blocks = await self._load_prefix(hint.token_ids, PREFETCH_TIMEOUT)
+            if hashes:
+                placed = await self._run(self.engine.import_cached_blocks, hashes, blocks)
+                self.prefetched_blocks += placed
+                log.debug("standby for %s: %d KV blocks loaded", hint.request_id, placed)
+        except Exception as exc:  # best effort: a resume loads them itself
+            log.warning("prefetch for %s failed: %r", hint.request_id, exc)
+        finally:
+            self.prefetching -= 1

@@ -32,6 +32,7 @@ SAMPLES: list[m.Message] = [
     m.KVPutTails(transfer_id="t", tails=[m.KVTail("r", 16, b"\x03" * 16, [5, 6])], block_bytes=64),
     m.KVGetTail(transfer_id="t", request_id="r", reply_address="tcp://127.0.0.1:9"),
     m.KVTailReply(tail=m.KVTail("r", 0, b"\x00" * 16, [5]), block_bytes=64),
+    m.Prefetch(request_id="r", token_ids=[1, 2, 3]),
 ]
 KINDS = [type(s) for s in SAMPLES]
 

@@ -227,7 +227,8 @@ def main() -> None:
     off = statistics.median(part2["recompute"])
     print("\n| decode, 8 x 128 tokens | per round tokens/s | median | overhead |")
     print("|---|---|---:|---:|")
-    rows = {"checkpointed": "checkpoint uploads on", "blocks": "on, full blocks only"}
+    rows = {"checkpointed": "checkpoint uploads on", "nostandby": "on, no standby"}
+    rows["blocks"] = "on, full blocks only"
     rows["recompute"] = "off"
     for name, label in rows.items():
         if part2.get(name):

@@ -158,6 +158,7 @@ class Failover:
             return False
         self.router.metrics.failovers.inc()
         self.stream.sender = node.node_id
+        self.standby = ""  # the next delta picks a standby for the new node
         for old in left:
             # The node it left may live on (cut off, or stalled): it must free the blocks.
             # It hears this once it can; until then its own lease on NATS runs out.

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.launcher import Stack
 from tests.e2e.chaos import Request, Stream, run_streams
 from tests.e2e.conftest import wait_for_every_node
+from tests.e2e.netns_client import metric
 
 pytestmark = pytest.mark.e2e
 
@@ -74,13 +75,7 @@ async def test_decode_node_stopped_gracefully_finishes_its_streams(
 
 
 def node_metric(stack: Stack, node: str, name: str) -> float:
-    port = stack.metrics_ports[node]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        for family in text_string_to_metric_families(r.read().decode()):
-            for s in family.samples:
-                if s.name == name:
-                    return float(s.value)
-    return 0.0
+    return metric(str(stack.metrics_ports[node]), name)
 
 
 async def test_a_decode_node_killed_resumes_on_its_standby_which_loaded_the_context_first(

@@ -167,6 +167,11 @@ async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
     assert router.bus.published == [
         ("tandem.decode.d3.prefetch", Prefetch(request_id="r1", token_ids=[1, 2, 3, 7, 8]))
     ]
+    assert await failover.resume("its decode node was lost")  # on the standby, d3
+    stream.node_id = "d3"
+    del router.nodes.nodes["d1"]  # type: ignore[attr-defined]  # the lost node left
+    await failover.warm_standby()  # a new standby for the new node
+    assert failover.standby == "d2" and router.bus.published[-1][0] == "tandem.decode.d2.prefetch"
 
 
 async def test_no_standby_without_a_kvcache_service_to_load_from() -> None:

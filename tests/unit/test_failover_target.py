@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -34,9 +35,18 @@ class Config:
     standby_after = 2
 
 
+class Bus:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, Message]] = []
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        self.published.append((subject, msg))
+
+
 class RouterStandIn:
     def __init__(self) -> None:
-        self.nodes = Nodes()
+        self.nodes: Any = Nodes()
+        self.bus = Bus()
         self.config = Config()
         self.metrics = RouterMetrics()
         self.sent: list[tuple[str, PrefillJob]] = []
@@ -124,7 +134,7 @@ def table(*nodes: NodeInfo) -> NodeTable:
 async def test_resumes_on_its_standby_if_it_is_alive_with_room() -> None:
     router = RouterStandIn()
     nodes = table(decode_node("d1", 90), decode_node("d2", 90), decode_node("d3", 40, 3))
-    router.nodes = nodes  # type: ignore[assignment]
+    router.nodes = nodes
     failover = failover_of(router)
     failover.standby = "d3"  # busier than d2: chosen only as the standby
     assert await failover.resume("its decode node was lost")
@@ -139,21 +149,12 @@ async def test_resumes_on_its_standby_if_it_is_alive_with_room() -> None:
         assert [node for node, _ in router.sent] == ["d2"], why  # the least loaded instead
 
 
-class Bus:
-    def __init__(self) -> None:
-        self.published: list[tuple[str, Message]] = []
-
-    async def publish(self, subject: str, msg: Message) -> None:
-        self.published.append((subject, msg))
-
-
 async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
     router = RouterStandIn()
-    router.nodes = table(  # type: ignore[assignment]
+    router.nodes = table(
         decode_node("d1", 90), decode_node("d2", 50), decode_node("d3", 80),
         NodeInfo(node_id="k1", role="kvcache"),
     )  # fmt: skip
-    router.bus = Bus()  # type: ignore[attr-defined]
     job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r1", output_ids=[7])  # type: ignore[arg-type]
     stream.node_id = "d1"
@@ -169,15 +170,14 @@ async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
     ]
     assert await failover.resume("its decode node was lost")  # on the standby, d3
     stream.node_id = "d3"
-    del router.nodes.nodes["d1"]  # type: ignore[attr-defined]  # the lost node left
+    del router.nodes.nodes["d1"]  # the lost node left
     await failover.warm_standby()  # a new standby for the new node
     assert failover.standby == "d2" and router.bus.published[-1][0] == "tandem.decode.d2.prefetch"
 
 
 async def test_no_standby_without_a_kvcache_service_to_load_from() -> None:
     router = RouterStandIn()
-    router.nodes = table(decode_node("d1", 90), decode_node("d2", 90))  # type: ignore[assignment]
-    router.bus = Bus()  # type: ignore[attr-defined]
+    router.nodes = table(decode_node("d1", 90), decode_node("d2", 90))
     failover = failover_of(router)  # 2 tokens delivered
     await failover.warm_standby()
     assert router.bus.published == [] and failover.standby == "-"

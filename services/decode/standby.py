@@ -30,7 +30,7 @@ from shared.kv.block_hash import BlockHash
 from shared.prefix_cache import PrefixCache
 
 log = logging.getLogger("tandem.decode")
-PREFETCH_TIMEOUT = 10.0  # seconds for one prefetch's load from kvcache
+PREFETCH_TIMEOUT = 5.0  # seconds for one prefetch's load from kvcache (as for a prefix)
 MAX_PREFETCHES = 1  # at once
 
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.kvclient import DOWN_BACKOFF
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.test_api import MODEL, client, reference, text_of
@@ -156,7 +157,10 @@ def test_serving_continues_while_the_kvcache_node_is_down(
             break
         except OSError:
             time.sleep(0.5)
-    time.sleep(3)  # the prefill nodes' node list refreshes and the backoff ends
+    # Every node's client skips a kvcache node for DOWN_BACKOFF after a failed call, and a
+    # call may fail just as the node returns (a decode node's upload or a standby's load):
+    # wait that out, and for the node lists to refresh.
+    time.sleep(DOWN_BACKOFF + 2)
     loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
     with client(stack) as c:
         chat_turns(c, stack, real_model, LONG_QUESTIONS[2:])

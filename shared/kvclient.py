@@ -25,6 +25,7 @@ from shared.bus.messages import (
     KVGetTail,
     KVPut,
     KVPutTails,
+    KVPutTailsReply,
     KVTail,
     KVTailReply,
     Message,
@@ -88,25 +89,20 @@ class KVCacheClient:
             block_bytes=len(blocks) // len(hashes),
             transfer_secret=new_secret(),
         )
-        await self._announce_and_send(node_id, address, "put", announce, memoryview(blocks))
-
-    async def _announce_and_send(
-        self,
-        node_id: str,
-        address: str,
-        op: str,
-        announce: KVPut | KVPutTails,
-        payload: memoryview,
-    ) -> None:
-        """Announce a put (the node must answer ok), then send its blocks as one transfer."""
-        reply = await self._ask(node_id, op, announce)
+        reply = await self._ask(node_id, "put", announce)
         if reply != b"ok":
-            raise KVCacheError(f"kvcache {node_id} refused {op}: {reply.decode(errors='replace')}")
+            raise KVCacheError(f"kvcache {node_id} refused put: {reply.decode(errors='replace')}")
+        await self._send(address, "put", announce, memoryview(blocks), announce.block_bytes)
+
+    async def _send(
+        self, address: str, op: str, announce: KVPut | KVPutTails, payload: memoryview, chunk: int
+    ) -> None:
+        """Send an announced put's bytes as one transfer, checksummed per `chunk` bytes."""
         header = make_header(
             f"kvcache-{op}",
             announce.transfer_id,
             payload,
-            chunk_bytes=announce.block_bytes,
+            chunk_bytes=chunk,
             secret=announce.transfer_secret,
         )
         await self.transport.send(address, header, payload, timeout=TRANSFER_TIMEOUT)
@@ -241,55 +237,66 @@ class KVCacheClient:
         nodes = {n.node_id: n for n in await self.nodes()}
         return nodes[owner(request_id.encode(), list(nodes))] if nodes else None
 
-    async def store_tails(self, tails: Sequence[TailBlock]) -> int:
-        """Replace these requests' stored tails; returns how many were handed over."""
+    async def store_tails(self, tails: Sequence[TailBlock]) -> list[str]:
+        """Store these requests' tails (whole ones replace, pieces extend); returns the
+        request ids whose tail is not stored whole now: their node is down, or it lacks the
+        rows a piece continues. Only a whole tail helps those."""
+        lost: list[str] = []
         groups: dict[str, tuple[NodeInfo, list[TailBlock]]] = {}
         for tail in tails:
             node = await self._tail_owner(tail.request_id)
-            if node is not None:
+            if node is None:
+                lost.append(tail.request_id)
+            else:
                 groups.setdefault(node.node_id, (node, []))[1].append(tail)
 
-        async def put_group(node: NodeInfo, group: list[TailBlock]) -> int:
+        async def put_group(node: NodeInfo, group: list[TailBlock]) -> list[str]:
             try:
-                await self._put_tails(node, group)
-                return len(group)
+                return await self._put_tails(node, group)
             except Exception as exc:
                 self._mark_down(node, "put_tails", exc)
-                return 0
+                return [t.request_id for t in group]
 
-        done = await asyncio.gather(*(put_group(n, g) for n, g in groups.values()))
-        return sum(done)
+        for missing in await asyncio.gather(*(put_group(n, g) for n, g in groups.values())):
+            lost.extend(missing)
+        return lost
 
-    async def _put_tails(self, node: NodeInfo, tails: list[TailBlock]) -> None:
-        size = len(tails[0].data)
-        if any(len(t.data) != size for t in tails):
-            raise KVCacheError("tails of one put must be blocks of one size")
+    async def _put_tails(self, node: NodeInfo, tails: list[TailBlock]) -> list[str]:
+        """One put of tails to `node`; the request ids of pieces it cannot use."""
+        row = len(tails[0].data) // tails[0].rows
+        if any(len(t.data) != t.rows * row for t in tails):
+            raise KVCacheError("tails of one put must hold rows of one size")
         announce = KVPutTails(
             transfer_id=f"tails-{uuid.uuid4().hex}",
-            tails=[KVTail(t.request_id, t.start, bytes(t.parent), t.token_ids) for t in tails],
-            block_bytes=size,
+            tails=[
+                KVTail(t.request_id, t.start, bytes(t.parent), t.token_ids, t.first) for t in tails
+            ],
+            row_bytes=row,
             transfer_secret=new_secret(),
         )
+        reply = decode(await self._ask(node.node_id, "put_tails", announce), KVPutTailsReply)
+        if reply.error:
+            raise KVCacheError(f"kvcache {node.node_id} refused put_tails: {reply.error}")
         payload = memoryview(b"".join(t.data for t in tails))
-        await self._announce_and_send(
-            node.node_id, node.data_address, "put_tails", announce, payload
-        )
+        # Checksummed per MiB, not per tail: a piece may be a single ~46 KB row.
+        await self._send(node.data_address, "put_tails", announce, payload, 1 << 20)
+        return reply.missing
 
-    async def load_tail(self, request_id: str, block_bytes: int) -> TailBlock | None:
-        """The request's stored tail (None: none, or its node is unavailable)."""
+    async def load_tail(self, request_id: str, row_bytes: int, max_rows: int) -> TailBlock | None:
+        """The request's stored tail, whole (None: none, or its node is unavailable)."""
         node = await self._tail_owner(request_id)
         if node is None:
             return None
         try:
-            return await self._get_tail(node, request_id, block_bytes)
+            return await self._get_tail(node, request_id, row_bytes, max_rows)
         except Exception as exc:
             self._mark_down(node, "get_tail", exc)
             return None
 
     async def _get_tail(
-        self, node: NodeInfo, request_id: str, block_bytes: int
+        self, node: NodeInfo, request_id: str, row_bytes: int, max_rows: int
     ) -> TailBlock | None:
-        with self._incoming("tail", block_bytes) as (transfer_id, secret, arrived):
+        with self._incoming("tail", row_bytes * max_rows) as (transfer_id, secret, arrived):
             ask = KVGetTail(
                 transfer_id=transfer_id,
                 request_id=request_id,
@@ -299,10 +306,10 @@ class KVCacheClient:
             reply = decode(await self._ask(node.node_id, "get_tail", ask), KVTailReply)
             if reply.error:
                 raise KVCacheError(f"kvcache {node.node_id}: {reply.error}")
-            if reply.tail is None or reply.tail.request_id != request_id:
+            t = reply.tail
+            if t is None or t.request_id != request_id or t.first:
                 return None
-            if reply.block_bytes != block_bytes:  # another model's block: unusable
-                return None
+            if not 0 < len(t.token_ids) <= max_rows or reply.nbytes != len(t.token_ids) * row_bytes:
+                return None  # another model's rows: unusable
             data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
-        t = reply.tail
         return TailBlock(t.request_id, t.start, BlockHash(t.parent), t.token_ids, data)

@@ -156,10 +156,13 @@ class LocalPrefill:
         patience = min(PREFIX_LOAD_TIMEOUT, patience)
         if not job.output_ids or self.prefix is None or self.prefix.cache is None or patience <= 0:
             return None
-        size = self.engine.layout.bytes_per_block
+        layout = self.engine.layout
         try:
             return await asyncio.wait_for(
-                self.prefix.cache.load_tail(job.request_id, size), patience
+                self.prefix.cache.load_tail(
+                    job.request_id, layout.bytes_per_slot, layout.block_size - 1
+                ),
+                patience,
             )
         except Exception as exc:
             log.warning("KV tail load from kvcache failed: %r", exc)

@@ -1,15 +1,19 @@
 """Background writes of running sequences' partial last blocks (tails) to the kvcache service.
 
-After each step the engine hands over the tail of every sequence whose KV grew. Only the
-latest tail of a request matters, so pending ones are replaced rather than queued, and
-writes run one batch at a time: when the store is slower than the steps, tails are skipped,
-never piled up, and the decode loop never waits. A request that ends here is forgotten.
+After each step the engine hands over, for every sequence whose KV grew, the rows the step
+added to its tail (a piece), or the whole tail when a new block starts. Only the latest
+state of a request matters: a pending piece is merged into what is pending for it, a whole
+tail replaces it, and writes run one batch at a time. When the store is slower than the
+steps, puts are merged, never piled up, and the decode loop never waits. When the store
+cannot use a piece (its node was down, or lost the earlier rows), the engine is asked for
+the whole tail next time (`on_lost`). A request that ends here is forgotten.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from shared.kv.tail import TailBlock
 from shared.kvclient import KVCacheClient
@@ -25,20 +29,38 @@ class TailUploader:
         self.client = client
         self.latest: dict[str, TailBlock] = {}
         self.stored = 0
-        self.skipped = 0  # replaced by a newer tail before being written
+        self.skipped = 0  # merged into or replaced by a newer one before being written
+        self.lost = 0  # not stored whole: sent again whole
+        self.on_lost: Callable[[list[str]], None] = lambda request_ids: None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, tails: list[TailBlock]) -> None:
         for tail in tails:
-            if self.latest.pop(tail.request_id, None) is not None:
+            pending = self.latest.pop(tail.request_id, None)
+            if pending is not None:
                 self.skipped += 1
+                if tail.first:
+                    merged = pending.extended_by(tail)
+                    if merged is None:  # the engine hands pieces over in order: a bug guard
+                        self._lost([tail.request_id])
+                        continue
+                    tail = merged
             self.latest[tail.request_id] = tail
         if tails:
             self._wake.set()
 
     def forget(self, request_id: str) -> None:
         self.latest.pop(request_id, None)
+
+    def _lost(self, request_ids: list[str]) -> None:
+        """Ask for these tails whole; pieces pending for them would be lost as well."""
+        for rid in request_ids:
+            pending = self.latest.get(rid)
+            if pending is not None and pending.first:
+                del self.latest[rid]
+        self.lost += len(request_ids)
+        self.on_lost(request_ids)
 
     def start(self) -> TailUploader:
         self._task = asyncio.create_task(self._run())
@@ -51,9 +73,13 @@ class TailUploader:
             while self.latest:
                 batch = [self.latest.pop(rid) for rid in list(self.latest)[:MAX_TAILS_PER_PUT]]
                 try:
-                    self.stored += await self.client.store_tails(batch)
+                    lost = await self.client.store_tails(batch)
                 except Exception as exc:  # the client logs node failures; a bug guard
                     log.warning("storing %d tails failed: %r", len(batch), exc)
+                    lost = [t.request_id for t in batch]
+                self.stored += len(batch) - len(lost)
+                if lost:
+                    self._lost(lost)
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)

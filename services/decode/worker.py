@@ -96,6 +96,8 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
         # elsewhere then recomputes one token, not up to a block.
         self.tails = tails
         engine.collect_tails = tails is not None
+        if tails is not None:
+            tails.on_lost = engine.resend_tails
         # What this node's pool holds goes out as KV events, so routers can send a request
         # whose prefix lives here straight to this node. Collected on the engine thread,
         # published after each step.
@@ -125,6 +127,11 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
         )
         if tails is not None:
             m.gauge("tandem_checkpoint_tails_stored", "Partial blocks stored", lambda: tails.stored)
+            m.gauge(
+                "tandem_checkpoint_tails_lost",
+                "Partial blocks the store could not extend: sent again whole",
+                lambda: tails.lost,
+            )
         self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
         self.stream_spans: dict[str, trace.Span] = {}
 

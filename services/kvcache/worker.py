@@ -4,6 +4,8 @@ put: a KVPut request announces a transfer and its block hashes; the blocks then 
 the data plane and are stored one by one. get: a KVGet request names hashes and where to
 send them; the node answers how many leading blocks it has and sends them as one transfer.
 Every store and eviction is published as a KV event, so routers know what lives here.
+put_tails/get_tail do the same for running requests' partial last blocks, kept apart
+(`services.kvcache.tails`); a put of tails says at once which pieces it cannot use.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from shared.bus.messages import (
     KVGetTail,
     KVPut,
     KVPutTails,
+    KVPutTailsReply,
     KVTailReply,
     NodeInfo,
     decode,
@@ -49,6 +52,7 @@ PUT_TIMEOUT = 30.0
 SEND_TIMEOUT = 30.0
 MAX_BLOCKS_PER_REQUEST = 4096
 MAX_TAILS_PER_PUT = 1024
+MAX_TAIL_TOKENS = 4096  # more than any block size
 
 
 class KVCacheWorker:
@@ -107,6 +111,11 @@ class KVCacheWorker:
         m.gauge("tandem_kvcache_tails", "Requests' partial blocks held", lambda: len(tails))
         m.gauge("tandem_kvcache_tail_bytes", "Bytes of partial blocks", lambda: tails.used_bytes)
         m.gauge("tandem_kvcache_tails_served", "Partial blocks sent", lambda: tails.served)
+        m.gauge(
+            "tandem_kvcache_tails_broken",
+            "Partial blocks dropped for a piece not continuing them",
+            lambda: tails.broken,
+        )
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
@@ -141,18 +150,15 @@ class KVCacheWorker:
                     f"blocks here are {self.store.block_bytes} bytes, not {put.block_bytes}"
                 )
         except WireFormatError as exc:
-            await self._refuse_put(msg, exc)
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(b"refused: " + str(exc).encode())
             return
-        await self._expect_put(msg, put)
+        await self._expect_put(msg, put, b"ok")
 
-    async def _refuse_put(self, msg: Msg, exc: WireFormatError) -> None:
-        self.bus.count_drop(msg.subject, str(exc))
-        await msg.respond(b"refused: " + str(exc).encode())
-
-    async def _expect_put(self, msg: Msg, put: KVPut | KVPutTails) -> None:
+    async def _expect_put(self, msg: Msg, put: KVPut | KVPutTails, reply: bytes) -> None:
         """Accept the announced transfer (until PUT_TIMEOUT) and say so."""
         self.puts[put.transfer_id] = (put, time.monotonic() + PUT_TIMEOUT)
-        await msg.respond(b"ok")
+        await msg.respond(reply)
 
     async def on_get(self, msg: Msg) -> None:
         with TRACER.start_as_current_span(
@@ -182,14 +188,21 @@ class KVCacheWorker:
     async def on_put_tails(self, msg: Msg) -> None:
         try:
             put = decode(msg.data, KVPutTails)
-            if not put.tails or put.block_bytes <= 0:
-                raise WireFormatError("put_tails needs tails and a block size")
+            if not put.tails or put.row_bytes <= 0:
+                raise WireFormatError("put_tails needs tails and a row size")
             if len(put.tails) > MAX_TAILS_PER_PUT:
                 raise WireFormatError("too many tails in one put")
+            if any(not 0 <= t.first < len(t.token_ids) <= MAX_TAIL_TOKENS for t in put.tails):
+                raise WireFormatError("a tail's rows are out of range")
+            if tails_bytes(put) > self.tails.max_bytes:
+                raise WireFormatError("the tails are larger than this node holds")
         except WireFormatError as exc:
-            await self._refuse_put(msg, exc)
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(encode(KVPutTailsReply(error=str(exc))))
             return
-        await self._expect_put(msg, put)
+        # Checked now to tell the sender at once; each piece is checked again on arrival.
+        missing = [t.request_id for t in put.tails if not self.tails.continues(t)]
+        await self._expect_put(msg, put, encode(KVPutTailsReply(missing=missing)))
 
     async def on_get_tail(self, msg: Msg) -> None:
         try:
@@ -203,7 +216,7 @@ class KVCacheWorker:
             await msg.respond(encode(KVTailReply()))
             return
         tail, data = found
-        await msg.respond(encode(KVTailReply(tail=tail, block_bytes=len(data))))
+        await msg.respond(encode(KVTailReply(tail=tail, nbytes=len(data))))
         self._start_send(
             get.transfer_id, get.reply_address, get.transfer_secret, memoryview(data), None
         )
@@ -260,17 +273,22 @@ class KVCacheWorker:
         put = entry[0]
         if not secret_matches(put.transfer_secret, header):
             raise TransferRejected("wrong transfer secret", transfer_id=header.transfer_id)
-        count = len(put.tails) if isinstance(put, KVPutTails) else len(put.block_hashes)
-        if header.nbytes != count * put.block_bytes:
+        if isinstance(put, KVPutTails):
+            nbytes = tails_bytes(put)
+        else:
+            nbytes = len(put.block_hashes) * put.block_bytes
+        if header.nbytes != nbytes:
             raise TransferRejected("put size does not match its announcement")
         return uninitialised(header.nbytes)
 
     async def complete(self, header: TransferHeader, payload: memoryview) -> None:
         put, _ = self.puts.pop(header.transfer_id)
         if isinstance(put, KVPutTails):
-            size = put.block_bytes
-            for i, tail in enumerate(put.tails):
-                self.tails.put(tail, payload[i * size : (i + 1) * size])
+            at = 0
+            for tail in put.tails:
+                end = at + (len(tail.token_ids) - tail.first) * put.row_bytes
+                self.tails.put(tail, payload[at:end])
+                at = end
             return
         stored = []
         try:
@@ -295,3 +313,8 @@ class KVCacheWorker:
             data_address=self.transport.address,
             load=len(self.store),
         )
+
+
+def tails_bytes(put: KVPutTails) -> int:
+    """The size of the transfer a put of tails announces: the rows of each, from its first."""
+    return sum(len(t.token_ids) - t.first for t in put.tails) * put.row_bytes

@@ -185,22 +185,33 @@ class KVGetReply(Message, frozen=True, tag="kv_get_reply"):
 
 class KVTail(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A request's partial last KV block (`shared.kv.tail`): where it starts, the full block
-    before it, the tokens whose KV it holds."""
+    before it, the tokens whose KV it holds; as a piece (`first` > 0), the rows it adds."""
 
     request_id: str
     start: int
     parent: bytes
     token_ids: list[int]
+    first: int = 0
 
 
 class KVPutTails(Message, frozen=True, tag="kv_put_tails"):
-    """→ kvcache node: expect transfer `transfer_id` holding one block per tail, in order;
-    each replaces the tail its request had stored."""
+    """→ kvcache node: expect transfer `transfer_id` holding, tail after tail in order, each
+    tail's rows from its `first` on (`row_bytes` each). A whole tail (`first` 0) replaces
+    the one its request had stored; a piece extends it."""
 
     transfer_id: str = ""
     tails: list[KVTail] = []
-    block_bytes: int = 0
+    row_bytes: int = 0
     transfer_secret: str = ""
+
+
+class KVPutTailsReply(Message, frozen=True, tag="kv_put_tails_reply"):
+    """← kvcache node: the transfer is expected, but the pieces of the requests in `missing`
+    do not continue what it holds (it lost or never had their earlier rows): they will be
+    dropped, and only a whole tail helps. `error`: refused, send nothing."""
+
+    missing: list[str] = []
+    error: str = ""
 
 
 class KVGetTail(Message, frozen=True, tag="kv_get_tail"):
@@ -213,10 +224,11 @@ class KVGetTail(Message, frozen=True, tag="kv_get_tail"):
 
 
 class KVTailReply(Message, frozen=True, tag="kv_tail_reply"):
-    """← kvcache node: the tail it will send (None: none stored, nothing follows)."""
+    """← kvcache node: the whole tail it will send, `nbytes` long (None: none stored,
+    nothing follows)."""
 
     tail: KVTail | None = None
-    block_bytes: int = 0
+    nbytes: int = 0
     error: str = ""
 
 

@@ -4,12 +4,14 @@ In: a prefill node fetches a prompt's cached prefix from kvcache and places the 
 its pool as cached (free, findable) blocks, so the next admission finds them like any
 local hit. Out: a decode node collects the blocks its forwards fill and hands them to the
 uploader between steps, before they can be reused, and the partly filled last block of
-each running sequence (its tail, `shared.kv.tail`), so a resume elsewhere recomputes one
-token rather than up to a block; a resumed sequence's tail goes back into a fresh block.
+each running sequence (its tail, `shared.kv.tail`: after each step only the rows it added),
+so a resume elsewhere recomputes one token rather than up to a block; a resumed sequence's
+tail goes back into a fresh block.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +53,9 @@ class BlockExchange:
     hash_extra: bytes
     collect_filled: bool
     collect_tails: bool  # take_tails returns the running sequences' partial blocks
-    _tails_taken: dict[str, int]  # request id → num_computed its last taken tail covered
+    _tails_taken: dict[str, tuple[int, int, int]]  # request id → (start, block id, rows)
+    _tails_resend: set[str]  # requests whose next tail is taken whole (any thread adds)
+    _tails_lock: threading.Lock
     checkpoint_every: int  # filled blocks per sequence handed over together (the cadence)
     _filled: list[tuple[BlockHash, int]]
     # request id → (sequence, [(block index, hash, block id)]) filled, not yet handed over
@@ -155,45 +159,69 @@ class BlockExchange:
         return points
 
     def take_tails(self) -> list[TailBlock]:
-        """The partly filled last block of every running sequence whose KV grew since the
-        last call (none for one whose KV ends on a block boundary: its full blocks say all).
+        """What grew of every running sequence's partly filled last block since the last
+        call: the rows added since (a piece), or all of them when the sequence is new
+        here, entered a new block or `resend_tails` named it. Nothing for a sequence whose
+        KV ends on a block boundary: its full blocks say all.
 
         Call on the engine thread between steps, like `take_filled_blocks`.
         """
         if not self.collect_tails:
             return []
+        with self._tails_lock:
+            resend, self._tails_resend = self._tails_resend, set()
         bs = self.config.block_size
-        found: list[tuple[Sequence, int]] = []
+        found: list[tuple[Sequence, int, int]] = []
         for seq in self.scheduler.running:
             computed = seq.num_computed
             start = computed - computed % bs
+            index = start // bs
             if (
                 computed == start
-                or self._tails_taken.get(seq.request_id) == computed
-                or len(seq.block_hashes) < start // bs  # unnamed (no prefix caching)
-                or len(seq.block_ids) <= start // bs
+                or len(seq.block_hashes) < index  # unnamed (no prefix caching)
+                or len(seq.block_ids) <= index
             ):
                 continue
-            self._tails_taken[seq.request_id] = computed
-            found.append((seq, start))
+            taken = (start, seq.block_ids[index], computed - start)
+            before = self._tails_taken.get(seq.request_id)
+            if before == taken and seq.request_id not in resend:
+                continue
+            self._tails_taken[seq.request_id] = taken
+            grew = before is not None and before[:2] == taken[:2] and before[2] < taken[2]
+            first = before[2] if before and grew and seq.request_id not in resend else 0
+            found.append((seq, start, first))
         if not found:
             return []
-        blocks = self._block_bytes([s.block_ids[start // bs] for s, start in found])
-        return [
-            TailBlock(
-                seq.request_id,
-                start,
-                seq.block_hashes[start // bs - 1] if start else ROOT_HASH,
-                seq.all_ids[start : seq.num_computed],
-                block,
-            )
-            for (seq, start), block in zip(found, blocks, strict=True)
+        spans = [
+            (s.block_ids[start // bs], first, s.num_computed - start) for s, start, first in found
         ]
+        rows = self.cache.read_slots(spans)
+        raw = rows.view(torch.uint8).reshape(-1).numpy().data
+        row = self.layout.bytes_per_slot
+        tails, at = [], 0
+        for (seq, start, first), (_, _, end) in zip(found, spans, strict=True):
+            tails.append(
+                TailBlock(
+                    seq.request_id,
+                    start,
+                    seq.block_hashes[start // bs - 1] if start else ROOT_HASH,
+                    seq.all_ids[start : seq.num_computed],
+                    raw[at * row : (at + end - first) * row],
+                    first,
+                )
+            )
+            at += end - first
+        return tails
+
+    def resend_tails(self, request_ids: list[str]) -> None:
+        """The store lost these requests' tails: take them whole next time (any thread)."""
+        with self._tails_lock:
+            self._tails_resend.update(request_ids)
 
     def fit_tail(self, tail: TailBlock, context: list[int]) -> TailBlock | None:
         """The part of a stored tail a resume of `context` can use (None: unusable)."""
         bs = self.config.block_size
-        if len(tail.data) != self.layout.bytes_per_block:
+        if len(tail.data) != tail.rows * self.layout.bytes_per_slot:
             return None
         hashes = block_hashes(context[: tail.start], bs, self.hash_extra)
         return fit_tail(tail, context, hashes, bs)
@@ -207,6 +235,6 @@ class BlockExchange:
         index = tail.start // self.config.block_size
         if seq.num_computed != tail.start or len(seq.block_ids) <= index:
             return  # the prefix hit ended elsewhere: the tokens are recomputed
-        self.cache.write_block_buffers([seq.block_ids[index]], [tail.data])
+        self.cache.write_slots(seq.block_ids[index], 0, tail.data)
         seq.num_computed += len(tail.token_ids)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)

@@ -11,6 +11,7 @@ the running batch).
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,6 +102,8 @@ class Engine(BlockExchange):
         self.checkpoint_every = 1
         self.collect_tails = False
         self._tails_taken = {}
+        self._tails_resend = set()
+        self._tails_lock = threading.Lock()
         self._filled: list[tuple[BlockHash, int]] = []
         self._pending = {}
         self._points = {}

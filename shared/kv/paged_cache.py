@@ -5,7 +5,9 @@ indexes dim 2, and a token's slot is `block_id * block_size + offset` in the fla
 `(num_blocks * block_size)` view, which keeps per-layer writes and gathers simple. Blocks
 leave the cache *block-major* (`[n, layers, 2, block_size, kv_heads, head_dim]`), so each
 block is one contiguous run of bytes: the unit the data plane checksums and the kvcache
-service stores by hash.
+service stores by hash. Single token slots leave and enter *slot-major*
+(`[n, layers, 2, kv_heads, head_dim]`): a run of slots is one run of bytes, so a partly
+filled block can be sent, and extended, a few rows at a time (`shared.kv.tail`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One token's KV over every layer: a row of a slot-major run."""
+        return self.bytes_per_block // self.block_size
 
     def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of `num_blocks` blocks block-major, as they leave and enter a cache."""
@@ -99,6 +106,37 @@ class PagedKVCache:
         for i, block_id in enumerate(block_ids):
             out[i].copy_(self.kv[:, :, block_id])
         return out
+
+    def read_slots(self, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """Slot-major copies `[rows, layers, 2, kv_heads, head_dim]` of the slots
+        `first..end-1` of each `(block_id, first, end)`, one after the other."""
+        lay = self.layout
+        rows = sum(end - first for _, first, end in spans)
+        out = torch.empty(
+            (rows, lay.num_layers, 2, lay.num_kv_heads, lay.head_dim),
+            dtype=self.kv.dtype,
+            device=self.kv.device,
+        )
+        at = 0
+        for block_id, first, end in spans:
+            out[at : at + end - first].copy_(self.kv[:, :, block_id, first:end].movedim(2, 0))
+            at += end - first
+        return out
+
+    def write_slots(self, block_id: int, first: int, buffer: bytes | memoryview) -> int:
+        """Write slot-major rows from `buffer` into block `block_id` from slot `first` on;
+        how many rows (the buffer must hold whole rows, at most to the block's end)."""
+        lay = self.layout
+        view = memoryview(buffer)
+        if view.readonly:  # torch wraps only writable memory without a warning
+            view = memoryview(bytearray(view))
+        rows, rest = divmod(view.nbytes, lay.bytes_per_slot)
+        if rest or first + rows > lay.block_size:
+            raise ValueError(f"{view.nbytes} bytes are not whole rows from slot {first} on")
+        src = torch.frombuffer(view, dtype=torch.uint8).view(lay.dtype)
+        src = src.view(rows, lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
+        self.kv[:, :, block_id, first : first + rows].copy_(src.movedim(0, 2))
+        return rows
 
     def write_block_buffers(
         self, block_ids: list[int], buffers: Sequence[bytes | memoryview]

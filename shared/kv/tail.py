@@ -6,15 +6,44 @@ sequence is not full, so it has no such name. A decode node stores it per reques
 node resuming the request uses it only if both agree with the context the client received,
 so a resume recomputes one token instead of up to a block of them.
 
-Only the first `len(token_ids)` slots of `data` hold KV; the rest are whatever the block
-held before, and a sequence using the tail overwrites them as it goes on.
+`data` holds the KV of those tokens only, slot-major (one row per token, every layer's keys
+and values in it: `shared.kv.paged_cache`), so a tail grows by appending rows. A decode
+node sends each tail in pieces: after a step only the rows added since it last sent that
+request's tail (`first` > 0: rows `first` on), which the store appends to what it holds;
+the whole tail (`first` == 0) when a new block starts or the store lost the earlier rows.
+One token's row is ~46 KB for SmolLM2-135M in float32, a whole block 16 of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.kv.block_hash import ROOT_HASH, BlockHash
+
+
+class TailPart(Protocol):
+    """What a tail or a piece of one says about itself (`TailBlock`, and `KVTail` on the
+    wire)."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def parent(self) -> bytes: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def first(self) -> int: ...
+
+
+def continues(tail: TailPart, piece: TailPart) -> bool:
+    """Whether `piece`'s rows go right after `tail`'s: same block, same tokens so far."""
+    return (
+        piece.first == len(tail.token_ids)
+        and piece.start == tail.start
+        and piece.parent == tail.parent
+        and piece.token_ids[: piece.first] == tail.token_ids
+    )
 
 
 @dataclass(frozen=True)
@@ -23,7 +52,22 @@ class TailBlock:
     start: int  # position of its first token: a multiple of the block size
     parent: BlockHash  # hash of the full block before it (ROOT_HASH at position 0)
     token_ids: list[int]  # the tokens whose KV it holds, 1 to block size - 1 of them
-    data: bytes | memoryview  # one whole block, block-major as the pool stores it
+    data: bytes | memoryview  # rows `first` to len(token_ids) - 1, slot-major
+    first: int = 0  # > 0: a piece extending the tail stored before it (see above)
+
+    @property
+    def rows(self) -> int:
+        """How many token rows `data` holds."""
+        return len(self.token_ids) - self.first
+
+    def extended_by(self, piece: TailBlock) -> TailBlock | None:
+        """This tail with `piece`'s rows appended, if `piece` continues exactly it."""
+        if not continues(self, piece):
+            return None
+        data = bytes(self.data) + bytes(piece.data)
+        return TailBlock(
+            self.request_id, self.start, self.parent, piece.token_ids, data, self.first
+        )
 
 
 def fit_tail(
@@ -32,13 +76,16 @@ def fit_tail(
     """The part of `tail` a resume of `context` can use, or None.
 
     `hashes`: the chained hashes of the context's full blocks (at least up to the tail's
-    start). Usable: it starts on a block boundary right after a block of `hashes` (or at 0),
-    its parent is that block, and its tokens equal the context's there. It is cut to leave
+    start). Usable: it is whole (not a piece) with a row per token, it starts on a block
+    boundary right after a block of `hashes` (or at 0), its parent is that block, and its
+    tokens equal the context's there. It is cut to leave
     the context's last token to compute (the next forward needs one); tokens the context no
     longer has (the client never received them) are cut too, since a slot's KV depends only
     on the tokens up to it.
     """
     if tail.start % block_size or not tail.token_ids or len(tail.token_ids) >= block_size:
+        return None
+    if tail.first or len(tail.data) % len(tail.token_ids):
         return None
     index = tail.start // block_size
     if index > len(hashes) or (hashes[index - 1] if index else ROOT_HASH) != tail.parent:
@@ -48,4 +95,6 @@ def fit_tail(
         return None
     if usable == len(tail.token_ids):
         return tail
-    return TailBlock(tail.request_id, tail.start, tail.parent, tail.token_ids[:usable], tail.data)
+    row = len(tail.data) // len(tail.token_ids)
+    data = memoryview(tail.data)[: usable * row]
+    return TailBlock(tail.request_id, tail.start, tail.parent, tail.token_ids[:usable], data)

@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared.bus.client import Bus
-from shared.bus.messages import KVPutTails, encode
+from shared.bus.messages import KVPutTails, KVPutTailsReply, KVTail, decode, encode
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import NatsServer, free_port
 from shared.bus.topology import ensure_topology, kvcache_subject
@@ -157,14 +157,17 @@ async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: N
             stop(p)
 
 
-async def test_request_tails_are_replaced_expire_and_bad_input_is_refused(
+async def test_request_tails_grow_by_pieces_expire_and_bad_input_is_refused(
     nats_server: NatsServer,
 ) -> None:
-    """Running requests' partial last blocks through a real node: the latest per request,
-    the whole block back, gone a lease after the last write; bad puts change nothing."""
+    """Running requests' partial last blocks through a real node: a whole tail replaces,
+    a piece appends its rows, one that does not continue is reported and drops the stored
+    tail; the whole tail comes back; gone a lease after the last write; bad puts change
+    nothing."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
-         "--node-id", "kv-t", "--transport", "ucx", "--capacity-mb", "4", "--tail-ttl", "1.5"],
+         "--node-id", "kv-t", "--transport", "ucx", "--capacity-mb", "4", "--tail-mb", "1",
+         "--tail-ttl", "1.5"],
         cwd=ROOT,
     )  # fmt: skip
     bus = await Bus(nats_server.url, "client").connect()
@@ -173,41 +176,79 @@ async def test_request_tails_are_replaced_expire_and_bad_input_is_refused(
     transport = make_transport("ucx")
     pending = PendingTransfers()
     await transport.start(pending)
+    row, max_rows = 4096, 15
     try:
         registry = await NodeRegistry(bus).start()
         client = KVCacheClient(bus, transport, pending, registry)
         await wait_for_nodes(client, {"kv-t"})
 
-        def tail(rid: str, tokens: list[int]) -> TailBlock:
-            return TailBlock(rid, 32, BlockHash(h(1)), tokens, os.urandom(BLOCK))
+        def tail(rid: str, tokens: list[int], first: int = 0) -> TailBlock:
+            data = os.urandom((len(tokens) - first) * row)
+            return TailBlock(rid, 32, BlockHash(h(1)), tokens, data, first)
+
+        def joined(*parts: TailBlock) -> bytes:
+            return b"".join(p.data for p in parts)
+
+        async def load(rid: str) -> TailBlock | None:
+            return await client.load_tail(rid, row, max_rows)
 
         a1, b1 = tail("req-a", [5, 6]), tail("req-b", [7])
-        assert await client.store_tails([a1, b1]) == 2
-        got = await client.load_tail("req-a", BLOCK)
+        assert await client.store_tails([a1, b1]) == []
+        got = await load("req-a")
         assert got is not None and (got.request_id, got.start, got.parent, got.token_ids) == (
             "req-a",
             32,
             h(1),
             [5, 6],
         )
-        assert bytes(got.data) == a1.data
-        a2 = tail("req-a", [5, 6, 8])
-        assert await client.store_tails([a2]) == 1
-        got = await client.load_tail("req-a", BLOCK)
-        assert got is not None and got.token_ids == [5, 6, 8] and bytes(got.data) == a2.data
-        assert await client.load_tail("req-none", BLOCK) is None
-        assert await client.load_tail("req-b", BLOCK // 2) is None  # another model's size
+        assert bytes(got.data) == a1.data and got.first == 0
+        a2, a3 = tail("req-a", [5, 6, 8], first=2), tail("req-a", [5, 6, 8, 9, 4], first=3)
+        b2 = tail("req-b", [7, 1], first=1)
+        assert await client.store_tails([a2, b2]) == []
+        assert await client.store_tails([a3]) == []
+        got = await load("req-a")
+        assert got is not None and got.token_ids == [5, 6, 8, 9, 4]
+        assert bytes(got.data) == joined(a1, a2, a3)
+        got = await load("req-b")
+        assert got is not None and bytes(got.data) == joined(b1, b2)
+        a4 = tail("req-a", [5, 6, 8, 9, 4, 2], first=5)
+        gap = tail("req-b", [7, 1, 3, 3], first=3)  # rows 2.. only: it skips one
+        never = tail("req-c", [1, 2], first=1)  # nothing stored to extend
+        assert sorted(await client.store_tails([a4, gap, never])) == ["req-b", "req-c"]
+        got = await load("req-a")
+        assert got is not None and bytes(got.data) == joined(a1, a2, a3, a4)
+        assert await load("req-b") is None  # a tail is whole or absent
+        assert await load("req-c") is None
+        a5 = tail("req-a", [5, 6, 8], first=0)  # whole again (say a resend): replaces
+        assert await client.store_tails([a5]) == []
+        got = await load("req-a")
+        assert got is not None and got.token_ids == [5, 6, 8] and bytes(got.data) == a5.data
+        assert await load("req-none") is None
+        assert await client.load_tail("req-a", row // 2, max_rows) is None  # another model
+        assert await client.load_tail("req-a", row, 2) is None  # longer than a block here
         # malformed or inconsistent puts are refused; the node keeps serving
         subject = kvcache_subject("kv-t", "put_tails")
-        for bad in (b"\x93garbage", encode(KVPutTails(transfer_id="x", block_bytes=BLOCK))):
-            reply = await bus.nc.request(subject, bad, timeout=2)
-            assert reply.data.startswith(b"refused")
+        bad_tails = (
+            [KVTail("r", 0, b"", [1, 2], 2)],  # no rows
+            [KVTail("r", 0, b"", [1], -1)],
+            [KVTail("r", 0, b"", [])],
+            [KVTail("r", 0, b"", list(range(500)))],  # 500 rows of 10 KB: more than the 1 MiB held
+        )
+        for bad in (
+            b"\x93garbage",
+            encode(KVPutTails(transfer_id="x", row_bytes=row)),
+            *(encode(KVPutTails(transfer_id="x", tails=t, row_bytes=10_000)) for t in bad_tails),
+        ):
+            reply = decode((await bus.nc.request(subject, bad, timeout=2)).data, KVPutTailsReply)
+            assert reply.error and not reply.missing
         with pytest.raises(KVCacheError):
             odd = TailBlock("req-c", 32, BlockHash(h(1)), [1], b"x" * 10)  # another size
             await client._put_tails((await client.nodes())[0], [a1, odd])
+        got = await load("req-a")
+        assert got is not None and bytes(got.data) == a5.data
         await asyncio.sleep(2.0)  # past the lease of 1.5 s with no write
-        assert await client.load_tail("req-a", BLOCK) is None
-        assert await client.load_tail("req-b", BLOCK) is None
+        assert await load("req-a") is None
+        assert await load("req-b") is None
         assert client.failures == 0
     finally:
         await transport.close()
@@ -227,7 +268,7 @@ def test_a_node_stopped_before_nats_is_up_ends_cleanly() -> None:
     )  # fmt: skip
     try:
         assert proc.stderr is not None
-        seen = []
+        seen: list[str] = []
         while not any("nats error" in line for line in seen[-1:]):  # connecting to nothing
             seen.append(proc.stderr.readline())
             assert seen[-1], f"the node ended before connecting: {''.join(seen)}"

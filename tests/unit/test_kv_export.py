@@ -33,6 +33,30 @@ def test_round_trip_between_caches(dtype: torch.dtype) -> None:
     assert torch.equal(dst.kv[:, :, 2], src.kv[:, :, 5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_leave_slot_major_and_go_back_into_any_block(dtype: torch.dtype) -> None:
+    lay = layout(dtype)
+    src = PagedKVCache(lay, 10, torch.device("cpu"))
+    src.kv.copy_(torch.randn(src.kv.shape).to(dtype))
+    rows = src.read_slots([(7, 1, 3), (2, 0, 1), (5, 3, 4)])
+    assert rows.shape == (4, 3, 2, 2, 8)
+    assert torch.equal(rows[0], src.kv[:, :, 7, 1]) and torch.equal(rows[1], src.kv[:, :, 7, 2])
+    assert torch.equal(rows[2], src.kv[:, :, 2, 0]) and torch.equal(rows[3], src.kv[:, :, 5, 3])
+    raw = rows.view(torch.uint8).reshape(-1).numpy().tobytes()
+    assert len(raw) == 4 * lay.bytes_per_slot and lay.bytes_per_slot * 4 == lay.bytes_per_block
+    dst = PagedKVCache(lay, 6, torch.device("cpu"))
+    slot = lay.bytes_per_slot
+    assert dst.write_slots(4, 0, raw[: 2 * slot]) == 2  # the two rows from block 7
+    assert dst.write_slots(4, 2, memoryview(raw)[3 * slot :]) == 1
+    assert torch.equal(dst.kv[:, :, 4, :2], src.kv[:, :, 7, 1:3])
+    assert torch.equal(dst.kv[:, :, 4, 2], src.kv[:, :, 5, 3])
+    assert not dst.kv[:, :, 4, 3].any()
+    for bad_first, bad in ((0, raw[: slot + 1]), (3, raw[: 2 * slot])):  # not whole rows; past
+        with pytest.raises(ValueError):
+            dst.write_slots(1, bad_first, bad)
+    assert not dst.kv[:, :, 1].any()
+
+
 def good_frame() -> bytes:
     lay = layout()
     cache = PagedKVCache(lay, 2, torch.device("cpu"))

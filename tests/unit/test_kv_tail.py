@@ -1,6 +1,7 @@
-"""Tail checkpoints: a running sequence's partial last block, taken on one engine and placed on
-another, lets a resume compute one token instead of up to a block, with the same output; the
-decode node's uploader writes only each request's latest tail."""
+"""Tail checkpoints: a running sequence's partial last block, taken on one engine (a piece
+per step: the rows it added) and placed on another, lets a resume compute one token instead
+of up to a block, with the same output; the decode node's uploader writes only each
+request's latest state, merging pieces, and asks for a whole tail when the store lost one."""
 
 from __future__ import annotations
 
@@ -25,14 +26,14 @@ SEEDED = SamplingParams(max_tokens=30, temperature=0.9, seed=11, ignore_eos=True
 
 def dying_node(
     model: LoadedModel, prompt: list[int], params: SamplingParams, tokens: int
-) -> tuple[list[BlockHash], list[bytes], TailBlock | None, list[int]]:
+) -> tuple[list[BlockHash], list[bytes | memoryview], TailBlock | None, list[int]]:
     """Run until `tokens` are out, as a checkpointing decode node: its stored full blocks,
     its latest tail, and the tokens it delivered."""
     engine = Engine(model, EngineConfig(num_blocks=64))
     engine.collect_filled = engine.collect_tails = True
     rid = engine.add_request(prompt, params, "r")
     hashes: list[BlockHash] = []
-    blocks: list[bytes] = []
+    blocks: list[bytes | memoryview] = []
     tail = None
     out: list[int] = []
     while len(out) < tokens:
@@ -43,8 +44,19 @@ def dying_node(
         blocks += b
         for t in engine.take_tails():
             assert t.request_id == rid
-            tail = t
+            if tail is not None and t.first:  # a piece: the rows this step added
+                assert t.rows == len(o.new_token_ids) and t.first == len(tail.token_ids)
+                tail = tail.extended_by(t)
+                assert tail is not None
+            else:  # whole: the first here, or a new block
+                assert t.first == 0 and (tail is None or t.start > tail.start)
+                tail = t
         assert engine.take_tails() == []  # nothing grew since: nothing new
+    if tail is not None:  # the pieces add up to the tail read whole
+        engine.resend_tails([rid])
+        (whole,) = engine.take_tails()
+        assert whole.first == 0 and whole.token_ids == tail.token_ids
+        assert bytes(whole.data) == bytes(tail.data)
     return hashes, blocks, tail, out
 
 
@@ -52,7 +64,7 @@ def resume(
     model: LoadedModel,
     prompt: list[int],
     params: SamplingParams,
-    stored: tuple[list[BlockHash], list[bytes], TailBlock | None, list[int]],
+    stored: tuple[list[BlockHash], list[bytes | memoryview], TailBlock | None, list[int]],
 ) -> tuple[list[int], int]:
     """A fresh node resumes the request: (tokens it makes, context tokens it recomputed)."""
     hashes, blocks, tail, delivered = stored
@@ -120,6 +132,11 @@ def test_a_tail_that_does_not_match_the_context_is_refused(tiny_model: LoadedMod
     other[3] += 1  # a token before it differs: its parent block is another
     assert engine.fit_tail(tail, other) is None
     assert engine.fit_tail(TailBlock("r", 32, tail.parent, tail.token_ids, b"x"), context) is None
+    n = len(tail.token_ids)
+    piece = TailBlock(
+        "r", 32, tail.parent, tail.token_ids, tail.data[-(len(tail.data) // n) :], n - 1
+    )
+    assert engine.fit_tail(piece, context) is None  # a piece alone cannot be resumed from
     # a tail cut for a longer context, offered to admission as is, is refused there
     with pytest.raises(WireFormatError):
         engine.add_request(prompt, GREEDY, "r", output_ids=out[:2], tail=tail)
@@ -144,37 +161,88 @@ def test_fit_tail_rules() -> None:
 
 class SlowTailStore:
     """A kvcache client (the real one: tested against a kvcache node in
-    tests/integration/test_kvcache_service.py) whose first write waits to be released."""
+    tests/integration/test_kvcache_service.py) whose writes each wait to be released, and
+    then report the requests in `lose` as not stored."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
-        self.writes: list[list[tuple[str, list[int]]]] = []
+        self.lose: list[str] = []
+        self.writes: list[list[tuple[str, list[int], bytes, int]]] = []
 
-    async def store_tails(self, tails: list[TailBlock]) -> int:
-        self.writes.append([(t.request_id, t.token_ids) for t in tails])
-        if len(self.writes) == 1:
-            await self.release.wait()
-        return len(tails)
+    async def store_tails(self, tails: list[TailBlock]) -> list[str]:
+        self.writes.append([(t.request_id, t.token_ids, bytes(t.data), t.first) for t in tails])
+        await self.release.wait()
+        self.release.clear()
+        return [t.request_id for t in tails if t.request_id in self.lose]
+
+    async def wait_writes(self, n: int) -> None:
+        for _ in range(200):
+            if len(self.writes) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{len(self.writes)} writes, not {n}")
 
 
-async def test_the_uploader_writes_only_the_latest_tail_and_never_queues() -> None:
+def t(rid: str, n: int, first: int = 0) -> TailBlock:
+    """A tail of tokens 0..n-1, or a piece with rows `first` on; each row is one byte: its
+    token."""
+    return TailBlock(rid, 0, ROOT_HASH, list(range(n)), bytes(range(first, n)), first)
+
+
+async def test_the_uploader_merges_pieces_writes_the_latest_and_never_queues() -> None:
     client = SlowTailStore()
     uploader = TailUploader(client).start()  # type: ignore[arg-type]
-
-    def t(rid: str, n: int) -> TailBlock:
-        return TailBlock(rid, 0, ROOT_HASH, list(range(n)), b"")
-
     uploader.submit([t("a", 1)])
-    await asyncio.sleep(0.01)  # the first write is in flight, held
-    uploader.submit([t("a", 2), t("b", 1)])
-    uploader.submit([t("a", 3), t("c", 1)])
+    await client.wait_writes(1)  # the first write is in flight, held
+    uploader.submit([t("a", 2, first=1), t("b", 1)])
+    uploader.submit([t("a", 3, first=2), t("c", 1)])
+    uploader.submit([t("b", 2, first=1)])
     uploader.forget("c")  # ended here meanwhile: not written
     client.release.set()
+    await client.wait_writes(2)
+    assert client.writes[0] == [("a", [0], b"\x00", 0)]
+    # a's two pieces go as one, after the rows in flight; b's piece joins its whole tail
+    assert sorted(client.writes[1]) == [
+        ("a", [0, 1, 2], b"\x01\x02", 1),
+        ("b", [0, 1], b"\x00\x01", 0),
+    ]
+    client.release.set()
     for _ in range(100):
-        if len(client.writes) == 2:
+        if uploader.stored == 3:
             break
         await asyncio.sleep(0.01)
     await uploader.close()
-    assert client.writes[0] == [("a", [0])]
-    assert sorted(client.writes[1]) == [("a", [0, 1, 2]), ("b", [0])]
-    assert uploader.skipped == 1 and uploader.stored == 3
+    assert uploader.skipped == 2 and uploader.stored == 3 and uploader.lost == 0
+
+
+async def test_a_tail_the_store_lost_is_asked_for_whole() -> None:
+    client = SlowTailStore()
+    uploader = TailUploader(client).start()  # type: ignore[arg-type]
+    asked: list[str] = []
+    uploader.on_lost = asked.extend
+    client.lose = ["a"]
+    uploader.submit([t("a", 3, first=2), t("b", 3, first=2)])
+    await client.wait_writes(1)
+    uploader.submit([t("a", 4, first=3), t("b", 4, first=3)])  # pending while it fails
+    client.release.set()
+    await client.wait_writes(2)
+    assert asked == ["a"] and uploader.lost == 1
+    # a's pending piece would not continue anything stored: dropped, the whole tail comes
+    assert client.writes[1] == [("b", [0, 1, 2, 3], b"\x03", 3)]
+    client.lose = []
+    uploader.submit([t("a", 5)])
+    client.release.set()
+    await client.wait_writes(3)
+    client.release.set()
+    await uploader.close()
+    assert client.writes[2] == [("a", [0, 1, 2, 3, 4], bytes(range(5)), 0)]
+
+
+def test_pieces_continue_only_their_own_tail() -> None:
+    whole = t("a", 3)
+    assert whole.extended_by(t("a", 5, first=3)) == t("a", 5)
+    assert whole.extended_by(t("a", 5, first=2)) is None  # overlaps
+    assert whole.extended_by(t("a", 5, first=4)) is None  # a gap
+    assert whole.extended_by(TailBlock("a", 16, ROOT_HASH, [0, 1, 2, 3], b"\x03", 3)) is None
+    other = TailBlock("a", 0, ROOT_HASH, [0, 1, 9, 3], b"\x03", 3)  # another token before
+    assert whole.extended_by(other) is None

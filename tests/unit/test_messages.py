@@ -29,9 +29,10 @@ SAMPLES: list[m.Message] = [
     m.KVEvent(node_id="k1", op="stored", block_hashes=[b"\x01" * 16]),
     m.CheckpointRecord(request_id="r", num_tokens=32, block_hashes=[b"\x02" * 16]),
     m.JournalEntry(request_id="r", state="decoding"),
-    m.KVPutTails(transfer_id="t", tails=[m.KVTail("r", 16, b"\x03" * 16, [5, 6])], block_bytes=64),
+    m.KVPutTails(transfer_id="t", tails=[m.KVTail("r", 16, b"\x03" * 16, [5, 6], 1)], row_bytes=64),
+    m.KVPutTailsReply(missing=["r"]),
     m.KVGetTail(transfer_id="t", request_id="r", reply_address="tcp://127.0.0.1:9"),
-    m.KVTailReply(tail=m.KVTail("r", 0, b"\x00" * 16, [5]), block_bytes=64),
+    m.KVTailReply(tail=m.KVTail("r", 0, b"\x00" * 16, [5]), nbytes=64),
     m.Prefetch(request_id="r", token_ids=[1, 2, 3]),
 ]
 KINDS = [type(s) for s in SAMPLES]

@@ -18,7 +18,8 @@ decode node serving it is SIGKILLed. Recovery = the client's wait between the la
 before the kill and the next one; recomputed tokens = the context tokens the node that
 resumed it (a decode node, or a prefill node when it refused) computed rather than loaded
 (`tandem_resume_recomputed_tokens`). The killed node is restarted between rounds.
-Part 2: decode throughput, 8 streams x 128 tokens, checkpoint uploads on vs off.
+Part 2: decode throughput, 8 streams x 128 tokens, checkpoint uploads on vs off, and the
+CPU seconds each process used. Each round has new prompts, the same for every stack.
 
     python benchmarks/failover.py [--rounds 3]
 """
@@ -153,11 +154,13 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
     return out
 
 
-async def throughput(stack: Stack, cpu: dict[str, list[float]]) -> float:
+async def throughput(stack: Stack, cpu: dict[str, list[float]], seed: int) -> float:
     """Output tokens per second of 8 concurrent 128-token streams; appends the CPU seconds
-    each process used meanwhile to `cpu`."""
+    each process used meanwhile to `cpu`. Prompts come from `seed`: new ones each round
+    (a stack that kept a round's prompts cached would skip their prefill next round and
+    route them by where they live, not by load), the same for every stack in a round."""
     body = {"model": MODEL, "max_tokens": 128, "temperature": 0, "ignore_eos": True}
-    rng = random.Random(3)
+    rng = random.Random(seed)
     async with aiohttp.ClientSession() as s:
 
         async def one() -> None:
@@ -210,7 +213,7 @@ def main() -> None:
                           f"recomputed {got[1]:.0f} tokens", flush=True)  # fmt: skip
         for r in range(0 if args.no_throughput else args.rounds):
             for name in list(stacks) if r % 2 == 0 else list(stacks)[::-1]:
-                part2[name].append(asyncio.run(throughput(stacks[name], cpu[name])))
+                part2[name].append(asyncio.run(throughput(stacks[name], cpu[name], 1000 + r)))
                 print(f"  throughput {name}: {part2[name][-1]:.1f} tokens/s", flush=True)
     finally:
         for stack in stacks.values():

@@ -22,6 +22,7 @@ from shared.tasks import cancel_and_wait
 log = logging.getLogger("tandem.decode.tails")
 
 MAX_TAILS_PER_PUT = 256
+MAX_PUT_BYTES = 16 << 20  # whole tails after a kvcache restart: a few puts, not one huge
 
 
 class TailUploader:
@@ -71,7 +72,7 @@ class TailUploader:
             await self._wake.wait()
             self._wake.clear()
             while self.latest:
-                batch = [self.latest.pop(rid) for rid in list(self.latest)[:MAX_TAILS_PER_PUT]]
+                batch = self._next_batch()
                 try:
                     lost = await self.client.store_tails(batch)
                 except Exception as exc:  # the client logs node failures; a bug guard
@@ -80,6 +81,17 @@ class TailUploader:
                 self.stored += len(batch) - len(lost)
                 if lost:
                     self._lost(lost)
+
+    def _next_batch(self) -> list[TailBlock]:
+        """The oldest pending tails, up to a put's count and bytes (at least one)."""
+        batch: list[TailBlock] = []
+        size = 0
+        for rid in list(self.latest)[:MAX_TAILS_PER_PUT]:
+            size += len(self.latest[rid].data)
+            if batch and size > MAX_PUT_BYTES:
+                break
+            batch.append(self.latest.pop(rid))
+        return batch
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)

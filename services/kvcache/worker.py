@@ -53,6 +53,7 @@ SEND_TIMEOUT = 30.0
 MAX_BLOCKS_PER_REQUEST = 4096
 MAX_TAILS_PER_PUT = 1024
 MAX_TAIL_TOKENS = 4096  # more than any block size
+MAX_TAIL_PUT_BYTES = 64 << 20  # one put's buffer; the tail store's own bound evicts
 
 
 class KVCacheWorker:
@@ -194,8 +195,8 @@ class KVCacheWorker:
                 raise WireFormatError("too many tails in one put")
             if any(not 0 <= t.first < len(t.token_ids) <= MAX_TAIL_TOKENS for t in put.tails):
                 raise WireFormatError("a tail's rows are out of range")
-            if tails_bytes(put) > self.tails.max_bytes:
-                raise WireFormatError("the tails are larger than this node holds")
+            if tails_bytes(put) > MAX_TAIL_PUT_BYTES:
+                raise WireFormatError("too many tail bytes in one put")
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             await msg.respond(encode(KVPutTailsReply(error=str(exc))))

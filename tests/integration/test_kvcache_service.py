@@ -232,12 +232,12 @@ async def test_request_tails_grow_by_pieces_expire_and_bad_input_is_refused(
             [KVTail("r", 0, b"", [1, 2], 2)],  # no rows
             [KVTail("r", 0, b"", [1], -1)],
             [KVTail("r", 0, b"", [])],
-            [KVTail("r", 0, b"", list(range(500)))],  # 500 rows of 10 KB: more than the 1 MiB held
+            [KVTail("r", 0, b"", list(range(500)))],  # 500 rows of 200 KB: more than a put may
         )
         for bad in (
             b"\x93garbage",
             encode(KVPutTails(transfer_id="x", row_bytes=row)),
-            *(encode(KVPutTails(transfer_id="x", tails=t, row_bytes=10_000)) for t in bad_tails),
+            *(encode(KVPutTails(transfer_id="x", tails=t, row_bytes=200_000)) for t in bad_tails),
         ):
             reply = decode((await bus.nc.request(subject, bad, timeout=2)).data, KVPutTailsReply)
             assert reply.error and not reply.missing

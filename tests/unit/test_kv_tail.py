@@ -166,13 +166,15 @@ class SlowTailStore:
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
+        self.hold = True
         self.lose: list[str] = []
         self.writes: list[list[tuple[str, list[int], bytes, int]]] = []
 
     async def store_tails(self, tails: list[TailBlock]) -> list[str]:
         self.writes.append([(t.request_id, t.token_ids, bytes(t.data), t.first) for t in tails])
-        await self.release.wait()
-        self.release.clear()
+        if self.hold:
+            await self.release.wait()
+            self.release.clear()
         return [t.request_id for t in tails if t.request_id in self.lose]
 
     async def wait_writes(self, n: int) -> None:
@@ -246,3 +248,15 @@ def test_pieces_continue_only_their_own_tail() -> None:
     assert whole.extended_by(TailBlock("a", 16, ROOT_HASH, [0, 1, 2, 3], b"\x03", 3)) is None
     other = TailBlock("a", 0, ROOT_HASH, [0, 1, 9, 3], b"\x03", 3)  # another token before
     assert whole.extended_by(other) is None
+
+
+async def test_a_put_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many whole tails at once (say after a kvcache restart) go in several puts."""
+    monkeypatch.setattr("services.decode.tails.MAX_PUT_BYTES", 10)
+    client = SlowTailStore()
+    client.hold = False
+    uploader = TailUploader(client).start()  # type: ignore[arg-type]
+    uploader.submit([t("a", 4), t("b", 4), t("c", 4), t("d", 12)])
+    await client.wait_writes(3)
+    await uploader.close()
+    assert [[w[0] for w in put] for put in client.writes] == [["a", "b"], ["c"], ["d"]]

@@ -127,14 +127,13 @@ class PagedKVCache:
         """Write slot-major rows from `buffer` into block `block_id` from slot `first` on;
         how many rows (the buffer must hold whole rows, at most to the block's end)."""
         lay = self.layout
-        view = memoryview(buffer)
-        if view.readonly:  # torch wraps only writable memory without a warning
-            view = memoryview(bytearray(view))
-        rows, rest = divmod(view.nbytes, lay.bytes_per_slot)
+        nbytes = memoryview(buffer).nbytes
+        rows, rest = divmod(nbytes, lay.bytes_per_slot)
         if rest or first + rows > lay.block_size:
-            raise ValueError(f"{view.nbytes} bytes are not whole rows from slot {first} on")
-        src = torch.frombuffer(view, dtype=torch.uint8).view(lay.dtype)
-        src = src.view(rows, lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
+            raise ValueError(f"{nbytes} bytes are not whole rows from slot {first} on")
+        src = _tensor(buffer, lay.dtype).view(
+            rows, lay.num_layers, 2, lay.num_kv_heads, lay.head_dim
+        )
         self.kv[:, :, block_id, first : first + rows].copy_(src.movedim(0, 2))
         return rows
 
@@ -144,14 +143,18 @@ class PagedKVCache:
         """Write one block-major block from each buffer (bytes are copied once, here)."""
         shape = self.layout.blocks_shape(1)[1:]
         for block_id, buf in zip(block_ids, buffers, strict=True):
-            view = memoryview(buf)
-            if view.readonly:  # torch wraps only writable memory without a warning
-                view = memoryview(bytearray(view))
-            src = torch.frombuffer(view, dtype=torch.uint8).view(self.layout.dtype).view(shape)
-            self.kv[:, :, block_id].copy_(src)
+            self.kv[:, :, block_id].copy_(_tensor(buf, self.layout.dtype).view(shape))
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of `read_blocks`."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         src = data.to(device=self.kv.device, dtype=self.kv.dtype).movedim(0, 2)
         self.kv.index_copy_(2, index, src)
+
+
+def _tensor(buffer: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A flat `dtype` tensor over `buffer`'s bytes (read-only ones copied once)."""
+    view = memoryview(buffer)
+    if view.readonly:  # torch wraps only writable memory without a warning
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8).view(dtype)

@@ -55,6 +55,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p,
+        "--checkpoint-tail-interval",
+        type=float,
+        default=0.25,
+        help="seconds between two stores of the partly filled last blocks, at least (the "
+        "steps in between go in one; a resume recomputes the tokens since the last; "
+        "0: after every step)",
+    )
+    add_option(
+        p,
         "--lease",
         type=float,
         default=5.0,
@@ -70,6 +79,8 @@ async def serve(args: argparse.Namespace) -> None:
     engine = engine_from_args(args)
     if args.checkpoint_every < 0:
         raise SystemExit("--checkpoint-every must be >= 0")
+    if not 0 <= args.checkpoint_tail_interval <= 60:
+        raise SystemExit("--checkpoint-tail-interval must be between 0 and 60 seconds")
     pending = PendingTransfers()  # kvcache replies to this node's gets
     client = uploader = checkpoints = prefix = tails = None
     if not args.no_kvcache:
@@ -80,7 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
         engine.checkpoint_every = args.checkpoint_every
         journal = await RequestJournal(rt.bus).start()
         if not args.no_checkpoint_tails:
-            tails = TailUploader(client)
+            tails = TailUploader(client, args.checkpoint_tail_interval)
     worker = DecodeWorker(
         engine,
         rt.bus,

@@ -6,7 +6,9 @@ request's latest state, merging pieces, and asks for a whole tail when the store
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import time
 
 import pytest
 
@@ -169,9 +171,11 @@ class SlowTailStore:
         self.hold = True
         self.lose: list[str] = []
         self.writes: list[list[tuple[str, list[int], bytes, int]]] = []
+        self.times: list[float] = []  # when each write started
 
     async def store_tails(self, tails: list[TailBlock]) -> list[str]:
         self.writes.append([(t.request_id, t.token_ids, bytes(t.data), t.first) for t in tails])
+        self.times.append(time.monotonic())
         if self.hold:
             await self.release.wait()
             self.release.clear()
@@ -260,3 +264,24 @@ async def test_a_put_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> Non
     await client.wait_writes(3)
     await uploader.close()
     assert [[w[0] for w in put] for put in client.writes] == [["a", "b"], ["c"], ["d"]]
+
+
+async def test_puts_start_an_interval_apart_and_carry_every_step_in_between() -> None:
+    """Steps every 10 ms, puts at most every 100 ms: each put holds the rows of all the steps
+    since the last one, and the tail stored at the end is whole and the latest."""
+    client = SlowTailStore()
+    client.hold = False
+    uploader = TailUploader(client, interval=0.1).start()  # type: ignore[arg-type]
+    started = time.monotonic()
+    uploader.submit([t("a", 1)])
+    for n in range(2, 31):
+        await asyncio.sleep(0.01)
+        uploader.submit([t("a", n, first=n - 1)])
+    steps = time.monotonic() - started  # ~0.3 s; longer on a loaded machine
+    await asyncio.sleep(0.15)  # the last piece's put
+    await uploader.close()
+    assert 2 <= len(client.writes) <= steps / 0.1 + 2  # one per 0.1 s, not one per step
+    assert all(b - a >= 0.099 for a, b in itertools.pairwise(client.times))
+    rows = b"".join(data for [(_, _, data, _)] in client.writes)
+    assert rows == bytes(range(30))  # every row once, in order: the stored tail is whole
+    assert client.writes[-1][0][1] == list(range(30))

@@ -1,4 +1,5 @@
-"""Fixes for three ucxx 0.52 bugs that the UCX transport would otherwise hit; applied once.
+"""Fixes for three ucxx 0.52 bugs that the UCX transport would otherwise hit, and one hook;
+applied once.
 
 Each patches ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
 
@@ -6,6 +7,9 @@ Each patches ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
 - Its progress watchdog task can swallow its own cancellation (a process never ends).
 - The endpoint handshake frees a buffer that UCX still writes into when it is cancelled
   (heap corruption: a later, unrelated crash).
+- The hook: `after_progress` callbacks run after every progress of the worker in blocking
+  mode, which is when newly arrived messages become visible (the transport's idle
+  endpoints wait for them this way instead of polling).
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ import asyncio
 import logging
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("tandem.transport.ucx")
+
+# Called after every progress of a worker in blocking mode (see _ProgressNotifier).
+after_progress: list[Callable[[], None]] = []
+notifying = False  # whether a blocking-mode worker runs them (other modes do not)
 
 
 def apply() -> None:
@@ -24,6 +33,7 @@ def apply() -> None:
     _fix_blocking_progress()
     _fix_progress_watchdog()
     _fix_handshake_buffers()
+    _notify_after_progress()
 
 
 def _fix_blocking_progress() -> None:
@@ -135,3 +145,39 @@ def _fix_handshake_buffers() -> None:
 
     application_context.exchange_peer_info = _exchange_peer_info  # type: ignore[attr-defined]
     listener.exchange_peer_info = _exchange_peer_info  # type: ignore[attr-defined]
+
+
+class _ProgressNotifier:
+    """Stands in for blocking mode's worker: its progress() also runs `after_progress`.
+
+    Blocking mode progresses the worker in three places (the event fd's reader, the arm
+    loop, the watchdog), each through its `worker` attribute; wrapping that one object
+    reaches all three without copying them."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+
+    def progress(self) -> None:
+        self._worker.progress()
+        for callback in after_progress:
+            try:
+                callback()
+            except Exception:  # a bug guard: progress must go on whatever a callback does
+                log.exception("after_progress callback failed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+
+def _notify_after_progress() -> None:
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    original = BlockingMode.__init__
+
+    def __init__(self: Any, worker: Any, event_loop: Any, *args: Any, **kwargs: Any) -> None:
+        global notifying
+        original(self, worker, event_loop, *args, **kwargs)
+        self.worker = _ProgressNotifier(self.worker)  # its tasks have not run yet
+        notifying = True
+
+    BlockingMode.__init__ = __init__  # type: ignore[method-assign]

@@ -18,6 +18,7 @@ these defaults.
 The protocol is `shared/transport/session.py`'s; each of its sends is one tagged UCX
 message on a listener endpoint (payloads land straight in the handler's buffer), one
 transfer per endpoint at a time; a small pool of endpoints per peer gives concurrency.
+Nothing waits by spinning (`shared/transport/ucx_waits.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-from shared.transport import ucxx_fixes
+from shared.transport import ucx_waits, ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.session import send_transfer, serve_frame
@@ -51,7 +52,7 @@ def _ucxx() -> Any:
 
     if not _initialised:
         ucxx_fixes.apply()
-        ucxx_fixes.after_progress.append(_arrivals.check)
+        ucxx_fixes.after_progress.append(ucx_waits.notices.check)
         mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         ucxx.init(options=dict(DEFAULT_OPTIONS), env_takes_precedence=True, progress_mode=mode)
         _initialised = True
@@ -108,23 +109,23 @@ class EndpointChannel:
         self.ep = ep
 
     async def recv_into(self, buf: memoryview) -> None:
-        await _guarded(self.ep.recv(buf))
+        await _guarded(ucx_waits.recv(self.ep, buf))
 
     async def send(self, data: bytes | memoryview) -> None:
-        await _guarded(self.ep.send(memoryview(data).cast("B")))
+        await _guarded(ucx_waits.send(self.ep, memoryview(data).cast("B")))
 
     async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
         """Receives posted WINDOW ahead (UCX matches them in posting order), so later parts
         land while `arrived` checks earlier ones."""
-        await _in_order(self.ep.recv, parts, arrived)
+        await _in_order(lambda buf: ucx_waits.recv(self.ep, buf), parts, arrived)
 
     async def send_parts(self, parts: list[memoryview]) -> None:
-        await _in_order(self.ep.send, parts, None)
+        await _in_order(lambda buf: ucx_waits.send(self.ep, buf), parts, None)
 
 
 # Parts of one transfer posted at once: enough to keep data moving while `arrived` checks
-# the earliest, few enough that a 4 GiB transfer is not ~1,000 posted requests, each of
-# which busy-yields on the event loop while it waits.
+# the earliest, few enough that a 4 GiB transfer is not ~1,000 posted requests (each
+# checked after every progress of the worker while it waits).
 WINDOW = 8
 
 
@@ -152,83 +153,6 @@ async def _in_order(
                 _orphans.add(op)
                 op.add_done_callback(_retire)
         raise
-
-
-IDLE_POLL_MAX = 0.005  # seconds between probes of an idle endpoint, at most, when polling
-IDLE_RECHECK = 0.1  # seconds between checks of an idle endpoint woken after each progress
-
-
-class _Arrivals:
-    """Idle endpoints waiting for their next message, checked after each worker progress.
-
-    In blocking mode every message that arrives makes the worker's event fd readable and
-    is taken in by the progress that follows; `ucxx_fixes.after_progress` runs `check`
-    right after it, so a waiting endpoint learns of its message (or of its peer's death,
-    which UCX also finds during a progress) at once, without polling.
-    """
-
-    def __init__(self) -> None:
-        self.waiting: dict[asyncio.Future[None], tuple[Any, Any, Any]] = {}  # → ep, tag, worker
-
-    def wait(self, ep: Any, tag: Any, worker: Any) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting[future] = (ep, tag, worker)
-        return future
-
-    def check(self) -> None:
-        for future, (ep, tag, worker) in list(self.waiting.items()):
-            if future.done():
-                continue
-            if ep.closed or worker.tag_probe(tag).matched or _failed(ep):
-                future.set_result(None)
-
-
-def _failed(ep: Any) -> bool:
-    try:
-        ep._ep.raise_on_error()
-    except Exception:
-        return True
-    return False
-
-
-_arrivals = _Arrivals()
-
-
-async def _until_message(ep: Any) -> None:
-    """Wait, without a posted receive, until a message for `ep` has arrived.
-
-    Awaiting a posted ucxx receive yields to the event loop in a busy cycle (its
-    `wait_yield`, as ucxx has no completion futures outside its thread progress mode, and
-    that mode breaks as soon as a process uses a second event loop). An endpoint pooled
-    between transfers made every node spin a whole core while idle, and on 2 cores that
-    starved the engines. Instead this probes the worker for the endpoint's tag whenever
-    the worker has progressed (`_Arrivals`), and every IDLE_RECHECK seconds in case a
-    progress happened outside blocking mode's (a safety net, never the usual path). Under
-    another progress mode there is no such notice: it probes with a growing pause (up to
-    IDLE_POLL_MAX, which then delays a transfer's first message by at most that). Polling
-    each idle endpoint ~200 times a second kept a process with 8 of them at 3.2% of a core
-    doing nothing (0.4% with notices). Uses ucxx internals (`_tags`, `_ep`), pinned by the
-    ucxx version in pyproject.toml.
-    """
-    ucxx = _ucxx()
-    from ucxx.types import Tag
-
-    tag = Tag(ep._tags["msg_recv"])
-    worker = ucxx.core._get_ctx().worker
-    pause = 0.0
-    while not worker.tag_probe(tag).matched:
-        if ep.closed:
-            raise ConnectionError("endpoint closed")
-        ep._ep.raise_on_error()  # the peer died or closed: UCX marked the endpoint
-        if not ucxx_fixes.notifying:
-            await asyncio.sleep(pause)
-            pause = min(IDLE_POLL_MAX, pause * 1.5 + 0.0001)
-            continue
-        arrived = _arrivals.wait(ep, tag, worker)
-        try:
-            await asyncio.wait([arrived], timeout=IDLE_RECHECK)
-        finally:
-            _arrivals.waiting.pop(arrived, None)
 
 
 class UcxTransport:
@@ -284,7 +208,7 @@ class UcxTransport:
             while True:
                 prefix = memoryview(bytearray(PREFIX.size))
                 try:
-                    await _until_message(ep)  # an idle endpoint waits here
+                    await ucx_waits.until_message(ep)  # an idle endpoint waits here
                     await EndpointChannel(ep).recv_into(prefix)
                 except errors:
                     return  # the peer closed or died between transfers

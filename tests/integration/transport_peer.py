@@ -9,8 +9,8 @@ transfers cut off by deadlines of a few ms, each followed by a good one (`{"good
 `announced KIND` receives with the services' admission rules (PendingTransfers): it reads
 announcements as JSON lines on stdin (what the control plane would tell it), answers
 `{"expecting": id}`, and prints the digest of each announced transfer that arrives and
-`{"refused": n}` after each refusal. Idle UCX endpoints here rely on progress notices alone
-(no timer to fall back on).
+`{"refused": n}` after each refusal. UCX here learns of arrived messages and completed
+operations from progress notices alone (no timer to fall back on).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import xxhash
 
-from shared.transport import ucx
+from shared.transport import ucx_waits
 from shared.transport.base import BufferHandler, TransferError
 from shared.transport.factory import make_transport
 from shared.transport.frames import TransferHeader, make_header
@@ -119,9 +119,10 @@ async def cuts(kind: str, address: str, count: int) -> None:
 
 
 if __name__ == "__main__":
-    # Idle UCX endpoints learn of a message from the worker's progress, not from a timer:
-    # with the safety net's recheck this long, a missed notice fails these tests.
-    ucx.IDLE_RECHECK = 3600.0
+    # Idle UCX endpoints learn of a message, and posted operations of their completion,
+    # from the worker's progress, not from a timer: with the safety net's rechecks this
+    # long, a missed notice fails these tests.
+    ucx_waits.IDLE_RECHECK = ucx_waits.REQUEST_RECHECK = 3600.0
     if sys.argv[1] == "receive":
         asyncio.run(receive(sys.argv[2]))
     elif sys.argv[1] == "announced":

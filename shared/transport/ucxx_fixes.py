@@ -8,8 +8,8 @@ Each patches ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
 - The endpoint handshake frees a buffer that UCX still writes into when it is cancelled
   (heap corruption: a later, unrelated crash).
 - The hook: `after_progress` callbacks run after every progress of the worker in blocking
-  mode, which is when newly arrived messages become visible (the transport's idle
-  endpoints wait for them this way instead of polling).
+  mode, which is when arrived messages and completed operations become visible (the
+  transport waits for both this way instead of spinning: `ucx_waits`).
 """
 
 from __future__ import annotations

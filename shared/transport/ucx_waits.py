@@ -75,15 +75,22 @@ async def completion(request: Any) -> None:
         await request.wait()
 
 
-async def send(ep: Any, buf: memoryview) -> None:
-    """ucxx's `Endpoint.send`, awaited without spinning."""
-    from ucxx._lib.arr import Array
+def _check_open(ep: Any) -> None:
+    """Raise as ucxx's own send and receive do before posting: the endpoint's error (its
+    peer died) or that it is closed."""
     from ucxx.exceptions import UCXCloseError
-    from ucxx.types import Tag
 
     ep._ep.raise_on_error()
     if ep.closed:
         raise UCXCloseError("Endpoint closed")
+
+
+async def send(ep: Any, buf: memoryview) -> None:
+    """ucxx's `Endpoint.send`, awaited without spinning."""
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+
+    _check_open(ep)
     arr = Array(buf)  # held until UCX is done with it
     await completion(ep._ep.tag_send(arr, Tag(ep._tags["msg_send"])))
 
@@ -92,12 +99,9 @@ async def recv(ep: Any, buf: memoryview) -> None:
     """ucxx's `Endpoint.recv`, awaited without spinning (a message is only ever awaited on
     a live endpoint here: an endpoint that failed is dropped, whatever it had queued)."""
     from ucxx._lib.arr import Array
-    from ucxx.exceptions import UCXCloseError
     from ucxx.types import Tag, TagMaskFull
 
-    ep._ep.raise_on_error()
-    if ep.closed:
-        raise UCXCloseError("Endpoint closed")
+    _check_open(ep)
     arr = Array(buf)
     await completion(ep._ep.tag_recv(arr, Tag(ep._tags["msg_recv"]), TagMaskFull))
 

@@ -84,7 +84,8 @@ class TailUploader:
             await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
             self._wake.clear()
             started = loop.time()
-            due = set(self.latest)  # what arrives during this round waits for the next
+            # What arrives during this round waits for the next (its submit set _wake).
+            due = set(self.latest)
             while due & self.latest.keys():
                 batch = self._next_batch(due)
                 try:
@@ -95,8 +96,6 @@ class TailUploader:
                 self.stored += len(batch) - len(lost)
                 if lost:
                     self._lost(lost)
-            if self.latest:
-                self._wake.set()
 
     def _next_batch(self, due: set[str]) -> list[TailBlock]:
         """The oldest pending tails of `due` (taken out of it), up to a put's count and

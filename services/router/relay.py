@@ -1,9 +1,12 @@
 """Relaying one request's token deltas to its client, for new and resumed requests alike.
 
-The relay writes each delta as a server-sent event whose `id:` is the delta's sequence
-number, so a client that lost its router can reconnect with `Last-Event-ID` and get the
-rest. Every block of delivered tokens also goes to the request journal (in the background):
-what another router resumes from if this one dies.
+The relay writes each delta as a server-sent event exactly as OpenAI does (one `data:` line
+and a blank line), which naive SSE readers (`vllm bench serve`, hand-written clients) need.
+A client that asked for a resumable stream (the `X-Tandem-Resumable: true` request header;
+streams picked up through the resume endpoint always are) also gets an `id:` line per
+event, the delta's sequence number, so after losing its router it can reconnect with
+`Last-Event-ID` and get the rest. Every block of delivered tokens also goes to the request
+journal (in the background): what another router resumes from if this one dies.
 """
 
 from __future__ import annotations
@@ -54,9 +57,11 @@ class Relay:
     start: float  # monotonic
     skip_through: int = -1  # deltas up to this seq were delivered already (a resumed stream)
     prefill_node: str = ""  # the job was steered to this prefill node's own queue
+    resumable: bool = False  # events carry `id: <seq>` lines (opt-in: naive readers break)
 
 
 def sse(seq: int | None, body: object) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line, after `id: <seq>` if given."""
     head = f"id: {seq}\n" if seq is not None else ""
     return f"{head}data: {json.dumps(body)}\n\n".encode()
 
@@ -157,7 +162,7 @@ async def relay(
                 opening = delta.seq == 0
                 if response is not None and (text or delta.finished or opening):
                     body = chunk(parsed, rid, r.created, text, reason, opening)
-                    await response.write(sse(delta.seq, body))
+                    await response.write(sse(delta.seq if r.resumable else None, body))
                 texts.append(delta.text)
                 first = False
         finished = True

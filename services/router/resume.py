@@ -1,6 +1,7 @@
 """Resuming a stream whose router died: `GET /v1/requests/{id}/stream` on any router.
 
-Every event of a stream carries `id: <seq>` (the index of the token it brings). A client
+Every event of a resumable stream (asked for with `X-Tandem-Resumable: true`; every
+stream this endpoint serves is one) carries `id: <seq>` (the index of the token it brings). A client
 whose connection to its router broke reconnects, to this or any router, with the response
 id it was given and `Last-Event-ID: <last id it received>` (or `?after=<seq>`), and gets
 the rest of the stream in the same shape, no gap, no repeat.
@@ -159,5 +160,6 @@ async def resume_stream(router: Router, request: web.Request) -> web.StreamRespo
             blocks=blocks,
             start=time.monotonic(),
             skip_through=after,
+            resumable=True,
         )
         return await relay(router, request, resumed, span)

@@ -94,6 +94,52 @@ def check_chat(c: openai.OpenAI, real_model: LoadedModel) -> None:
     assert text == resp.choices[0].message.content
 
 
+def naive_sse(raw: bytes) -> list[object]:
+    """Read a stream as `vllm bench serve` and many hand-written clients do: split on blank
+    lines, strip a leading `data: `, `json.loads` the rest. Any other field line breaks it."""
+    events = []
+    for part in raw.decode().split("\n\n"):
+        if not part.strip():
+            continue
+        data = part.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def test_streams_parse_with_a_naive_sse_reader_and_the_sdk(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """Events are exactly OpenAI's by default; `id:` lines only when a client asks for them."""
+    prompt = "The capital of France is"
+    ref = text_of(real_model, reference(real_model, real_model.encode(prompt), 24))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/completions", json=body) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            raw = await resp.read()
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        chat |= {"max_tokens": 8, "temperature": 0, "stream": True}
+        async with s.post(stack.url + "/v1/chat/completions", json=chat) as resp:
+            chat_raw = await resp.read()
+        headers = {"X-Tandem-Resumable": "true"}
+        async with s.post(stack.url + "/v1/completions", json=body, headers=headers) as resp:
+            resumable_raw = await resp.read()
+    for stream in (raw, chat_raw):
+        assert all(line.startswith(b"data: ") for line in stream.split(b"\n") if line)
+    events = naive_sse(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref
+    assert naive_sse(chat_raw)[-1] == "[DONE]"
+    ids = [line for line in resumable_raw.split(b"\n") if line.startswith(b"id: ")]
+    assert len(ids) == sum(1 for line in resumable_raw.split(b"\n") if line.startswith(b"data: {"))
+    with client(stack) as c:  # the SDK reads the same stream
+        stream = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == ref
+
+
 def test_models_health_ready_metrics(stack: Stack) -> None:
     with client(stack) as c:
         assert [m.id for m in c.models.list().data] == [MODEL]

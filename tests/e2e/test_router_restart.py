@@ -26,6 +26,7 @@ from tests.e2e.test_failover import router_metric
 
 pytestmark = pytest.mark.e2e
 
+RESUMABLE = {"X-Tandem-Resumable": "true"}  # events carry `id:` lines only when asked
 BODY = {"model": MODEL, "max_tokens": 48, "temperature": 0, "stream": True, "ignore_eos": True}
 PROMPT_A = "Tell me about the history of bridges."
 PROMPT_B = "Write a poem about the sea."
@@ -81,10 +82,12 @@ async def test_router_killed_clients_resume_and_the_rest_is_cancelled(stack: Sta
     last_a = -1
     ids: dict[str, str] = {}
     async with aiohttp.ClientSession() as s:
-        resp_a = await s.post(url + "/v1/completions", json=BODY | {"prompt": PROMPT_A})
+        resp_a = await s.post(
+            url + "/v1/completions", json=BODY | {"prompt": PROMPT_A}, headers=RESUMABLE
+        )
         # B runs long: only a cancel frees its blocks within the test
         long_b = BODY | {"prompt": PROMPT_B, "max_tokens": 1000}
-        resp_b = await s.post(url + "/v1/completions", json=long_b)
+        resp_b = await s.post(url + "/v1/completions", json=long_b, headers=RESUMABLE)
         async for _, data in events(resp_b):
             ids["b"] = data["id"]
             break

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import LoadedModel, load_model
 
 PROMPT = (

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import LoadedModel, load_model
 
 DECODE_STEPS = 8

@@ -9,7 +9,7 @@ from services.decode import main as decode_main
 from services.kvcache import main as kvcache_main
 from services.prefill import main as prefill_main
 from services.router import main as router_main
-from tandem import __version__, generate, launcher
+from tandem import __version__, generate, up
 from tandem.autoscale import command as autoscale_command
 from tandem.bench import cli as bench_cli
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
-    launcher.add_parser(sub)
+    up.add_parser(sub)
     router_main.add_parser(sub)
     prefill_main.add_parser(sub)
     decode_main.add_parser(sub)

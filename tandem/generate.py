@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.errors import InvalidRequestError, TandemError
-from tandem.options import add_model_options, add_option
-from tandem.runtime import configure_threads
+from shared.runtime.engine import configure_threads
+from shared.runtime.options import add_model_options, add_option
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,4 +1,5 @@
-"""`tandem up`: the whole stack on one machine, as child processes of this one.
+"""The embedded stack: NATS and every service as child processes of this one (`tandem up`
+runs it: tandem/up.py; tests, benchmarks and `tandem bench compare` start it too).
 
 Starts `nats-server -js` (unless `--nats URL`), then kvcache ×K, prefill ×N, decode ×M and
 the router;
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -30,9 +30,6 @@ from dataclasses import dataclass, field
 from shared.bus.auth import BusAuth
 from shared.bus.server import NatsServer, free_port
 from shared.procs import die_with_parent
-from tandem.autoscale.command import add_policy_options
-from tandem.options import add_model_options, add_option
-from tandem.service_options import add_nats_auth_options
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -268,7 +265,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for c in self.dead_children():
-                raise RuntimeError(f"{c.name} exited with code {_code(c)} during start-up")
+                raise RuntimeError(f"{c.name} exited with code {exit_code(c)} during start-up")
             try:
                 with urllib.request.urlopen(self.url + "/readyz", timeout=2) as resp:  # noqa: S310 - our own URL
                     if resp.status == 200:
@@ -316,109 +313,6 @@ def prefill_nodes(args: argparse.Namespace) -> int:
     return 1 if args.prefill is None else int(args.prefill)
 
 
-def _code(child: Child) -> str:
+def exit_code(child: Child) -> str:
+    """A child's exit code for messages ("?" if it never started)."""
     return str(child.proc.returncode) if child.proc is not None else "?"
-
-
-def add_up_options(p: argparse.ArgumentParser) -> None:
-    add_option(
-        p, "--prefill", type=int, default=None, help="prefill nodes (default 1; 0: colocated)"
-    )
-    add_option(
-        p,
-        "--colocated",
-        action="store_true",
-        help="no prefill node: each decode node prefills its own requests (the baseline)",
-    )
-    add_option(p, "--pin-cores", action="store_true", help="pin each model node to its own core")
-    add_option(p, "--decode", type=int, default=1, help="decode nodes")
-    add_option(p, "--kvcache", type=int, default=1, help="KV-cache nodes")
-    add_option(p, "--kvcache-mb", type=int, default=1024, help="memory per KV-cache node")
-    add_option(p, "--host", default="127.0.0.1")
-    add_option(p, "--port", type=int, default=8000)
-    add_option(p, "--nats", default=None, help="use this NATS server instead of starting one")
-    add_option(p, "--nats-port", type=int, default=None, help="port of the embedded nats-server")
-    add_nats_auth_options(p)
-    add_option(p, "--api-keys", default=None, help="comma-separated bearer keys for the API")
-    add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
-    add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
-    add_option(p, "--kv-cache-mb", type=int, default=1024)
-    add_option(p, "--heartbeat-ttl", type=float, default=6.0)
-    add_option(p, "--log-level", default="INFO")
-    add_option(p, "--otlp-endpoint", default=None, help="export traces over OTLP (e.g. Jaeger)")
-    add_option(
-        p,
-        "--autoscale",
-        action="store_true",
-        help="scale prefill and decode nodes with load (see the --decode-max ... options)",
-    )
-    add_model_options(p)
-    add_policy_options(p)
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("up", help="run the whole stack on this machine")
-    add_up_options(p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.decode < 1:
-        print("error: --decode must be at least 1", file=sys.stderr)
-        return 2
-    if args.prefill is not None and (args.prefill < 0 or (args.colocated and args.prefill)):
-        print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
-        return 2
-    stack = Stack(args)
-    stopping = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    code = 0
-    try:
-        if not (args.api_keys or args.api_keys_file):
-            stack.say(
-                "[up] no API keys (TANDEM_API_KEYS or --api-keys-file): the API is open to "
-                f"anyone who can reach {args.host}:{args.port}"
-            )
-        stack.start()
-        stack.say(
-            f"[up] starting {args.kvcache} kvcache, {prefill_nodes(args)} prefill and "
-            f"{args.decode} decode node(s); "
-            f"waiting for {stack.url}/readyz"
-        )
-        while not stopping.is_set():
-            try:
-                stack.wait_ready(timeout=1.0)
-                break
-            except RuntimeError as exc:
-                if "exited" in str(exc):
-                    raise
-        if not stopping.is_set() and args.autoscale:
-            from tandem.autoscale.command import start_local
-
-            start_local(stack, args, stopping)
-            stack.say(
-                f"[up] autoscaling: decode {args.decode_min}..{args.decode_max}, "
-                f"prefill {args.prefill_min}..{args.prefill_max} nodes"
-            )
-        if not stopping.is_set():
-            stack.say(
-                f"[up] Tandem is ready: {stack.url}  (OpenAI API at {stack.url}/v1; Ctrl-C stops)"
-            )
-        while not stopping.is_set():
-            for c in stack.dead_children():
-                code = 1
-                stack.say(f"[up] !!! {c.name} DIED with exit code {_code(c)} !!!")
-            stopping.wait(0.5)
-    except RuntimeError as exc:
-        stack.say(f"[up] error: {exc}")
-        code = 1
-    finally:
-        stack.say("[up] stopping all services")
-        stack.stop()
-        stack.say("[up] stopped")
-    return code

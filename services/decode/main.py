@@ -11,17 +11,17 @@ from services.decode.worker import DecodeWorker
 from shared.bus.journal import RequestJournal
 from shared.kv_uploader import BlockUploader
 from shared.kvclient import KVCacheClient
-from shared.node import NodeRuntime
 from shared.prefix_cache import PrefixCache
-from shared.transport.pending import PendingTransfers, SplitHandler
-from tandem.options import add_option
-from tandem.service_options import (
+from shared.runtime.engine import engine_from_args
+from shared.runtime.node import NodeRuntime
+from shared.runtime.options import (
     add_data_plane_options,
     add_engine_options,
     add_node_options,
-    engine_from_args,
-    run_service,
+    add_option,
 )
+from shared.runtime.service import run_service
+from shared.transport.pending import PendingTransfers, SplitHandler
 
 log = logging.getLogger("tandem.decode")
 

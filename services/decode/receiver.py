@@ -19,9 +19,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from shared.buffers import uninitialised
+from shared.bus.messages import SequenceSnapshot
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine
-from shared.engine.sequence import SequenceSnapshot
 from shared.errors import TandemError
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics

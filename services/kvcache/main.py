@@ -11,9 +11,9 @@ from services.kvcache.store import BlockStore
 from services.kvcache.tails import TAIL_TTL, TailStore
 from services.kvcache.warm import keep_warm
 from services.kvcache.worker import KVCacheWorker
-from shared.node import NodeRuntime
-from tandem.options import add_option
-from tandem.service_options import add_data_plane_options, add_node_options, run_service
+from shared.runtime.node import NodeRuntime
+from shared.runtime.options import add_data_plane_options, add_node_options, add_option
+from shared.runtime.service import run_service
 
 log = logging.getLogger("tandem.kvcache")
 

@@ -20,13 +20,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from shared.bus.messages import DecodeAssignment, NodeInfo, encode
+from shared.bus.messages import DecodeAssignment, NodeInfo, SequenceSnapshot, encode
 from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
 from shared.deltas import delta_from_output
 from shared.engine.engine import StepOutput
-from shared.engine.sequence import SequenceSnapshot
 from shared.telemetry.logs import bind
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError

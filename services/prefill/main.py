@@ -7,15 +7,11 @@ import logging
 
 from services.prefill.worker import PrefillWorker
 from shared.kvclient import KVCacheClient
-from shared.node import NodeRuntime
+from shared.runtime.engine import engine_from_args
+from shared.runtime.node import NodeRuntime
+from shared.runtime.options import add_data_plane_options, add_engine_options, add_node_options
+from shared.runtime.service import run_service
 from shared.transport.pending import PendingTransfers
-from tandem.service_options import (
-    add_data_plane_options,
-    add_engine_options,
-    add_node_options,
-    engine_from_args,
-    run_service,
-)
 
 log = logging.getLogger("tandem.prefill")
 

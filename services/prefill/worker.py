@@ -23,14 +23,13 @@ from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
-from shared.bus.messages import Cancel, NodeInfo, TokenDelta, decode
+from shared.bus.messages import Cancel, NodeInfo, SequenceSnapshot, TokenDelta, decode
+from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine, StepOutput
-from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import SequenceSnapshot
 from shared.errors import CapacityError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient import KVCacheClient

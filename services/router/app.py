@@ -28,6 +28,7 @@ from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import Cancel, JournalEntry, NodeInfo, PrefillJob, encode
+from shared.bus.params import new_seed
 from shared.bus.topology import (
     REPLY_BY_HEADER,
     cancel_subject,
@@ -36,7 +37,6 @@ from shared.bus.topology import (
 )
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import purge_steered, submit_job
-from shared.engine.sampling import new_seed
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.logs import bind
 from shared.telemetry.tracing import tracer
@@ -47,6 +47,14 @@ TRACER = tracer("router")
 BLOCK_SIZE = 16
 LOCAL_PREFILL_TIMEOUT = 2.0
 REPLY_MARGIN = 0.5  # a decode node's "ok" must reach us before we stop waiting
+
+
+RESUMABLE_HEADER = "X-Tandem-Resumable"
+
+
+def resumable_requested(request: web.Request) -> bool:
+    """Whether the client asked for `id:` lines (see relay.py): off unless it says so."""
+    return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass
@@ -267,6 +275,7 @@ class Router:
                 blocks=blocks,
                 start=start,
                 prefill_node=steered,
+                resumable=resumable_requested(request),
             )
         except BaseException as exc:  # not admitted: nothing of it may stay anywhere
             self.active.discard(rid)

@@ -22,10 +22,10 @@ from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry, node_info
 from shared.model.tokenizer import load_tokenizer
-from shared.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.runtime.node import connect_bus, make_node_id, setup_logging, stop_on_signals
+from shared.runtime.options import add_node_options, add_option
+from shared.runtime.service import run_service
 from shared.telemetry.tracing import setup_tracing
-from tandem.options import add_option
-from tandem.service_options import add_node_options, run_service
 
 log = logging.getLogger("tandem.router")
 INDEX_GRACE = 60.0  # seconds a departed node's KV index entries are kept for its return

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.router.errors import ApiError
-from shared.engine.sampling import SamplingParams
+from shared.bus.params import SamplingParams
 from shared.model.tokenizer import TokenizerInfo
 
 

@@ -12,13 +12,23 @@ from typing import TypeVar
 
 import msgspec
 
-from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import SequenceSnapshot
+from shared.bus.params import SamplingParams
 from shared.errors import WireFormatError
 
 SCHEMA_VERSION = 1
 # NATS' max_payload counts headers too; bodies stay well under the 1 MiB default.
 MAX_MESSAGE_BYTES = 512 * 1024
+
+
+class SequenceSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What another node needs to continue a sequence, beside its KV blocks."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    seed: int
+    num_computed: int  # KV tokens the accompanying export covers
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):

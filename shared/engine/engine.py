@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.bus.messages import SequenceSnapshot
+from shared.bus.params import SamplingParams, new_seed
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
-from shared.engine.sampling import SamplingParams, new_seed, sample
+from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.engine.sequence import Sequence, SequenceSnapshot, SequenceStatus
+from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.block_pool import BlockPool

@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import msgspec
-
+from shared.bus.messages import SequenceSnapshot
+from shared.bus.params import SamplingParams
 from shared.engine.detokenize import IncrementalDetokenizer
-from shared.engine.sampling import SamplingParams
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
 
@@ -25,17 +24,6 @@ class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class SequenceSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What another node needs to continue a sequence, beside its KV blocks."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    params: SamplingParams
-    seed: int
-    num_computed: int  # KV tokens the accompanying export covers
 
 
 @dataclass

@@ -8,6 +8,7 @@ Sampling failures are logged and skipped: a missed tick changes nothing.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,9 +21,11 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import PREFILL_CONSUMER, PREFILL_STREAM
+from tandem.autoscale.options import policy_from_args
 from tandem.autoscale.types import ROLES, Backend, Decision, NodeSample, Observation
 
 log = logging.getLogger("tandem.autoscale")
@@ -137,3 +140,21 @@ class Controller:
                 log.warning("autoscale tick failed: %r", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
+
+
+async def run_controller(
+    args: argparse.Namespace,
+    backend: Backend,
+    nats_url: str,
+    auth: BusAuth,
+    router_url: str | None,
+    stop: asyncio.Event,
+) -> None:
+    bus = await Bus(nats_url, "autoscaler", auth).connect(stop=stop)
+    try:
+        controller = Controller(
+            bus, backend, policy_from_args(args), router_url, interval=args.scale_interval
+        )
+        await controller.run(stop)
+    finally:
+        await bus.close()

@@ -9,7 +9,7 @@ background thread, then removes them.
 
 Node ids ↔ containers. A clone gets `TANDEM_NODE_ID=<container name>`, so it registers
 under its container's name. Replicas that compose started itself have no node id set and
-name themselves `<role>-<hostname>-<random>` (shared.node.make_node_id), where the hostname
+name themselves `<role>-<hostname>-<random>` (shared.runtime.node.make_node_id), where the hostname
 is the first 12 characters of the container id: those are found by that prefix.
 
 Compose still owns the project: a later `docker compose up` scales each service back to

@@ -9,10 +9,14 @@ routers resume anything left when it leaves.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
 import threading
+from threading import Thread
 
 from shared.bus.server import free_port
+from tandem.autoscale.controller import run_controller
 from tandem.launcher import Child, Stack
 
 
@@ -68,3 +72,20 @@ class LocalBackend:
                 if any(c.name == name for c in self.stack.children):
                     self.stopping.add(name)
                     self.stack.terminate(name)
+
+
+def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Event) -> Thread:
+    """`tandem up --autoscale`: the controller on a thread of its own, scaling the stack's
+    processes until `stopping` is set."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(
+            target=lambda: (stopping.wait(), loop.call_soon_threadsafe(stop.set)), daemon=True
+        ).start()
+        await run_controller(args, LocalBackend(stack), stack.nats_url, stack.auth, stack.url, stop)
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), name="autoscale", daemon=True)
+    thread.start()
+    return thread

@@ -11,9 +11,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from shared.runtime.options import add_option
 from tandem.bench.sweep import parse_rates
 from tandem.bench.workload import parse_lengths
-from tandem.options import add_option
 
 
 class _BadValue(argparse.ArgumentTypeError, ValueError):

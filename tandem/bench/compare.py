@@ -26,6 +26,7 @@ from typing import Any
 
 from shared.bus.server import free_port
 from shared.errors import TandemError
+from tandem import up
 from tandem.bench.loadgen import Target
 from tandem.bench.serve import check, slo_of, sweep_config, workload_of, write_outputs
 from tandem.bench.sweep import Sweep, run_sweep
@@ -56,9 +57,9 @@ def stack_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def start_stack(side: str, args: argparse.Namespace, log: Path) -> Stack:
-    from tandem.cli import build_parser  # tandem.cli builds this command's parser
-
-    stack = Stack(build_parser().parse_args(up_argv(side, args, free_port())))
+    parser = argparse.ArgumentParser(prog="tandem")
+    up.add_parser(parser.add_subparsers(dest="command"))
+    stack = Stack(parser.parse_args(up_argv(side, args, free_port())))
     stack.env = stack_env(args)
     stack.out = log.open("w")
     try:

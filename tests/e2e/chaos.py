@@ -20,8 +20,8 @@ from pathlib import Path
 
 import aiohttp
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import LoadedModel
 
 MODEL = "smollm2-135m-instruct"

@@ -31,8 +31,10 @@ from shared.bus.messages import (
     KVPut,
     Message,
     PrefillJob,
+    SequenceSnapshot,
     encode,
 )
+from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import (
     KV_EVENTS_SUBJECT,
@@ -42,8 +44,6 @@ from shared.bus.topology import (
     kvcache_subject,
     local_prefill_subject,
 )
-from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import SequenceSnapshot
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.test_api import MODEL, reference, text_of

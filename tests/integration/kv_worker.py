@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import torch
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import load_model
 from tests.integration.prompts import varied_prompts
 

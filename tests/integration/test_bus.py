@@ -19,6 +19,7 @@ from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode
+from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry, RegistryEvent, node_info
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
@@ -29,7 +30,6 @@ from shared.bus.topology import (
 )
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import JobConsumer, purge_steered, submit_job
-from shared.engine.sampling import SamplingParams
 from shared.errors import TandemError
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import LoadedModel
 
 pytestmark = pytest.mark.integration

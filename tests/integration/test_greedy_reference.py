@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import LoadedModel
 from tests.integration.prompts import varied_prompts
 

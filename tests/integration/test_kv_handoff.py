@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shared.bus.messages import SequenceSnapshot
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sequence import SequenceSnapshot
 from shared.model.loader import LoadedModel
 from tests.integration.kv_worker import GREEDY, SAMPLED
 from tests.integration.prompts import varied_prompts

@@ -16,6 +16,7 @@ import pytest
 from services.decode.worker import DecodeWorker
 from shared.bus.client import Bus
 from shared.bus.messages import Cancel, PrefillJob, encode
+from shared.bus.params import SamplingParams
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
     REPLY_BY_HEADER,
@@ -25,7 +26,6 @@ from shared.bus.topology import (
     token_subject,
 )
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import LoadedModel
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.model.loader import load_model
 from shared.model.runner import PackedItem
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.kv_uploader import BlockUploader
 from shared.model.loader import LoadedModel
 

@@ -13,7 +13,8 @@ from shared.bus.kv_events import KVIndex
 from shared.bus.messages import KVEvent, NodeInfo
 from shared.kv.block_hash import block_hashes
 from tandem.cli import build_parser
-from tandem.launcher import Stack, prefill_nodes, run
+from tandem.launcher import Stack, prefill_nodes
+from tandem.up import run
 from tests.unit.test_routing import KEY, decode_node
 
 pytestmark = pytest.mark.unit

@@ -268,7 +268,7 @@ def test_node_ids_map_to_containers(engine: FakeEngine) -> None:
 def test_host_part_follows_the_rule_nodes_name_themselves_by(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from shared import node
+    from shared.runtime import node
 
     for hostname in ("d1ffffffffff", "my.host_name-with-a-long-tail"):
         monkeypatch.setattr(node.socket, "gethostname", lambda h=hostname: h)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.model.loader import LoadedModel
 

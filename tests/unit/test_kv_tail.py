@@ -13,8 +13,8 @@ import time
 import pytest
 
 from services.decode.tails import TailUploader
+from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.sampling import SamplingParams
 from shared.errors import WireFormatError
 from shared.kv.block_hash import ROOT_HASH, BlockHash
 from shared.kv.tail import TailBlock, fit_tail

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.bus import messages as m
+from shared.bus.messages import SequenceSnapshot
+from shared.bus.params import SamplingParams
 from shared.bus.topology import is_token_subject, token_subject
-from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import SequenceSnapshot
 from shared.errors import WireFormatError
 
 pytestmark = pytest.mark.unit

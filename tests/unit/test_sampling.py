@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams, sample, sample_row, seeded_uniform
+from shared.bus.params import SamplingParams
+from shared.engine.sampling import sample, sample_row, seeded_uniform
 from shared.errors import InvalidRequestError
 
 pytestmark = pytest.mark.unit

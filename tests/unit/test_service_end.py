@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICE = textwrap.dedent(
     """
     import argparse, asyncio, sys
-    import tandem.service_options as so
+    import shared.runtime.service as so
 
     so.LEFTOVER_GRACE = 1.0
 

@@ -1,0 +1,106 @@
+"""Command-line options that also read `TANDEM_<OPTION>` environment variables, and the
+option groups every service shares (bus, node, data plane, engine).
+
+Every option of every `tandem` command can be set from the environment (what compose and
+Kubernetes use): `--max-tokens` reads `TANDEM_MAX_TOKENS`, `--nats` reads `TANDEM_NATS`, and
+so on. An explicit flag wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def env_name(flag: str) -> str:
+    return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+    """`parser.add_argument(flag, ...)` with its default taken from the environment if set."""
+    env = env_name(flag)
+    raw = os.environ.get(env)
+    if raw is not None:
+        if kwargs.get("action") == "store_true":
+            kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif kwargs.get("action") == "append":
+            kwargs["default"] = [v for v in raw.split(",") if v]
+        else:
+            convert = kwargs.get("type", str)
+            try:
+                kwargs["default"] = convert(raw)
+            except (TypeError, ValueError) as exc:
+                raise SystemExit(f"error: {env}={raw!r} is not a valid value: {exc}") from exc
+    help_text = kwargs.get("help", "")
+    kwargs["help"] = f"{help_text} [env {env}]".strip()
+    parser.add_argument(flag, **kwargs)
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    add_option(
+        parser,
+        "--model",
+        default="smollm2-135m-instruct",
+        help="served name, Hugging Face directory or .gguf file",
+    )
+    add_option(parser, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_option(parser, "--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_option(parser, "--threads", type=int, default=None, help="torch threads (default: cores)")
+
+
+def add_nats_auth_options(p: argparse.ArgumentParser) -> None:
+    """Credentials for NATS; pass secrets by environment, not flags (`ps` shows flags)."""
+    add_option(p, "--nats-user", default=None, help="NATS user name")
+    add_option(p, "--nats-password", default=None, help="NATS password")
+    add_option(p, "--nats-creds", default=None, help="NATS NKEY/JWT credentials file")
+    add_option(p, "--nats-tls-ca", default=None, help="CA file: connect to NATS over TLS")
+
+
+def add_node_options(
+    p: argparse.ArgumentParser, model: bool = True, metrics_port: bool = True
+) -> None:
+    add_option(p, "--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    add_nats_auth_options(p)
+    add_option(p, "--node-id", default=None, help="unique node name (default: role-host-random)")
+    add_option(p, "--log-level", default="INFO")
+    if metrics_port:  # the router serves /metrics on its API port instead
+        add_option(p, "--metrics-port", type=int, default=None, help="serve /metrics (0: any port)")
+        add_option(
+            p,
+            "--metrics-host",
+            default="127.0.0.1",
+            help="address /metrics listens on (0.0.0.0 for a Prometheus elsewhere)",
+        )
+    if model:
+        add_model_options(p)
+
+
+def add_data_plane_options(p: argparse.ArgumentParser) -> None:
+    add_option(p, "--transport", default="tcp", choices=["ucx", "tcp"], help="KV data plane")
+    add_option(
+        p,
+        "--data-host",
+        default="127.0.0.1",
+        help="address peers reach this node at (auto: this host's address)",
+    )
+    add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
+    add_option(p, "--max-num-seqs", type=int, default=64)
+    add_option(p, "--max-batched-tokens", type=int, default=4096)
+    add_option(p, "--heartbeat-ttl", type=float, default=6.0)
+    add_option(
+        p,
+        "--no-kvcache",
+        action="store_true",
+        help="do not load prefixes from or store blocks in the kvcache service",
+    )
+    add_option(
+        p,
+        "--no-prefix-caching",
+        action="store_true",
+        help="never reuse KV across requests, not even from this node's own pool",
+    )

@@ -1,0 +1,130 @@
+"""The layout's rules, checked on the source: who may import whom, and what the light
+processes load.
+
+- `shared/` imports no service and not the `tandem` command; a service imports no other
+  service and not the `tandem` command (services meet only through `shared/`).
+- No import cycle between modules (function-level imports count; `TYPE_CHECKING` ones,
+  which never run, do not).
+- The router and the kvcache node load neither torch nor transformers' model code.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("shared", "services", "tandem")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules a file imports when it runs (not under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    modules = {module_name(p): p for p in files}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        # `from a.b import c` names module a.b.c if it exists, else the object c of a.b
+        edges[name] = {m for m in runtime_imports(path) if m in modules and m != name}
+    return edges
+
+
+def test_shared_and_services_import_no_service_and_not_the_command() -> None:
+    bad = []
+    for name, deps in graph().items():
+        top = name.split(".")
+        for dep in deps:
+            dtop = dep.split(".")
+            if top[0] in ("shared", "services") and dtop[0] == "tandem":
+                bad.append(f"{name} -> {dep}")
+            if top[0] == "shared" and dtop[0] == "services":
+                bad.append(f"{name} -> {dep}")
+            if top[0] == "services" and dtop[0] == "services" and dtop[1] != top[1]:
+                bad.append(f"{name} -> {dep}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    # a package's __init__ importing nothing of its own keeps package edges out of this
+    assert cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("module", ["services.router.main", "services.kvcache.main"])
+def test_light_services_load_no_torch(module: str) -> None:
+    code = (
+        f"import {module}, sys; "
+        "heavy = [m for m in sys.modules if m == 'torch' or m.startswith('transformers.models')]; "
+        "print(heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

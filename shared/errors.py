@@ -12,11 +12,21 @@ class TandemError(Exception):
     http_status = 500
     error_type = "server_error"
 
-    def __init__(self, message: str, *, request_id: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.request_id = request_id
         self.param = param
+        self.code = code  # a machine-readable reason beside the type (OpenAI's `code`)
+        self.retry_after = retry_after  # seconds a client should wait before it tries again
 
     def __str__(self) -> str:
         prefix = f"[{self.request_id}] " if self.request_id else ""
@@ -32,6 +42,55 @@ class InvalidRequestError(TandemError):
 
     http_status = 400
     error_type = "invalid_request_error"
+
+
+class AuthenticationError(TandemError):
+    """No API key, or one the router does not know."""
+
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(TandemError):
+    """What the request names does not exist (a model, a request to resume)."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class ConflictError(TandemError):
+    """The request collides with work in progress (a stream another router serves)."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(TandemError):
+    """The request body is larger than the router accepts."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+
+
+class RateLimitError(TandemError):
+    """Too many requests in flight (router-wide or for one API key): retry shortly."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class GenerationError(TandemError):
+    """A node failed while generating the request's tokens."""
+
+    http_status = 503
+    error_type = "overloaded_error"
+
+
+class DeadlineError(TandemError):
+    """The request ran out of time (first token, a stalled stream, the whole request)."""
+
+    http_status = 504
+    error_type = "timeout_error"
 
 
 class ModelLoadError(TandemError):

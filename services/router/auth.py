@@ -21,8 +21,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from services.router.errors import ApiError
-from shared.errors import TandemError
+from shared.errors import AuthenticationError, RateLimitError, TandemError
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -99,20 +98,17 @@ def auth_middleware(keys: ApiKeys, on_reject: Callable[[str], None]) -> Middlewa
         presented = _presented_key(request)
         if presented is None or not keys.check(presented):
             on_reject("401")
-            raise ApiError(
-                401,
+            raise AuthenticationError(
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
             )
         who = fingerprint(presented)
         if inflight.get(who, 0) >= keys.max_inflight_per_key:
             on_reject("429")
-            raise ApiError(
-                429,
+            raise RateLimitError(
                 f"this API key already has {keys.max_inflight_per_key} requests in flight",
                 code="too_many_concurrent_requests",
-                headers={"Retry-After": "1"},
+                retry_after=1,
             )
         inflight[who] = inflight.get(who, 0) + 1
         request["api_key"] = who

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING
 import msgspec
 from opentelemetry import trace
 
+from services.router.dispatch import Dispatch
+from services.router.metrics import RouterMetrics
 from services.router.streams import RequestStream
 from shared.bus.messages import Prefetch, PrefillJob
 from shared.bus.topology import prefetch_subject
 
 if TYPE_CHECKING:
-    from services.router.app import Router
     from shared.bus.messages import NodeInfo
 
 log = logging.getLogger("tandem.router.failover")
@@ -40,15 +41,20 @@ NODE_POLL = 0.1
 
 
 class Failover:
+    """One request's failover state: its current attempt (`job`), the nodes it left, its
+    standby; `resume` moves it to another decode node."""
+
     def __init__(
         self,
-        router: Router,
+        dispatch: Dispatch,
+        metrics: RouterMetrics,
         job: PrefillJob,
         stream: RequestStream,
         blocks: int,
         prefill_node: str = "",
     ) -> None:
-        self.router = router
+        self.dispatch = dispatch
+        self.metrics = metrics
         self.job = job
         self.stream = stream
         self.blocks = blocks
@@ -89,7 +95,7 @@ class Failover:
         one: a suspected node that is alive returns with its next heartbeat."""
         waited_until = time.monotonic() + NODE_WAIT
         while True:
-            nodes = self.router.nodes
+            nodes = self.dispatch.nodes
             node = nodes.pick_decode(self.blocks, exclude, prefer=self.standby)
             node = node or nodes.pick_decode(self.blocks)
             if node is not None or time.monotonic() >= waited_until:
@@ -100,12 +106,12 @@ class Failover:
         """Once the stream has delivered `standby_after` tokens: pick another decode node as
         its standby and have it load the context's stored KV (best effort; only with a
         kvcache service, which holds that KV)."""
-        after = self.router.config.standby_after
+        after = self.dispatch.config.standby_after
         delivered = self.stream.token_ids
         if self.standby or not after or len(delivered) < after:
             return
         self.standby = "-"  # tried: once per stream
-        nodes = self.router.nodes
+        nodes = self.dispatch.nodes
         if not nodes.by_role("kvcache"):
             return
         serving = {self.stream.node_id, self.job.decode_node} - {""}
@@ -115,7 +121,7 @@ class Failover:
         self.standby = node.node_id
         hint = Prefetch(request_id=self.job.request_id, token_ids=self.job.prompt_ids + delivered)
         try:
-            await self.router.bus.publish(prefetch_subject(node.node_id), hint)
+            await self.dispatch.bus.publish(prefetch_subject(node.node_id), hint)
         except Exception as exc:  # no standby then: a resume loads everything itself
             log.debug("prefetch hint to %s not sent: %s", node.node_id, exc)
 
@@ -131,6 +137,29 @@ class Failover:
             log.warning("%s: %s, and no decode node came within %.0fs", self.job.request_id,
                         reason, NODE_WAIT)  # fmt: skip
             return False
+        delivered = list(self.stream.token_ids)
+        path = await self._move(node, exclude, reason)
+        if path is None:
+            return False
+        trace.get_current_span().add_event(
+            "failover",
+            {"tandem.reason": reason, "tandem.tokens_delivered": len(delivered),
+             "tandem.decode_node": node.node_id},
+        )  # fmt: skip
+        log.warning(
+            "%s: %s; resuming after %d delivered tokens on %s (failover %d, %s)",
+            self.job.request_id,
+            reason,
+            len(delivered),
+            node.node_id,
+            self.attempts,
+            path,
+        )
+        return True
+
+    async def _move(self, node: NodeInfo, exclude: set[str], reason: str) -> str | None:
+        """Submit the next attempt to `node` and cancel the request where it was; the path
+        taken, or None if it could not be submitted."""
         # Decode nodes that held it (token 0 alone came from a prefill node: not that one,
         # which must not mark the request cancelled: it may prefill the resumed job).
         left = {self.job.decode_node} | (
@@ -148,33 +177,19 @@ class Failover:
             self.job,
             output_ids=delivered,
             transfer_id=f"{self.job.request_id}/failover-{self.attempts}",
-            deadline=time.time() + self.router.config.first_token_timeout,
+            deadline=time.time() + self.dispatch.config.first_token_timeout,
         )
         self.stream.attempt = job.transfer_id  # from now on the old attempt's errors are stale
         try:
-            path = await self.router.resubmit(node, job, self.blocks, attempt=self.attempts)
+            path = await self.dispatch.resubmit(node, job, self.blocks, attempt=self.attempts)
         except Exception as exc:
             log.warning("failover of %s not submitted: %s", self.job.request_id, exc)
-            return False
-        self.router.metrics.failovers.inc()
+            return None
+        self.metrics.failovers.inc()
         self.stream.sender = node.node_id
         self.standby = ""  # the next delta picks a standby for the new node
         for old in left:
             # The node it left may live on (cut off, or stalled): it must free the blocks.
             # It hears this once it can; until then its own lease on NATS runs out.
-            await self.router.cancel_on(old, self.job.request_id, f"failed over: {reason}")
-        trace.get_current_span().add_event(
-            "failover",
-            {"tandem.reason": reason, "tandem.tokens_delivered": len(delivered),
-             "tandem.decode_node": node.node_id},
-        )  # fmt: skip
-        log.warning(
-            "%s: %s; resuming after %d delivered tokens on %s (failover %d, %s)",
-            self.job.request_id,
-            reason,
-            len(delivered),
-            node.node_id,
-            self.attempts,
-            path,
-        )
-        return True
+            await self.dispatch.cancel_on(old, self.job.request_id, f"failed over: {reason}")
+        return path

@@ -1,7 +1,7 @@
 """The router's HTTP application: routes, the OpenAI error shape for every failure, API keys.
 
-Middlewares run outermost first: `errors` turns any ApiError (including the 401/429 that
-`auth` raises) and aiohttp's own HTTP errors into the OpenAI error body.
+Middlewares run outermost first: `errors` turns any TandemError (including the 401/429 that
+`auth` raises) and aiohttp's own HTTP errors into the OpenAI error body (errors.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from aiohttp import web
 
 from services.router.app import Router
 from services.router.auth import ApiKeys, auth_middleware
-from services.router.errors import ApiError
+from services.router.errors import error_response, from_http_exception
+from shared.errors import TandemError
 
 
 def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
@@ -21,22 +22,20 @@ def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
         try:
             resp: web.StreamResponse = await handler(request)
             return resp
-        except ApiError as exc:
-            return exc.response()
-        except web.HTTPRequestEntityTooLarge:
-            return ApiError(413, "request body too large").response()
+        except TandemError as exc:
+            return error_response(exc)
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return ApiError(exc.status, exc.reason or "error").response()
+                return error_response(from_http_exception(exc))
             raise
 
     def rejected(status: str) -> None:
-        router.metrics.errors.labels(status).inc()
+        router.parts.metrics.errors.labels(status).inc()
 
-    # errors first: it turns the ApiError that auth raises into the OpenAI error shape.
+    # errors first: it turns the TandemError that auth raises into the OpenAI error shape.
     authenticate = auth_middleware(keys or ApiKeys([]), rejected)
     app = web.Application(
-        client_max_size=router.config.max_body_bytes, middlewares=[errors, authenticate]
+        client_max_size=router.parts.config.max_body_bytes, middlewares=[errors, authenticate]
     )
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat_completions)

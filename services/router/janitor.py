@@ -14,48 +14,46 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from services.router.app import Router
+from services.router.parts import RouterParts
 
 log = logging.getLogger("tandem.router.janitor")
 STRAY_AFTER = 30.0  # seconds a checkpoint record no journal entry names is kept
 
 
 class Janitor:
-    def __init__(self, router: Router, lease: float = 5.0, interval: float = 1.0) -> None:
-        self.router = router
+    def __init__(self, parts: RouterParts, lease: float = 5.0, interval: float = 1.0) -> None:
+        self.parts = parts
         self.lease = lease
         self.interval = interval
         self.started = time.time()
         self.orphaned: dict[str, float] = {}  # request id → when its lease started
 
     def _owner_alive(self, router_id: str, rid: str) -> bool:
-        if router_id == self.router.config.node_id:
-            return rid in self.router.active
-        return router_id in self.router.nodes.nodes
+        if router_id == self.parts.config.node_id:
+            return rid in self.parts.inflight
+        return router_id in self.parts.nodes.nodes
 
     async def sweep(self) -> int:
         """One pass over the journal; returns how many requests it cancelled."""
         now = time.time()
         expired = 0
         seen = set()
-        entries, records = await self.router.journal.scan()
+        entries, records = await self.parts.journal.scan()
         await self._drop_stray_records(records, {e.internal_id for e, _ in entries}, now)
         for entry, revision in entries:
             rid = entry.request_id
             if self._owner_alive(entry.router_id, rid):
                 continue
             seen.add(rid)
-            last_beat = self.router.nodes.left_at.get(entry.router_id, entry.updated_at)
+            last_beat = self.parts.nodes.left_at.get(entry.router_id, entry.updated_at)
             since = self.orphaned.setdefault(rid, max(self.started, min(last_beat, now)))
             if now - since < self.lease:
                 continue
-            if not await self.router.journal.delete_if(rid, revision, entry.internal_id):
+            if not await self.parts.journal.delete_if(rid, revision, entry.internal_id):
                 continue  # resumed (claimed) meanwhile
-            await self.router.cancel(rid, entry.internal_id, "not resumed within the lease")
-            self.router.metrics.expired.inc()
+            await self.parts.dispatch.cancel(rid, entry.internal_id, "not resumed within the lease")
+            self.parts.metrics.expired.inc()
             expired += 1
             log.warning(
                 "%s: router %s is gone and no client resumed it within %.0fs: cancelled",
@@ -72,9 +70,9 @@ class Janitor:
         for internal_id in records:
             if internal_id in live:
                 continue
-            record = await self.router.journal.checkpoint(internal_id)
+            record = await self.parts.journal.checkpoint(internal_id)
             if record is None or now - record.timestamp > STRAY_AFTER:
-                await self.router.journal.delete_checkpoint(internal_id)
+                await self.parts.journal.delete_checkpoint(internal_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -34,41 +34,51 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from services.router.inflight import InFlight
+from services.router.metrics import RouterMetrics
+from services.router.nodes import NodeTable
+from shared.bus.client import Bus
 from shared.bus.topology import ping_subject
 
-if TYPE_CHECKING:
-    from services.router.app import Router
-
 log = logging.getLogger("tandem.router.liveness")
+
+
+@dataclass(frozen=True)
+class ProbeTiming:
+    """When and how often nodes are probed (see the module docstring)."""
+
+    probe_after: float = 0.5
+    timeout: float = 0.25
+    misses: int = 3
+    interval: float = 0.025
+    floor: float = 0.15
+    every: float = 0.05
+    reconnect_grace: float = 2.0
+    max_in_flight: int = 3
 
 
 class LivenessProbe:
     def __init__(
         self,
-        router: Router,
-        probe_after: float = 0.5,
-        timeout: float = 0.25,
-        misses: int = 3,
-        interval: float = 0.025,
-        floor: float = 0.15,
-        every: float = 0.05,
-        reconnect_grace: float = 2.0,
-        max_in_flight: int = 3,
+        bus: Bus,
+        inflight: InFlight,
+        nodes: NodeTable,
+        metrics: RouterMetrics,
+        on_dead: Callable[[str], None],
+        timing: ProbeTiming | None = None,
     ) -> None:
-        self.router = router
-        self.probe_after = probe_after
-        self.floor = floor
-        self.timeout = timeout
-        self.misses = misses
-        self.interval = interval
-        self.every = every
-        self.reconnect_grace = reconnect_grace
-        self.max_in_flight = max_in_flight
+        self.bus = bus
+        self.inflight = inflight
+        self.nodes = nodes
+        self.metrics = metrics
+        self.on_dead = on_dead  # the node's requests fail over
+        self.timing = timing or ProbeTiming()
         self.last_probe: dict[str, float] = {}
         self.missed: dict[str, int] = {}  # node → probes unanswered in a row
         self.miss_sent: dict[str, float] = {}  # node → when the last counted miss was sent
@@ -78,17 +88,17 @@ class LivenessProbe:
 
     def serving_nodes(self) -> set[str]:
         """Nodes that should send the next token of some in-flight stream."""
-        return {n for f in list(self.router.failovers.values()) if (n := f.expected_sender())}
+        return {n for f in list(self.inflight.failovers.values()) if (n := f.expected_sender())}
 
     def quiet_nodes(self, now: float) -> set[str]:
         """Nodes some in-flight stream has waited on for longer than it should: 3x its
         usual gap between tokens (at least `floor`), at most `probe_after`."""
         out = set()
-        for failover in list(self.router.failovers.values()):
+        for failover in list(self.inflight.failovers.values()):
             node = failover.expected_sender()
             itl = failover.stream.itl
-            after = self.probe_after if itl is None else max(self.floor, 3 * itl)
-            if node and now - failover.stream.last_delta_at > min(after, self.probe_after):
+            after = self.timing.probe_after if itl is None else max(self.timing.floor, 3 * itl)
+            if node and now - failover.stream.last_delta_at > min(after, self.timing.probe_after):
                 out.add(node)
         return out
 
@@ -99,9 +109,9 @@ class LivenessProbe:
             for node in self.serving_nodes():
                 if now - self.dead.get(node, -1e9) < 5.0:
                     continue  # just declared dead: its requests are moving already
-                if self.in_flight.get(node, 0) >= self.max_in_flight:
+                if self.in_flight.get(node, 0) >= self.timing.max_in_flight:
                     continue
-                every = self.interval if node in quiet else self.every
+                every = self.timing.interval if node in quiet else self.timing.every
                 if now - self.last_probe.get(node, -1e9) < every:
                     continue
                 self.last_probe[node] = now
@@ -110,14 +120,14 @@ class LivenessProbe:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+                await asyncio.wait_for(stop.wait(), self.timing.interval)
         for task in list(self._tasks):
             task.cancel()
 
     async def _probe(self, node: str, sent: float) -> None:
         try:
-            assert self.router.bus.nc is not None
-            await self.router.bus.nc.request(ping_subject(node), b"", timeout=self.timeout)
+            assert self.bus.nc is not None
+            await self.bus.nc.request(ping_subject(node), b"", timeout=self.timing.timeout)
             self._forget_misses(node)
         except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
             self._unanswered(node, isinstance(exc, NoRespondersError), sent)
@@ -139,17 +149,17 @@ class LivenessProbe:
             self._declare_dead(node, "no responders")
         elif node not in self.quiet_nodes(time.monotonic()):
             self._forget_misses(node)  # its tokens still flow: slow, not dead
-        elif sent - self.miss_sent.get(node, -1e9) >= self.timeout:  # a new silence
+        elif sent - self.miss_sent.get(node, -1e9) >= self.timing.timeout:  # a new silence
             self.miss_sent[node] = sent
             self.missed[node] = self.missed.get(node, 0) + 1
-            if self.missed[node] >= self.misses:
-                self._declare_dead(node, f"{self.misses} probes unanswered")
+            if self.missed[node] >= self.timing.misses:
+                self._declare_dead(node, f"{self.timing.misses} probes unanswered")
 
     def _reconnecting(self) -> bool:
         """The router's NATS connection is down or just came back: no verdict on nodes."""
-        bus = self.router.bus
+        bus = self.bus
         since = time.monotonic() - bus.reconnected_at
-        return not bus.is_connected or since < self.reconnect_grace
+        return not bus.is_connected or since < self.timing.reconnect_grace
 
     def _declare_dead(self, node: str, why: str) -> None:
         if time.monotonic() - self.dead.get(node, -1e9) < 5.0:
@@ -157,6 +167,6 @@ class LivenessProbe:
         self._forget_misses(node)  # a node that returns starts afresh
         self.dead[node] = time.monotonic()
         log.warning("node %s declared dead (%s): failing its requests over", node, why)
-        self.router.metrics.errors.labels("node_unresponsive").inc()
-        self.router.nodes.suspect(node)
-        self.router.node_lost(node)
+        self.metrics.errors.labels("node_unresponsive").inc()
+        self.nodes.suspect(node)
+        self.on_dead(node)

@@ -9,15 +9,18 @@ import logging
 
 from aiohttp import web
 
-from services.router.app import Router, RouterConfig
+from services.router.app import Router
 from services.router.auth import ApiKeys, read_keys
+from services.router.config import RouterConfig
 from services.router.http_app import build_app
 from services.router.janitor import Janitor
-from services.router.liveness import LivenessProbe
+from services.router.liveness import LivenessProbe, ProbeTiming
 from services.router.nodes import NodeTable
+from services.router.parts import RouterParts
 from services.router.routing import PrefixRouter
 from services.router.validation import Limits
 from shared.bus.auth import BusAuth
+from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry, node_info
@@ -37,12 +40,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_option(p, "--model", default="smollm2-135m-instruct", help="served model (tokenizer)")
     add_option(p, "--host", default="127.0.0.1")
     add_option(p, "--port", type=int, default=8000)
+    add_limit_options(p)
+    add_failure_options(p)
+    add_routing_options(p)
+    p.set_defaults(func=run)
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """What one request and all of them together may ask; API keys."""
     add_option(p, "--max-inflight", type=int, default=256, help="admitted requests; then 429")
     add_option(p, "--max-body-bytes", type=int, default=1 << 20)
     add_option(p, "--max-tokens-limit", type=int, default=4096)
     add_option(p, "--max-prompt-tokens", type=int, default=None, help="default: model context")
     add_option(p, "--max-stop", type=int, default=4, help="stop strings per request")
     add_option(p, "--max-stop-len", type=int, default=256, help="characters per stop string")
+    add_option(p, "--api-keys", default=None, help="comma-separated bearer keys (none: open API)")
+    add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
+    add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
+    add_option(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
+
+
+def add_failure_options(p: argparse.ArgumentParser) -> None:
+    """Deadlines, liveness probes, the registry entry and the resume lease."""
     add_option(p, "--first-token-timeout", type=float, default=120.0)
     add_option(p, "--stall-timeout", type=float, default=30.0)
     add_option(
@@ -70,10 +89,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds a client of a dead router has to resume its stream; then the request "
         "is cancelled and its KV blocks freed",
     )
-    add_option(p, "--api-keys", default=None, help="comma-separated bearer keys (none: open API)")
-    add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
-    add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
-    add_option(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
+
+
+def add_routing_options(p: argparse.ArgumentParser) -> None:
+    """Where requests go: local prefill, standbys, colocated."""
     add_option(
         p,
         "--local-prefill-max-tokens",
@@ -96,28 +115,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="no prefill nodes: every request is prefilled on a decode node (the baseline)",
     )
-    p.set_defaults(func=run)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    node_id = make_node_id("router", args.node_id)
-    setup_logging("router", node_id, args.log_level)
-    setup_tracing("router", node_id)
-    keys = ApiKeys.of(
-        read_keys(args.api_keys, args.api_keys_file),
-        args.max_inflight_per_key,
-        args.metrics_auth,
-    )
-    if not keys.enabled:
-        log.warning("no API keys configured: the API is open to anyone who can reach it")
-    tokenizer = load_tokenizer(args.model)
-    stop = stop_on_signals()
-    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), stop=stop)
-    registry = await NodeRegistry(bus).start()
-    nodes = await NodeTable(registry, colocated=args.colocated).start()
-    bus.on_reconnect.append(nodes.on_reconnect)
-    journal = await RequestJournal(bus).start()
-    config = RouterConfig(
+def config_of(args: argparse.Namespace, node_id: str) -> RouterConfig:
+    return RouterConfig(
         node_id=node_id,
         max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes,
@@ -133,6 +134,22 @@ async def serve(args: argparse.Namespace) -> None:
         colocated=args.colocated,
         standby_after=args.standby_after,
     )
+
+
+def api_keys(args: argparse.Namespace) -> ApiKeys:
+    keys = ApiKeys.of(
+        read_keys(args.api_keys, args.api_keys_file),
+        args.max_inflight_per_key,
+        args.metrics_auth,
+    )
+    if not keys.enabled:
+        log.warning("no API keys configured: the API is open to anyone who can reach it")
+    return keys
+
+
+async def kv_routing(args: argparse.Namespace, bus: Bus, nodes: NodeTable) -> PrefixRouter:
+    """KV-aware routing over the cluster's KV events; a node that left keeps its entries
+    for INDEX_GRACE (a missed heartbeat or two must not wipe them)."""
     index = KVIndex()
     await index.follow(bus)
     bus.on_reconnect.append(lambda: index.refollow(bus))
@@ -142,28 +159,44 @@ async def serve(args: argparse.Namespace) -> None:
         if node_id not in nodes.nodes:  # it did not come back
             index.drop_node(node_id)
 
-    def forget_later(node_id: str) -> None:  # a missed heartbeat or two must not wipe it
+    def forget_later(node_id: str) -> None:
         loop.call_later(INDEX_GRACE, forget, node_id)
 
     nodes.on_leave.append(forget_later)
-    routing = PrefixRouter(nodes, index, args.local_prefill_max_tokens, colocated=args.colocated)
-    router = Router(config, bus, tokenizer, nodes, journal, routing)
+    return PrefixRouter(nodes, index, args.local_prefill_max_tokens, colocated=args.colocated)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    node_id = make_node_id("router", args.node_id)
+    setup_logging("router", node_id, args.log_level)
+    setup_tracing("router", node_id)
+    keys = api_keys(args)
+    tokenizer = load_tokenizer(args.model)
+    stop = stop_on_signals()
+    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), stop=stop)
+    nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
+    bus.on_reconnect.append(nodes.on_reconnect)
+    journal = await RequestJournal(bus).start()
+    parts = RouterParts.of(config_of(args, node_id), bus, nodes, journal)
+    router = Router(parts, tokenizer, await kv_routing(args, bus, nodes))
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.
     runner = web.AppRunner(build_app(router, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    await web.TCPSite(runner, args.host, args.port).start()
     log.info("router %s listening on http://%s:%d", node_id, args.host, args.port)
     # In the registry like every node: other routers' janitors see whether it lives.
-    beats = NodeRegistry(bus, ttl=args.heartbeat_ttl)
-    await beats.start()
+    beats = await NodeRegistry(bus, ttl=args.heartbeat_ttl).start()
     heartbeats = asyncio.create_task(
-        beats.run_heartbeats(lambda: node_info(node_id, "router", load=router.inflight))
+        beats.run_heartbeats(lambda: node_info(node_id, "router", load=parts.inflight.admitted))
     )
-    tasks = [asyncio.create_task(Janitor(router, args.resume_lease).run(stop))]
+    tasks = [asyncio.create_task(Janitor(parts, args.resume_lease).run(stop))]
     if args.probe_after > 0:
-        tasks.append(asyncio.create_task(LivenessProbe(router, args.probe_after).run(stop)))
+        timing = ProbeTiming(probe_after=args.probe_after)
+        probe = LivenessProbe(
+            bus, parts.inflight, nodes, parts.metrics, parts.inflight.node_lost, timing
+        )
+        tasks.append(asyncio.create_task(probe.run(stop)))
     try:
         await stop.wait()
     finally:

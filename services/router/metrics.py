@@ -7,6 +7,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
+def _latency(name: str, doc: str, registry: CollectorRegistry) -> Histogram:
+    return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -18,30 +22,12 @@ class RouterMetrics:
             registry=r,
         )
         self.errors = Counter("tandem_errors_total", "Errors by type", ["type"], registry=r)
-        self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = _latency("tandem_time_to_first_token_seconds", "Time to first token", r)
+        self.tpot = _latency(
+            "tandem_time_per_output_token_seconds", "Mean time per output token after the first", r
         )
-        self.tpot = Histogram(
-            "tandem_time_per_output_token_seconds",
-            "Mean time per output token after the first",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "tandem_inter_token_latency_seconds",
-            "Gap between tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "tandem_e2e_request_latency_seconds",
-            "End-to-end latency",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.itl = _latency("tandem_inter_token_latency_seconds", "Gap between tokens", r)
+        self.e2e = _latency("tandem_e2e_request_latency_seconds", "End-to-end latency", r)
         self.node_requests = Counter(
             "tandem_node_requests_total",
             "Requests served, by the node of each role that served them",

@@ -7,8 +7,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.bus.messages import NodeInfo
+from shared.bus.messages import NodeInfo, NodeRole
 from shared.bus.registry import NodeRegistry
+from shared.kv.block_hash import DEFAULT_BLOCK_SIZE
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.router.nodes")
@@ -84,9 +85,19 @@ class NodeTable:
         for callback in self.on_leave:
             callback(node_id)
 
-    def by_role(self, role: str) -> list[NodeInfo]:
+    def by_role(self, role: NodeRole) -> list[NodeInfo]:
         """The nodes of a role that take new work (a draining node only finishes its own)."""
         return [n for n in self.nodes.values() if n.role == role and not n.draining]
+
+    def block_size(self) -> int:
+        """Tokens per KV block, as the decode nodes' engines say (the default before any
+        has registered)."""
+        sizes = [n.block_size for n in self.by_role("decode") if n.block_size > 0]
+        return max(sizes, default=DEFAULT_BLOCK_SIZE)
+
+    def blocks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a request can come to fill (what a decode node must have room for)."""
+        return -(-(prompt_tokens + max_tokens) // self.block_size())
 
     def ready(self) -> bool:
         prefill = self.colocated or bool(self.by_role("prefill"))

@@ -7,57 +7,35 @@ streams picked up through the resume endpoint always are) also gets an `id:` lin
 event, the delta's sequence number, so after losing its router it can reconnect with
 `Last-Event-ID` and get the rest. Every block of delivered tokens also goes to the request
 journal (in the background): what another router resumes from if this one dies.
+
+Steps: open the response → stream the deltas → finish (usage, metrics, journal, the last
+events) or fail (an error event or body) → release (a request that did not finish is
+cancelled on every node).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-import msgspec
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from services.router.errors import ApiError
-from services.router.failover import Failover
+from services.router.errors import error_body, error_response
+from services.router.parts import RouterParts
+from services.router.request import ServedRequest
 from services.router.responses import chunk, completion
-from services.router.streams import RequestStream, StreamTimeout
-from services.router.validation import ParsedRequest
-from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta
+from services.router.streams import StreamTimeout
+from shared.bus.messages import TokenDelta
+from shared.errors import DeadlineError, GenerationError, TandemError
 from shared.telemetry.tracing import tracer
-
-if TYPE_CHECKING:
-    from services.router.app import Router
 
 log = logging.getLogger("tandem.router")
 TRACER = tracer("router")
-
-JOURNAL_EVERY = 16  # delivered tokens between journal updates (one KV block)
-
-
-@dataclass
-class Relay:
-    """One request on its way to the client: what the stream loop needs."""
-
-    parsed: ParsedRequest
-    rid: str  # what the client knows
-    job: PrefillJob  # the current attempt (its request_id is the id nodes know)
-    stream: RequestStream
-    entry: JournalEntry
-    endpoint: str
-    created: int
-    route: str
-    blocks: int
-    start: float  # monotonic
-    skip_through: int = -1  # deltas up to this seq were delivered already (a resumed stream)
-    prefill_node: str = ""  # the job was steered to this prefill node's own queue
-    resumable: bool = False  # events carry `id: <seq>` lines (opt-in: naive readers break)
 
 
 def sse(seq: int | None, body: object) -> bytes:
@@ -66,165 +44,197 @@ def sse(seq: int | None, body: object) -> bytes:
     return f"{head}data: {json.dumps(body)}\n\n".encode()
 
 
-class JournalWriter:
-    """Writes the request's delivered tokens to the journal every block, one write at a time."""
+@dataclass
+class Progress:
+    """What the stream loop has seen so far."""
 
-    def __init__(self, router: Router, entry: JournalEntry) -> None:
-        self.router = router
-        self.entry = entry
-        self.written = len(entry.output_ids)
-        self.task: asyncio.Task[None] | None = None
-
-    def delivered(self, delta: TokenDelta, token_ids: list[int]) -> None:
-        if len(token_ids) - self.written < JOURNAL_EVERY or self.task is not None:
-            return
-        self.written = len(token_ids)
-        self.entry = msgspec.structs.replace(
-            self.entry,
-            state="decoding",
-            decode_node=delta.node_id,
-            tokens_delivered=len(token_ids),
-            output_ids=list(token_ids),
-        )
-        self.task = asyncio.create_task(self._write(self.entry))
-
-    async def settle(self) -> None:
-        """Let a write in flight land first: else it could re-create a deleted entry."""
-        if self.task is not None:
-            with contextlib.suppress(Exception):
-                await self.task
-
-    async def _write(self, entry: JournalEntry) -> None:
-        try:
-            await asyncio.wait_for(self.router.journal.put(entry), 2.0)
-        except Exception as exc:  # a later write or the delete at the end catches up
-            log.warning("journal update of %s failed: %r", entry.request_id, exc)
-        finally:
-            self.task = None
+    texts: list[str] = field(default_factory=list)
+    reason: str | None = None
+    completion_tokens: int = 0
+    last_t: float = 0.0  # monotonic time of the latest delta
+    decode_by: str = ""  # the decode node that made the tokens
+    stream_span: trace.Span | None = None
 
 
 async def relay(
-    router: Router, request: web.Request, r: Relay, span: trace.Span
+    parts: RouterParts, http: web.Request, served: ServedRequest, span: trace.Span
 ) -> web.StreamResponse:
     """Stream (or collect) the request's deltas; errors end it with an OpenAI error body."""
-    parsed, rid = r.parsed, r.rid
-    stream_span: trace.Span | None = None
+    parts.inflight.watch(served.rid, served.failover)
     response: web.StreamResponse | None = None
+    progress = Progress(last_t=served.start)
     finished = False
-    failover = Failover(router, r.job, r.stream, r.blocks, r.prefill_node)
-    router.failovers[r.job.request_id] = failover
-    router.active.add(rid)
-    journal = JournalWriter(router, r.entry)
     try:
-        if parsed.stream:
+        if served.parsed.stream:
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
-            await response.prepare(request)
-        texts: list[str] = []
-        reason: str | None = None
-        completion_tokens = 0
-        first = True
-        last_t = r.start
-        decode_by = ""
-        deadline = router.config.request_timeout - (time.monotonic() - r.start)
+            await response.prepare(http)
+        deadline = parts.config.request_timeout - (time.monotonic() - served.start)
         async with asyncio.timeout(deadline):  # the whole request, however it streams
-            async for delta in r.stream.deltas(
-                router.config.first_token_timeout,
-                router.config.stall_timeout,
-                failover.lost,
-                failover.resume,
-            ):
-                if delta.error is not None:
-                    raise ApiError(503, f"generation failed: {delta.error}")
-                now = time.monotonic()
-                if first:
-                    router.metrics.ttft.observe(now - r.start)
-                    span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
-                    stream_span = TRACER.start_span("router.stream")
-                    if r.route == "disaggregated":  # else the decode node made it
-                        router.metrics.node_requests.labels("prefill", delta.node_id).inc()
-                else:
-                    router.metrics.itl.observe(now - last_t)
-                last_t = now
-                if delta.seq > 0 or r.route == "local":
-                    decode_by = delta.node_id
-                completion_tokens = max(completion_tokens, delta.completion_tokens)
-                reason = delta.finish_reason if delta.finished else None
-                journal.delivered(delta, r.stream.token_ids)
-                if not failover.standby:
-                    await failover.warm_standby()
-                text = delta.text
-                if delta.seq <= r.skip_through:  # the client has it (regenerated on resume)
-                    if not delta.finished:
-                        continue
-                    text = ""  # it may not have seen the end: say it, without the text
-                opening = delta.seq == 0
-                if response is not None and (text or delta.finished or opening):
-                    body = chunk(parsed, rid, r.created, text, reason, opening)
-                    await response.write(sse(delta.seq if r.resumable else None, body))
-                texts.append(delta.text)
-                first = False
+            await stream_deltas(parts, served, response, span, progress)
         finished = True
-        if stream_span is not None:
-            stream_span.set_attribute("tandem.completion_tokens", completion_tokens)
-        if decode_by and (completion_tokens > 1 or r.route == "local"):
-            router.metrics.node_requests.labels("decode", decode_by).inc()
-        prompt_tokens = len(r.job.prompt_ids)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-        elapsed = time.monotonic() - r.start
-        router.metrics.e2e.observe(elapsed)
-        router.metrics.prompt_tokens.inc(prompt_tokens)
-        router.metrics.output_tokens.inc(completion_tokens)
-        if completion_tokens > 1:
-            router.metrics.tpot.observe((last_t - r.start) / completion_tokens)
-        router.metrics.requests.labels(r.endpoint, "200").inc()
-        log.info("finished: %d tokens (%s) in %.3fs", completion_tokens, reason, elapsed)
-        await journal.settle()
-        await router.journal.delete(rid, failover.job.request_id)
-        if response is not None:
-            if parsed.include_usage:
-                tail = chunk(parsed, rid, r.created, "", None, False)
-                tail["choices"] = []
-                tail["usage"] = usage
-                await response.write(sse(None, tail))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            return response
-        return web.json_response(completion(parsed, rid, r.created, "".join(texts), reason, usage))
-    except (ApiError, StreamTimeout, TimeoutError) as exc:
-        if isinstance(exc, ApiError):
-            err = exc
-        elif isinstance(exc, StreamTimeout):
-            err = ApiError(504, str(exc))
-        else:
-            err = ApiError(
-                504, f"request exceeded its deadline of {router.config.request_timeout:g}s"
-            )
-        span.set_status(Status(StatusCode.ERROR, err.message))
-        router.metrics.requests.labels(r.endpoint, str(err.status)).inc()
-        router.metrics.errors.labels(str(err.status)).inc()
-        if response is None:
-            return err.response()
-        await response.write(sse(None, err.body()))
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return await finish(parts, served, response, progress)
+    except (TandemError, StreamTimeout, TimeoutError) as exc:
+        return await fail(parts, served, response, span, as_tandem_error(exc, parts))
     finally:
-        if stream_span is not None:
-            stream_span.end()
-        router.failovers.pop(failover.job.request_id, None)
-        router.active.discard(rid)
-        await r.stream.close()
-        if not finished:
-            # client gone, error or timeout: every node drops the request, blocks freed. The
-            # nodes hear it at once; only the journal delete waits for a write in flight.
-            await router.cancel(
-                rid,
-                failover.job.request_id,
-                "client disconnected or request failed",
-                settle=journal.settle,
-            )
+        if progress.stream_span is not None:
+            progress.stream_span.end()
+        await release(parts, served, finished)
+
+
+def as_tandem_error(exc: Exception, parts: RouterParts) -> TandemError:
+    if isinstance(exc, TandemError):
+        return exc
+    if isinstance(exc, StreamTimeout):
+        return DeadlineError(str(exc))
+    return DeadlineError(f"request exceeded its deadline of {parts.config.request_timeout:g}s")
+
+
+async def stream_deltas(
+    parts: RouterParts,
+    served: ServedRequest,
+    response: web.StreamResponse | None,
+    span: trace.Span,
+    progress: Progress,
+) -> None:
+    """Every delta until the last: metrics, journal, standby, and the client's events."""
+    config, stream, failover = parts.config, served.stream, served.failover
+    first = True
+    deltas = stream.deltas(
+        config.first_token_timeout, config.stall_timeout, failover.lost, failover.resume
+    )
+    async for delta in deltas:
+        if delta.error is not None:
+            raise GenerationError(f"generation failed: {delta.error}", request_id=served.rid)
+        observe(parts, served, span, delta, progress, first)
+        served.journal.delivered(delta, stream.token_ids)
+        if not failover.standby:
+            await failover.warm_standby()
+        await send_event(served, response, delta)
+        progress.texts.append(delta.text)
+        first = False
+
+
+def observe(
+    parts: RouterParts,
+    served: ServedRequest,
+    span: trace.Span,
+    delta: TokenDelta,
+    progress: Progress,
+    first: bool,
+) -> None:
+    """Latency metrics and spans for one delta; who made it."""
+    metrics = parts.metrics
+    now = time.monotonic()
+    if first:
+        metrics.ttft.observe(now - served.start)
+        span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
+        progress.stream_span = TRACER.start_span("router.stream")
+        if served.route == "disaggregated":  # else the decode node made it
+            metrics.node_requests.labels("prefill", delta.node_id).inc()
+    else:
+        metrics.itl.observe(now - progress.last_t)
+    progress.last_t = now
+    if delta.seq > 0 or served.route == "local":
+        progress.decode_by = delta.node_id
+    progress.completion_tokens = max(progress.completion_tokens, delta.completion_tokens)
+    progress.reason = delta.finish_reason if delta.finished else None
+
+
+async def send_event(
+    served: ServedRequest, response: web.StreamResponse | None, delta: TokenDelta
+) -> None:
+    """The delta's text to a streaming client (not what a resumed client has already)."""
+    text = delta.text
+    if delta.seq <= served.skip_through:  # the client has it (regenerated on resume)
+        if not delta.finished:
+            return
+        text = ""  # it may not have seen the end: say it, without the text
+    opening = delta.seq == 0
+    if response is None or not (text or delta.finished or opening):
+        return
+    reason = delta.finish_reason if delta.finished else None
+    body = chunk(served.parsed, served.rid, served.shape.created, text, reason, opening)
+    await response.write(sse(delta.seq if served.shape.resumable else None, body))
+
+
+async def finish(
+    parts: RouterParts,
+    served: ServedRequest,
+    response: web.StreamResponse | None,
+    progress: Progress,
+) -> web.StreamResponse:
+    """The request is complete: record it, forget it, and send the last events or the body."""
+    usage = record_finish(parts, served, progress)
+    await served.journal.settle()
+    await parts.journal.delete(served.rid, served.job.request_id)
+    parsed, rid, created = served.parsed, served.rid, served.shape.created
+    if response is None:
+        text = "".join(progress.texts)
+        return web.json_response(completion(parsed, rid, created, text, progress.reason, usage))
+    if parsed.include_usage:
+        tail = chunk(parsed, rid, created, "", None, False)
+        tail["choices"] = []
+        tail["usage"] = usage
+        await response.write(sse(None, tail))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress) -> dict[str, int]:
+    """Metrics, span and log line of a finished request; returns its usage."""
+    metrics, tokens = parts.metrics, progress.completion_tokens
+    if progress.stream_span is not None:
+        progress.stream_span.set_attribute("tandem.completion_tokens", tokens)
+    if progress.decode_by and (tokens > 1 or served.route == "local"):
+        metrics.node_requests.labels("decode", progress.decode_by).inc()
+    prompt_tokens = len(served.job.prompt_ids)
+    elapsed = time.monotonic() - served.start
+    metrics.e2e.observe(elapsed)
+    metrics.prompt_tokens.inc(prompt_tokens)
+    metrics.output_tokens.inc(tokens)
+    if tokens > 1:
+        metrics.tpot.observe((progress.last_t - served.start) / tokens)
+    metrics.requests.labels(served.shape.endpoint, "200").inc()
+    log.info("finished: %d tokens (%s) in %.3fs", tokens, progress.reason, elapsed)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": tokens,
+        "total_tokens": prompt_tokens + tokens,
+    }
+
+
+async def fail(
+    parts: RouterParts,
+    served: ServedRequest,
+    response: web.StreamResponse | None,
+    span: trace.Span,
+    err: TandemError,
+) -> web.StreamResponse:
+    """An error ends the request: an error body, or an error event and [DONE] mid-stream."""
+    span.set_status(Status(StatusCode.ERROR, err.message))
+    status = str(err.http_status)
+    parts.metrics.requests.labels(served.shape.endpoint, status).inc()
+    parts.metrics.errors.labels(status).inc()
+    if response is None:
+        return error_response(err)
+    await response.write(sse(None, error_body(err)))
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def release(parts: RouterParts, served: ServedRequest, finished: bool) -> None:
+    """The request leaves this router; one that did not finish leaves every node too."""
+    parts.inflight.release(served.rid)
+    await served.stream.close()
+    if not finished:
+        # client gone, error or timeout: every node drops the request, blocks freed. The
+        # nodes hear it at once; only the journal delete waits for a write in flight.
+        await parts.dispatch.cancel(
+            served.rid,
+            served.job.request_id,
+            "client disconnected or request failed",
+            settle=served.journal.settle,
+        )

@@ -13,6 +13,9 @@ new internal id after the tokens the client has: the prefill node loads their KV
 kvcache service and recomputes at most the tail after the last stored block. Sampling is
 (seed, position)-determined, so regenerated tokens equal the lost ones; those the client
 has are not sent again. A request whose owner is alive is not taken from it (409).
+
+Steps: find the entry (and refuse what cannot be resumed) → claim it with a new attempt →
+cancel the old attempt and resubmit → relay, skipping what the client has.
 """
 
 from __future__ import annotations
@@ -21,23 +24,22 @@ import logging
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
-from services.router.errors import ApiError
-from services.router.relay import Relay, relay
+from services.router.failover import Failover
+from services.router.parts import RouterParts
+from services.router.relay import relay
+from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest
-from shared.bus.messages import Cancel, JournalEntry
+from shared.bus.messages import Cancel, JournalEntry, NodeInfo, PrefillJob
 from shared.bus.topology import cancel_subject, token_subject
+from shared.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
 from shared.telemetry.logs import bind
 from shared.telemetry.tracing import tracer
-
-if TYPE_CHECKING:
-    from services.router.app import Router
 
 log = logging.getLogger("tandem.router.resume")
 TRACER = tracer("router")
@@ -51,11 +53,11 @@ def last_event_id(request: web.Request) -> int:
     try:
         after = int(raw)
     except ValueError as exc:
-        raise ApiError(
-            400, "Last-Event-ID must be the integer id of an event", param="after"
+        raise InvalidRequestError(
+            "Last-Event-ID must be the integer id of an event", param="after"
         ) from exc
     if after < -1:
-        raise ApiError(400, "Last-Event-ID must be >= -1", param="after")
+        raise InvalidRequestError("Last-Event-ID must be >= -1", param="after")
     return after
 
 
@@ -67,7 +69,7 @@ def known_output(entry: JournalEntry, checkpointed: list[int] | None) -> list[in
     return ours
 
 
-async def resume_stream(router: Router, request: web.Request) -> web.StreamResponse:
+async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamResponse:
     rid = request.match_info.get("request_id", "")
     with TRACER.start_as_current_span(
         "GET /v1/requests/{id}/stream",
@@ -75,91 +77,114 @@ async def resume_stream(router: Router, request: web.Request) -> web.StreamRespo
         attributes={"http.request.method": "GET", "tandem.request_id": rid},
     ) as span:
         after = last_event_id(request)
-        if not REQUEST_ID.match(rid):
-            raise ApiError(404, f"no request {rid[:64]!r} to resume", param="request_id")
-        found = await router.journal.get_with_revision(rid)
-        if found is None or found[0].job is None:
-            raise ApiError(
-                404, "no such request in flight (finished, cancelled, or its lease ran out)"
-            )
-        entry, revision = found
-        owner = entry.router_id
-        if rid in router.active:
-            raise ApiError(409, "this request is being streamed by this router already")
-        if owner != router.config.node_id and owner in router.nodes.nodes:
-            raise ApiError(409, f"this request is still served by router {owner}")
-        assert entry.job is not None
-        job = entry.job
-        record = await router.journal.checkpoint(entry.internal_id)
+        entry, revision, job = await resumable_entry(parts, rid)
+        record = await parts.journal.checkpoint(entry.internal_id)
         known = known_output(entry, record.output_ids if record else None)
         # Resume before the client's last token: regenerating it (not sent again) also
         # brings its finish reason if it was the last one.
         output = known[: max(0, min(after, len(known), job.params.max_tokens - 1))]
-        blocks = router.blocks_needed(len(job.prompt_ids), job.params.max_tokens)
-        node = router.nodes.pick_decode(blocks)
+        blocks = parts.nodes.blocks_needed(len(job.prompt_ids), job.params.max_tokens)
+        node = parts.nodes.pick_decode(blocks)
         if node is None:
-            raise ApiError(
-                503, "no decode node has room for this request", headers={"Retry-After": "2"}
-            )
-        internal = f"{rid}-r{uuid.uuid4().hex[:6]}"
-        claimed = msgspec.structs.replace(
-            entry,
-            router_id=router.config.node_id,
-            internal_id=internal,
-            state="resumed",
-            decode_node=node.node_id,
-            output_ids=output,
-            tokens_delivered=len(output),
-        )
-        if not await router.journal.claim(claimed, revision):
-            raise ApiError(409, "another router resumed this request first")
+            raise CapacityError("no decode node has room for this request", retry_after=2)
+        claimed, job = await claim(parts, entry, revision, job, node, output)
         bind(request_id=rid)
-        await router.bus.publish(
-            cancel_subject(),
-            Cancel(request_id=entry.internal_id, reason=f"resumed by {router.config.node_id}"),
-        )
-        job = msgspec.structs.replace(
-            job,
-            request_id=internal,
-            transfer_id=internal,
-            token_subject=token_subject(internal),
-            decode_node=node.node_id,
-            output_ids=output,
-            deadline=time.time() + router.config.first_token_timeout,
-        )
-        stream = await RequestStream(router.bus, internal, output).open()
-        try:
-            await router.resubmit(node, job, blocks)
-        except BaseException:
-            await stream.close()
-            raise
-        router.metrics.resumes.inc()
+        served = await resubmit(parts, claimed, entry.internal_id, job, node, blocks, after)
         log.info(
             "resumed %s for its client after event %d: %d tokens known, resubmitted after %d "
             "(router %s had it)",
-            rid, after, len(known), len(output), owner,
+            rid, after, len(known), len(output), entry.router_id,
         )  # fmt: skip
         span.add_event("resumed", {"tandem.after": after, "tandem.output_tokens": len(output)})
-        parsed = ParsedRequest(
-            chat=entry.chat,
-            model=entry.model,
-            prompt_ids=job.prompt_ids,
-            params=job.params,
-            stream=True,
-            include_usage=entry.include_usage,
-        )
-        resumed = Relay(
-            parsed=parsed,
-            rid=rid,
-            job=job,
-            stream=stream,
-            entry=claimed,
-            endpoint="resume",
-            created=entry.created,
-            route="resumed",
-            blocks=blocks,
-            start=time.monotonic(),
-            skip_through=after,
-            resumable=True,
-        )
-        return await relay(router, request, resumed, span)
+        return await relay(parts, request, served, span)
+
+
+async def resumable_entry(parts: RouterParts, rid: str) -> tuple[JournalEntry, int, PrefillJob]:
+    """The request's journal entry and revision, if it can be resumed here and now."""
+    if not REQUEST_ID.match(rid):
+        raise NotFoundError(f"no request {rid[:64]!r} to resume", param="request_id")
+    found = await parts.journal.get_with_revision(rid)
+    if found is None or found[0].job is None:
+        raise NotFoundError("no such request in flight (finished, cancelled, or its lease ran out)")
+    entry, revision = found
+    owner = entry.router_id
+    if rid in parts.inflight:
+        raise ConflictError("this request is being streamed by this router already")
+    if owner != parts.config.node_id and owner in parts.nodes.nodes:
+        raise ConflictError(f"this request is still served by router {owner}")
+    assert entry.job is not None
+    return entry, revision, entry.job
+
+
+async def claim(
+    parts: RouterParts,
+    entry: JournalEntry,
+    revision: int,
+    job: PrefillJob,
+    node: NodeInfo,
+    output: list[int],
+) -> tuple[JournalEntry, PrefillJob]:
+    """Take the entry over under a new attempt (one router wins), and the attempt's job."""
+    internal = f"{entry.request_id}-r{uuid.uuid4().hex[:6]}"
+    claimed = msgspec.structs.replace(
+        entry,
+        router_id=parts.config.node_id,
+        internal_id=internal,
+        state="resumed",
+        decode_node=node.node_id,
+        output_ids=output,
+        tokens_delivered=len(output),
+    )
+    if not await parts.journal.claim(claimed, revision):
+        raise ConflictError("another router resumed this request first")
+    job = msgspec.structs.replace(
+        job,
+        request_id=internal,
+        transfer_id=internal,
+        token_subject=token_subject(internal),
+        decode_node=node.node_id,
+        output_ids=output,
+        deadline=time.time() + parts.config.first_token_timeout,
+    )
+    return claimed, job
+
+
+async def resubmit(
+    parts: RouterParts,
+    claimed: JournalEntry,
+    old_attempt: str,
+    job: PrefillJob,
+    node: NodeInfo,
+    blocks: int,
+    after: int,
+) -> ServedRequest:
+    """Cancel the old attempt everywhere, send the new one, and make its ServedRequest."""
+    reason = f"resumed by {parts.config.node_id}"
+    await parts.bus.publish(cancel_subject(), Cancel(request_id=old_attempt, reason=reason))
+    stream = await RequestStream(parts.bus, job.request_id, job.output_ids).open()
+    try:
+        await parts.dispatch.resubmit(node, job, blocks)
+    except BaseException:
+        await stream.close()
+        raise
+    parts.metrics.resumes.inc()
+    parsed = ParsedRequest(
+        chat=claimed.chat,
+        model=claimed.model,
+        prompt_ids=job.prompt_ids,
+        params=job.params,
+        stream=True,
+        include_usage=claimed.include_usage,
+    )
+    return ServedRequest(
+        rid=claimed.request_id,
+        parsed=parsed,
+        shape=ResponseShape("resume", claimed.created, resumable=True),
+        stream=stream,
+        journal=JournalWriter(parts.journal, claimed),
+        failover=Failover(parts.dispatch, parts.metrics, job, stream, blocks),
+        route="resumed",
+        blocks=blocks,
+        start=time.monotonic(),
+        skip_through=after,
+    )

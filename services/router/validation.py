@@ -1,8 +1,9 @@
 """Parse and validate OpenAI-style request bodies into a prompt and sampling parameters.
 
-Every failure raises ApiError with the HTTP status, message and offending parameter; nothing
-is queued or touched before a body passes. Unknown fields are ignored (as OpenAI does), but
-known fields must have the right type and range.
+Every failure raises InvalidRequestError (NotFoundError for an unknown model) with the
+message and offending parameter; nothing is queued or touched before a body passes.
+Unknown fields are ignored (as OpenAI does), but known fields must have the right type and
+range.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from services.router.errors import ApiError
 from shared.bus.params import SamplingParams
+from shared.errors import InvalidRequestError, NotFoundError
 from shared.model.tokenizer import TokenizerInfo
 
 
@@ -35,8 +36,8 @@ class ParsedRequest:
     include_usage: bool
 
 
-def _bad(message: str, param: str | None = None, status: int = 400) -> ApiError:
-    return ApiError(status, message, param=param)
+def _bad(message: str, param: str | None = None) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
 
 
 def _int(body: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -117,52 +118,57 @@ def _prompt(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
     raise _bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
 
 
-def parse_request(
-    body: Any, chat: bool, tok: TokenizerInfo, served: set[str], limits: Limits
-) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object")
+def _model(body: dict[str, Any], served: set[str]) -> str:
     model = body.get("model")
     if not isinstance(model, str):
         raise _bad("'model' is required and must be a string", "model")
     if model not in served:
-        raise ApiError(404, f"model '{model}' not found", param="model", code="model_not_found")
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise _bad("only n=1 is supported", "n")
-    if chat:
-        messages = _messages(body)
-        prompt_ids = tok.chat(messages)
-        default_max = None
-    else:
-        prompt_ids = _prompt(body, tok)
-        default_max = limits.default_max_tokens
+        raise NotFoundError(f"model '{model}' not found", param="model", code="model_not_found")
+    return model
+
+
+def _prompt_ids(body: dict[str, Any], chat: bool, tok: TokenizerInfo, limits: Limits) -> list[int]:
+    """The prompt as token ids (a chat's messages through the chat template), within limits."""
+    prompt_ids = tok.chat(_messages(body)) if chat else _prompt(body, tok)
     if not prompt_ids:
         raise _bad("the prompt is empty after tokenisation", "prompt")
+    param = "messages" if chat else "prompt"
     if len(prompt_ids) >= tok.max_model_len:
         raise _bad(
             f"prompt has {len(prompt_ids)} tokens; the model's context is {tok.max_model_len}",
-            "messages" if chat else "prompt",
+            param,
         )
     if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
         raise _bad(
             f"prompt has {len(prompt_ids)} tokens; this server accepts at most "
             f"{limits.max_prompt_tokens}",
-            "messages" if chat else "prompt",
+            param,
         )
+    return prompt_ids
+
+
+def _max_tokens(
+    body: dict[str, Any], chat: bool, prompt_tokens: int, tok: TokenizerInfo, limits: Limits
+) -> int:
+    """Tokens to generate at most: as asked, within limits and the model's context (a chat
+    that asks nothing gets the room left, a completion OpenAI's default)."""
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _int(body, key, default_max)
-    room = tok.max_model_len - len(prompt_ids)
+    max_tokens = _int(body, key, None if chat else limits.default_max_tokens)
+    room = tok.max_model_len - prompt_tokens
     if max_tokens is None:
         max_tokens = min(room, limits.max_tokens)
     if max_tokens <= 0 or max_tokens > limits.max_tokens:
         raise _bad(f"'{key}' must be between 1 and {limits.max_tokens}", key)
     if max_tokens > room:
         raise _bad(
-            f"prompt ({len(prompt_ids)} tokens) plus {key} ({max_tokens}) exceeds the "
+            f"prompt ({prompt_tokens} tokens) plus {key} ({max_tokens}) exceeds the "
             f"model's context of {tok.max_model_len}",
             key,
         )
+    return max_tokens
+
+
+def _sampling(body: dict[str, Any], max_tokens: int, limits: Limits) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise _bad("'temperature' must be between 0 and 2", "temperature")
@@ -175,12 +181,7 @@ def parse_request(
     seed = _int(body, "seed", None)
     if seed is not None and not 0 <= seed < 2**63:
         raise _bad("'seed' must be a non-negative 63-bit integer", "seed")
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
-    include_usage = bool(options and options.get("include_usage") is True)
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -189,4 +190,25 @@ def parse_request(
         stop=_stop(body, limits),
         ignore_eos=_bool(body, "ignore_eos", False),
     )
-    return ParsedRequest(chat, model, prompt_ids, params, stream, include_usage)
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    return bool(options and options.get("include_usage") is True)
+
+
+def parse_request(
+    body: Any, chat: bool, tok: TokenizerInfo, served: set[str], limits: Limits
+) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    model = _model(body, served)
+    if _int(body, "n", 1) != 1:
+        raise _bad("only n=1 is supported", "n")
+    prompt_ids = _prompt_ids(body, chat, tok, limits)
+    max_tokens = _max_tokens(body, chat, len(prompt_ids), tok, limits)
+    params = _sampling(body, max_tokens, limits)
+    stream = _bool(body, "stream", False)
+    return ParsedRequest(chat, model, prompt_ids, params, stream, _include_usage(body))

@@ -15,6 +15,8 @@ import xxhash
 
 BlockHash = NewType("BlockHash", bytes)
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless an engine is configured otherwise
+
 HASH_SEED = 0x7A4E_D3A1_5EED_0001
 # The parent of a sequence's first block: a fixed value instead of None keeps the chain uniform.
 ROOT_HASH = BlockHash(b"\x00" * 16)

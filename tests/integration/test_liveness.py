@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 
-from services.router.liveness import LivenessProbe
+from services.router.liveness import LivenessProbe, ProbeTiming
 from services.router.metrics import RouterMetrics
 from shared.bus.client import Bus
 from shared.bus.server import NatsServer
@@ -60,6 +60,18 @@ class RouterStandIn:
 
     def node_lost(self, node_id: str) -> None:
         self.lost.setdefault(node_id, time.monotonic())
+
+
+def probe_of(router: RouterStandIn, timing: ProbeTiming) -> LivenessProbe:
+    """The probe over the stand-in's parts (its `failovers` are what InFlight holds)."""
+    return LivenessProbe(
+        router.bus,
+        router,  # type: ignore[arg-type]
+        router.nodes,  # type: ignore[arg-type]
+        router.metrics,
+        router.node_lost,
+        timing,
+    )
 
 
 @pytest.fixture
@@ -133,7 +145,7 @@ async def test_a_dead_node_is_found_before_its_stream_looks_quiet(
     sub = await subscribe_pings(router, node, answer)
     flow = Flow("d1", Stream(itl=2.0))  # quiet only after 5 s (probe_after)
     router.failovers["r1"] = flow
-    probe = LivenessProbe(router, probe_after=5.0)  # type: ignore[arg-type]
+    probe = probe_of(router, ProbeTiming(probe_after=5.0))
     try:
         async with running(probe):
             await asyncio.sleep(0.5)
@@ -158,7 +170,7 @@ async def test_a_node_slow_to_answer_is_alive_while_its_tokens_flow(
     await subscribe_pings(router, node, never)
     flow = Flow("d2", Stream(itl=0.05))
     router.failovers["r2"] = flow
-    probe = LivenessProbe(router, probe_after=0.5, timeout=0.1)  # type: ignore[arg-type]
+    probe = probe_of(router, ProbeTiming(probe_after=0.5, timeout=0.1))
     flowing = asyncio.Event()
     tokens = asyncio.create_task(keep_flowing(flow, flowing))
     try:
@@ -182,7 +194,7 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
     assert late.nc is not None and gone.nc is not None
     subs = [await subscribe_pings(router, n, answer) for n in (late, gone)]
     router.failovers = {"r-late": Flow("late"), "r-gone": Flow("gone")}
-    probe = LivenessProbe(router, reconnect_grace=1.5)  # type: ignore[arg-type]
+    probe = probe_of(router, ProbeTiming(reconnect_grace=1.5))
     try:
         async with running(probe):
             await asyncio.sleep(0.3)
@@ -228,7 +240,7 @@ async def test_a_probe_lost_with_the_node_does_not_delay_its_verdict(
 
     sub = await subscribe_pings(router, node, die_holding_it)
     router.failovers["r3"] = Flow("d3", Stream(itl=2.0))  # never quiet within the test
-    probe = LivenessProbe(router, probe_after=5.0, timeout=2.0)  # type: ignore[arg-type]
+    probe = probe_of(router, ProbeTiming(probe_after=5.0, timeout=2.0))
     try:
         async with running(probe):
             await asyncio.wait_for(died.wait(), 2)
@@ -252,7 +264,7 @@ async def test_overlapping_probes_of_a_silent_node_count_one_miss_per_timeout(
 
     await subscribe_pings(router, node, never)
     router.failovers["r4"] = Flow("d4", Stream(itl=0.05, last_delta_at=time.monotonic() - 9))
-    probe = LivenessProbe(router, timeout=0.3, misses=3)  # type: ignore[arg-type]
+    probe = probe_of(router, ProbeTiming(timeout=0.3, misses=3))
     try:
         async with running(probe):
             # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s

@@ -1,7 +1,7 @@
 """Where a failover resumes: another decode node when one is registered (its standby if it
 has room), and when none is (all of them suspected at once, as while NATS comes back), the
 first one that registers within NODE_WAIT; past that the resume gives up. Which node
-becomes a stream's standby, and when. The router is a stand-in holding what Failover
+becomes a stream's standby, and when. The dispatch is a stand-in holding what Failover
 reads; RequestStream is the real one (its bus is never used here)."""
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class Nodes:
         self, blocks: int, exclude: set[str] | None = None, prefer: str = ""
     ) -> NodeInfo | None:
         return next((n for n in self.decode if n.node_id not in (exclude or set())), None)
+
+
+def decoder(node_id: str) -> NodeInfo:
+    return NodeInfo(node_id=node_id, role="decode")
 
 
 class Config:
@@ -64,12 +68,12 @@ def failover_of(router: RouterStandIn) -> Failover:
     job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r1", output_ids=[7, 8])  # type: ignore[arg-type]
     stream.node_id = "d1"
-    return Failover(router, job, stream, blocks=1)  # type: ignore[arg-type]
+    return Failover(router, router.metrics, job, stream, blocks=1)  # type: ignore[arg-type]
 
 
 async def test_resumes_on_another_node_and_frees_the_one_it_left() -> None:
     router = RouterStandIn()
-    router.nodes.decode = [NodeInfo(node_id="d1"), NodeInfo(node_id="d2")]
+    router.nodes.decode = [decoder("d1"), decoder("d2")]
     assert await failover_of(router).resume("stalled")
     [(node, job)] = router.sent
     assert node == "d2" and job.output_ids == [7, 8] and job.decode_node == "d2"
@@ -81,7 +85,7 @@ async def test_waits_for_a_decode_node_when_none_is_registered() -> None:
 
     async def comes_back() -> None:
         await asyncio.sleep(0.5)  # its next heartbeat
-        router.nodes.decode = [NodeInfo(node_id="d1")]
+        router.nodes.decode = [decoder("d1")]
 
     started = time.monotonic()
     back = asyncio.create_task(comes_back())
@@ -102,10 +106,10 @@ async def test_gives_up_when_no_decode_node_comes(monkeypatch: pytest.MonkeyPatc
 
 async def test_a_steered_job_fails_over_when_its_prefill_node_is_lost() -> None:
     router = RouterStandIn()
-    router.nodes.decode = [NodeInfo(node_id="d1"), NodeInfo(node_id="d2")]
+    router.nodes.decode = [decoder("d1"), decoder("d2")]
     job = PrefillJob(request_id="r2", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r2")  # type: ignore[arg-type]
-    failover = Failover(router, job, stream, blocks=1, prefill_node="p1")  # type: ignore[arg-type]
+    failover = Failover(router, router.metrics, job, stream, blocks=1, prefill_node="p1")  # type: ignore[arg-type]
     assert failover.expected_sender() == "p1"  # probed until it sends token 0
     failover.node_left("p2")
     assert not failover.lost.is_set()
@@ -158,7 +162,7 @@ async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
     job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r1", output_ids=[7])  # type: ignore[arg-type]
     stream.node_id = "d1"
-    failover = Failover(router, job, stream, blocks=1)  # type: ignore[arg-type]
+    failover = Failover(router, router.metrics, job, stream, blocks=1)  # type: ignore[arg-type]
     await failover.warm_standby()
     assert router.bus.published == [] and failover.standby == ""  # 1 token < standby_after
     stream.token_ids.append(8)

@@ -56,6 +56,29 @@ def test_wrong_kind_unknown_field_and_version_are_rejected() -> None:
         m.decode(msgspec.msgpack.encode({**as_dict, "prompt_ids": "nope"}), m.PrefillJob)
 
 
+@pytest.mark.parametrize(
+    ("msg", "field", "bad"),
+    [
+        (m.NodeInfo(node_id="d1", role="decode"), "role", "decoder"),
+        (m.KVEvent(node_id="k1", op="stored"), "op", "deleted"),
+        (m.JournalEntry(request_id="r", state="decoding"), "state", "prefilling"),
+    ],
+)
+def test_states_and_roles_outside_their_set_are_rejected(
+    msg: m.Message, field: str, bad: str
+) -> None:
+    as_dict = msgspec.msgpack.decode(m.encode(msg))
+    with pytest.raises(WireFormatError):
+        m.decode(msgspec.msgpack.encode({**as_dict, field: bad}), type(msg))
+
+
+def test_a_node_without_a_role_is_rejected() -> None:
+    as_dict = msgspec.msgpack.decode(m.encode(m.NodeInfo(node_id="d1", role="decode")))
+    del as_dict["role"]
+    with pytest.raises(WireFormatError):
+        m.decode(msgspec.msgpack.encode(as_dict), m.NodeInfo)
+
+
 def test_oversize_is_rejected() -> None:
     with pytest.raises(WireFormatError):
         m.decode(b"\0" * (m.MAX_MESSAGE_BYTES + 1), m.Cancel)

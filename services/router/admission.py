@@ -1,0 +1,225 @@
+"""A new request, from its HTTP body to its first attempt on the nodes.
+
+Steps: **admit** (read and validate the body, bound the requests in flight, need a ready
+cluster: any failure is an error response and nothing is queued anywhere) → **plan**
+(where it runs: the decode node holding its prefix, if a short uncached tail lets it
+prefill there, else the decode node with the most room and, when one holds the prefix,
+the prefill node to steer it to) → **submit** (journal it, then send it on the planned
+path; a refused local prefill falls back to the prefill queue). What comes back is the
+`ServedRequest` the relay streams.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from opentelemetry import trace
+
+from services.router.failover import Failover
+from services.router.parts import RouterParts
+from services.router.request import JournalWriter, ResponseShape, ServedRequest
+from services.router.routing import PrefixRouter, RoutePlan
+from services.router.streams import RequestStream
+from services.router.validation import ParsedRequest, parse_request
+from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob
+from shared.bus.params import new_seed
+from shared.bus.topology import token_subject
+from shared.errors import (
+    CapacityError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    RateLimitError,
+)
+from shared.model.tokenizer import TokenizerInfo
+from shared.telemetry.logs import bind
+
+log = logging.getLogger("tandem.router")
+
+RESUMABLE_HEADER = "X-Tandem-Resumable"
+
+
+def resumable_requested(request: web.Request) -> bool:
+    """Whether the client asked for `id:` lines (see relay.py): off unless it says so."""
+    return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
+
+
+async def read_body(request: web.Request, max_bytes: int) -> Any:
+    """The JSON body, within the size limit."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"invalid JSON body: {exc}") from exc
+
+
+async def admit(
+    parts: RouterParts, request: web.Request, chat: bool, tok: TokenizerInfo
+) -> ParsedRequest:
+    """The request, validated, if this router takes it now."""
+    body = await read_body(request, parts.config.max_body_bytes)
+    parsed = parse_request(body, chat, tok, {tok.served_name}, parts.config.limits)
+    if parts.inflight.full():
+        raise RateLimitError("too many requests in flight; retry shortly", retry_after=1)
+    if not parts.nodes.ready():
+        raise CapacityError("no prefill or decode node is available", retry_after=2)
+    return parsed
+
+
+@dataclass
+class Plan:
+    """Where a request runs first."""
+
+    blocks: int
+    decode_node: NodeInfo
+    local: bool  # the decode node holds the prefix: try prefilling there
+    prefix: RoutePlan | None  # what KV-aware routing found
+
+
+def plan(
+    parts: RouterParts, routing: PrefixRouter | None, parsed: ParsedRequest, span: trace.Span
+) -> Plan:
+    blocks = parts.nodes.blocks_needed(len(parsed.prompt_ids), parsed.params.max_tokens)
+    prefix = routing.plan(parsed.prompt_ids, blocks) if routing else None
+    local_node = prefix.local_node if prefix is not None else None
+    decode_node = local_node or parts.nodes.pick_decode(blocks)
+    if prefix is not None:
+        span.set_attribute("tandem.decode_cached_tokens", prefix.decode_cached_tokens)
+        span.set_attribute("tandem.kvcache_cached_tokens", prefix.kvcache_cached_tokens)
+    if decode_node is None:
+        raise CapacityError("no decode node has room for this request", retry_after=2)
+    return Plan(blocks, decode_node, local_node is not None, prefix)
+
+
+def new_job(parts: RouterParts, parsed: ParsedRequest, rid: str, node: NodeInfo) -> PrefillJob:
+    seed = parsed.params.seed if parsed.params.seed is not None else new_seed()
+    return PrefillJob(
+        request_id=rid,
+        prompt_ids=parsed.prompt_ids,
+        params=parsed.params,
+        seed=seed,
+        decode_node=node.node_id,
+        transfer_id=rid,
+        token_subject=token_subject(rid),
+        deadline=time.time() + parts.config.first_token_timeout,
+    )
+
+
+def journal_entry(
+    parts: RouterParts, parsed: ParsedRequest, job: PrefillJob, created: int
+) -> JournalEntry:
+    return JournalEntry(
+        request_id=job.request_id,
+        state="queued",
+        router_id=parts.config.node_id,
+        decode_node=job.decode_node,
+        internal_id=job.request_id,
+        job=job,
+        chat=parsed.chat,
+        model=parsed.model,
+        include_usage=parsed.include_usage,
+        created=created,
+    )
+
+
+async def submit(
+    parts: RouterParts, plan: Plan, job: PrefillJob, span: trace.Span
+) -> tuple[PrefillJob, str, str]:
+    """Send the first attempt on its path; returns (the job as sent, route, steered-to)."""
+    if plan.local and await parts.dispatch.send_local(plan.decode_node, job):
+        return job, "local", ""
+    if parts.config.colocated:  # no prefill node to fall back on
+        raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
+    steered = ""
+    if plan.local:  # refused: the usual path, decode node chosen by load
+        # Not that node if another has room: a late cancel of its attempt (it timed out)
+        # must not meet the request there again.
+        refused = plan.decode_node
+        node = parts.nodes.pick_decode(plan.blocks, {refused.node_id}) or refused
+        job = msgspec.structs.replace(job, decode_node=node.node_id)
+    elif plan.prefix is not None and plan.prefix.prefill_node is not None:
+        steered = plan.prefix.prefill_node.node_id  # its pool holds the prefix
+        parts.nodes.inflight[steered] = parts.nodes.inflight.get(steered, 0) + 1
+        parts.metrics.steered.inc()
+        span.set_attribute("tandem.prefill_node", steered)
+        span.set_attribute("tandem.prefill_cached_tokens", plan.prefix.prefill_cached_tokens)
+    await parts.dispatch.submit(job, prefill_node=steered)  # carries the span's trace context
+    return job, "disaggregated", steered
+
+
+async def start(
+    parts: RouterParts,
+    routing: PrefixRouter | None,
+    request: web.Request,
+    parsed: ParsedRequest,
+    endpoint: str,
+    span: trace.Span,
+) -> ServedRequest:
+    """Plan and submit an admitted request; nothing of it stays anywhere if this fails."""
+    rid = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+    span.set_attribute("tandem.request_id", rid)
+    bind(request_id=rid)
+    shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
+    start_t = time.monotonic()
+    where = plan(parts, routing, parsed, span)
+    stream = await RequestStream(parts.bus, rid).open()
+    parts.inflight.claim(rid)  # from its first journal write on, the janitor leaves it alone
+    try:
+        job = new_job(parts, parsed, rid, where.decode_node)
+        entry = journal_entry(parts, parsed, job, shape.created)
+        # In the journal before any node sees it: if this router dies from here on, a
+        # client can resume it through another router (or the janitor cancels it).
+        await parts.journal.put(entry)
+        job, route, steered = await submit(parts, where, job, span)
+    except BaseException:  # not admitted: nothing of it may stay anywhere
+        parts.inflight.release(rid)
+        await stream.close()
+        await parts.dispatch.cancel(rid, rid, "not admitted")
+        raise
+    log_route(parsed, where, job, route, steered)
+    parts.metrics.routes.labels(route).inc()
+    span.set_attribute("tandem.route", route)
+    span.set_attribute("tandem.decode_node", job.decode_node)
+    failover = Failover(parts.dispatch, parts.metrics, job, stream, where.blocks, steered)
+    return ServedRequest(
+        rid=rid,
+        parsed=parsed,
+        shape=shape,
+        stream=stream,
+        journal=JournalWriter(parts.journal, entry),
+        failover=failover,
+        route=route,
+        blocks=where.blocks,
+        start=start_t,
+    )
+
+
+def log_route(
+    parsed: ParsedRequest, where: Plan, job: PrefillJob, route: str, steered: str
+) -> None:
+    prefix = where.prefix
+    via = (
+        f" via {steered} ({prefix.prefill_cached_tokens} cached there)"
+        if steered and prefix
+        else ""
+    )
+    log.info(
+        "routed %s to %s%s: %d prompt tokens, %d cached on a decode node, %d in kvcache",
+        route,
+        job.decode_node,
+        via,
+        len(parsed.prompt_ids),
+        prefix.decode_cached_tokens if prefix else 0,
+        prefix.kvcache_cached_tokens if prefix else 0,
+    )

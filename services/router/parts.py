@@ -1,0 +1,43 @@
+"""The router's parts: what serving a request uses, passed as one bundle of narrow pieces.
+
+Each part owns its own state (the node table, the journal, the in-flight table, the
+metrics); a request's own state lives in its `ServedRequest`. Nothing here is the HTTP
+application (services/router/app.py), so the request modules need not know it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatch
+from services.router.inflight import InFlight
+from services.router.metrics import RouterMetrics
+from services.router.nodes import NodeTable
+from shared.bus.client import Bus
+from shared.bus.journal import RequestJournal
+
+
+@dataclass(frozen=True)
+class RouterParts:
+    config: RouterConfig
+    bus: Bus
+    nodes: NodeTable
+    journal: RequestJournal
+    metrics: RouterMetrics
+    dispatch: Dispatch
+    inflight: InFlight
+
+    @classmethod
+    def of(
+        cls, config: RouterConfig, bus: Bus, nodes: NodeTable, journal: RequestJournal
+    ) -> RouterParts:
+        return cls(
+            config=config,
+            bus=bus,
+            nodes=nodes,
+            journal=journal,
+            metrics=RouterMetrics(),
+            dispatch=Dispatch(config, bus, nodes, journal),
+            inflight=InFlight(config.max_inflight),
+        )

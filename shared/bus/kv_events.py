@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from nats.js.api import DeliverPolicy
 
 from shared.bus.client import Bus
-from shared.bus.messages import KVEvent, decode
+from shared.bus.messages import KVEvent, KVEventOp, decode
 from shared.bus.topology import KV_EVENTS_SUBJECT, kv_events_subject
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
@@ -43,7 +43,7 @@ class KVEventPublisher:
     def __init__(self, bus: Bus, node_id: str) -> None:
         self.bus = bus
         self.node_id = node_id
-        self.pending: deque[tuple[str, list[bytes]]] = deque()
+        self.pending: deque[tuple[KVEventOp, list[bytes]]] = deque()
         self.pending_hashes = 0
         self.dropped = 0
         self.published = 0
@@ -59,7 +59,7 @@ class KVEventPublisher:
         """This node holds nothing (it just started): forget what an earlier run announced."""
         self.pending.append(("cleared", []))
 
-    def _add(self, op: str, hashes: Sequence[bytes]) -> None:
+    def _add(self, op: KVEventOp, hashes: Sequence[bytes]) -> None:
         if not hashes:
             return
         if self.pending and self.pending[-1][0] == op:

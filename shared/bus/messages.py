@@ -8,7 +8,7 @@ crashing. Bodies are msgpack; nothing here can execute code on decode.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -16,6 +16,12 @@ from shared.bus.params import SamplingParams
 from shared.errors import WireFormatError
 
 SCHEMA_VERSION = 1
+
+NodeRole = Literal["prefill", "decode", "kvcache", "router"]
+KVEventOp = Literal["stored", "evicted", "cleared"]  # cleared: the node dropped all it had
+# A journal entry is written when a request is queued, as its stream delivers each block,
+# and when another router resumes it; finished, failed and cancelled requests are deleted.
+JournalState = Literal["queued", "decoding", "resumed"]
 # NATS' max_payload counts headers too; bodies stay well under the 1 MiB default.
 MAX_MESSAGE_BYTES = 512 * 1024
 
@@ -106,11 +112,11 @@ class Prefetch(Message, frozen=True, tag="prefetch"):
     token_ids: list[int] = []
 
 
-class NodeInfo(Message, frozen=True, tag="node_info"):
+class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):
     """A node's registry entry, refreshed by heartbeats."""
 
     node_id: str = ""
-    role: str = ""  # prefill | decode | kvcache | router
+    role: NodeRole
     data_address: str = ""  # where its KV data-plane listener is reached
     load: int = 0  # queued + running requests
     running: int = 0
@@ -122,11 +128,11 @@ class NodeInfo(Message, frozen=True, tag="node_info"):
     timestamp: float = 0.0
 
 
-class KVEvent(Message, frozen=True, tag="kv_event"):
+class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):
     """A node stored or evicted KV blocks (for KV-aware routing)."""
 
     node_id: str = ""
-    op: str = ""  # stored | evicted
+    op: KVEventOp
     block_hashes: list[bytes] = []
     timestamp: float = 0.0
 
@@ -152,7 +158,7 @@ class JournalEntry(Message, frozen=True, tag="journal"):
     """
 
     request_id: str = ""  # what the client knows (response id, journal key)
-    state: str = ""  # queued | prefilling | decoding | finished | failed | cancelled
+    state: JournalState = "queued"
     router_id: str = ""
     prefill_node: str = ""
     decode_node: str = ""

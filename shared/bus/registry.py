@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from nats.js.kv import KeyValue
 
 from shared.bus.client import Bus
-from shared.bus.messages import NodeInfo, decode, encode
+from shared.bus.messages import NodeInfo, NodeRole, decode, encode
 from shared.bus.topology import NODES_BUCKET
 from shared.errors import WireFormatError
 
@@ -123,6 +123,6 @@ class NodeRegistry:
             await watcher.stop()
 
 
-def node_info(node_id: str, role: str, **fields: int | str) -> NodeInfo:
+def node_info(node_id: str, role: NodeRole, **fields: int | str) -> NodeInfo:
     """A NodeInfo stamped with the current time."""
     return NodeInfo(node_id=node_id, role=role, timestamp=time.time(), **fields)  # type: ignore[arg-type]

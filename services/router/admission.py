@@ -168,7 +168,7 @@ async def start(
 ) -> ServedRequest:
     """Plan and submit an admitted request; nothing of it stays anywhere if this fails."""
     rid = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
-    span.set_attribute("tandem.request_id", rid)
+    trace.get_current_span().set_attribute("tandem.request_id", rid)  # the request's span
     bind(request_id=rid)
     shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
     start_t = time.monotonic()

@@ -121,12 +121,12 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        from shared.model.tokenizer import load_tokenizer
+        from shared.model.source import resolve_model
 
-        tok = load_tokenizer(args.model)
-        workload = workload_of(args, tok.tokenizer if args.tokenizer is None else None)
+        served_name = resolve_model(args.model).served_name
+        workload = workload_of(args)
         sweeps = [
-            measure(side, args, log_dir / f"{out.stem}-{side}.log", tok.served_name, workload)
+            measure(side, args, log_dir / f"{out.stem}-{side}.log", served_name, workload)
             for side in sides
         ]
     except (TandemError, RuntimeError) as exc:  # RuntimeError: a stack that did not start

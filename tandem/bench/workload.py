@@ -92,13 +92,14 @@ def word_vocabulary(tokenizer: Any) -> tuple[list[int], list[str]]:
 
 def load_bench_tokenizer(name: str) -> Any:
     """The tokenizer of a Tandem model name/path, else a Hugging Face id or directory."""
-    from shared.model.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer
+
+    from shared.model.convert import converted_dir
+    from shared.model.source import resolve_model
 
     try:
-        return load_tokenizer(name).tokenizer
+        return AutoTokenizer.from_pretrained(converted_dir(resolve_model(name)))
     except ModelLoadError:
-        from transformers import AutoTokenizer
-
         try:
             return AutoTokenizer.from_pretrained(name)
         except Exception as exc:  # hub, path and format errors all mean "no tokenizer"

@@ -6,9 +6,7 @@ import argparse
 import sys
 
 from shared.bus.params import SamplingParams
-from shared.engine.engine import Engine, EngineConfig
 from shared.errors import InvalidRequestError, TandemError
-from shared.runtime.engine import configure_threads
 from shared.runtime.options import add_model_options, add_option
 
 
@@ -28,7 +26,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    # The model stack (torch) loads only when this command runs: `tandem router` shares
+    # the console script and must not pay for it.
+    from shared.engine.engine import Engine, EngineConfig
     from shared.model.loader import load_model
+    from shared.runtime.engine import configure_threads
 
     configure_threads(args.threads)
     params = SamplingParams(

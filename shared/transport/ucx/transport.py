@@ -18,7 +18,7 @@ these defaults.
 The protocol is `shared/transport/session.py`'s; each of its sends is one tagged UCX
 message on a listener endpoint (payloads land straight in the handler's buffer), one
 transfer per endpoint at a time; a small pool of endpoints per peer gives concurrency.
-Nothing waits by spinning (`shared/transport/ucx_waits.py`).
+Nothing waits by spinning (`shared/transport/ucx/waits.py`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-from shared.transport import ucx_waits, ucxx_fixes
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.session import send_transfer, serve_frame
+from shared.transport.ucx import fixes, waits
 
 log = logging.getLogger("tandem.transport.ucx")
 
@@ -51,8 +51,8 @@ def _ucxx() -> Any:
     import ucxx  # ~0.6 s: only processes that use UCX pay it
 
     if not _initialised:
-        ucxx_fixes.apply()
-        ucxx_fixes.after_progress.append(ucx_waits.notices.check)
+        fixes.apply()
+        fixes.after_progress.append(waits.notices.check)
         mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         ucxx.init(options=dict(DEFAULT_OPTIONS), env_takes_precedence=True, progress_mode=mode)
         _initialised = True
@@ -109,18 +109,18 @@ class EndpointChannel:
         self.ep = ep
 
     async def recv_into(self, buf: memoryview) -> None:
-        await _guarded(ucx_waits.recv(self.ep, buf))
+        await _guarded(waits.recv(self.ep, buf))
 
     async def send(self, data: bytes | memoryview) -> None:
-        await _guarded(ucx_waits.send(self.ep, memoryview(data).cast("B")))
+        await _guarded(waits.send(self.ep, memoryview(data).cast("B")))
 
     async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
         """Receives posted WINDOW ahead (UCX matches them in posting order), so later parts
         land while `arrived` checks earlier ones."""
-        await _in_order(lambda buf: ucx_waits.recv(self.ep, buf), parts, arrived)
+        await _in_order(lambda buf: waits.recv(self.ep, buf), parts, arrived)
 
     async def send_parts(self, parts: list[memoryview]) -> None:
-        await _in_order(lambda buf: ucx_waits.send(self.ep, buf), parts, None)
+        await _in_order(lambda buf: waits.send(self.ep, buf), parts, None)
 
 
 # Parts of one transfer posted at once: enough to keep data moving while `arrived` checks
@@ -208,7 +208,7 @@ class UcxTransport:
             while True:
                 prefix = memoryview(bytearray(PREFIX.size))
                 try:
-                    await ucx_waits.until_message(ep)  # an idle endpoint waits here
+                    await waits.until_message(ep)  # an idle endpoint waits here
                     await EndpointChannel(ep).recv_into(prefix)
                 except errors:
                     return  # the peer closed or died between transfers

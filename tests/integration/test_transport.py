@@ -370,7 +370,7 @@ async def test_a_ucx_receive_outlives_its_cancelled_caller_until_the_abort() -> 
     transport = ucx.UcxTransport()
     try:
         address = (await peer.next("address"))["address"]
-        ep = await transport._checkout(address)
+        ep = await transport._pool.checkout(address)
         buf = memoryview(bytearray(16))
         with pytest.raises(TimeoutError):  # the peer sends nothing unasked
             await asyncio.wait_for(ucx.EndpointChannel(ep).recv_into(buf), 0.05)
@@ -391,11 +391,11 @@ async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
         address = (await peer.next("address"))["address"]
         await transport.warm(address)
         await transport.warm(address)  # one is enough: no second endpoint
-        [ep] = transport._idle[address]
+        [ep] = transport._pool.idle[address]
         payload = memoryview(bytearray(os.urandom(MiB)))
         await transport.send(address, make_header("req", "w", payload), payload, timeout=30)
         assert (await peer.next("digest"))["transfer_id"] == "w"
-        assert transport._idle[address] == [ep]  # the warmed endpoint carried it
+        assert transport._pool.idle[address] == [ep]  # the warmed endpoint carried it
         peer.kill()
         for _ in range(200):  # UCX marks the endpoint once it notices the peer is gone
             if ep.closed:
@@ -403,8 +403,8 @@ async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
             await asyncio.sleep(0.02)
         if ep.closed:  # a dead pooled endpoint is never handed out again
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(transport._checkout(address), 2.0)
-            assert ep not in transport._idle[address]
+                await asyncio.wait_for(transport._pool.checkout(address), 2.0)
+            assert ep not in transport._pool.idle[address]
     finally:
         await transport.close()
         await peer.close()

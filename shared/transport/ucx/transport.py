@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -35,6 +34,7 @@ from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
 from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
 from shared.transport.frames import PREFIX, TransferHeader
+from shared.transport.pool import PeerPool
 from shared.transport.session import send_transfer, serve_frame
 from shared.transport.ucx import fixes, waits
 
@@ -155,6 +155,16 @@ async def _in_order(
         raise
 
 
+async def _connect(peer: str) -> Any:
+    host, _, port = peer.removeprefix("ucx://").rpartition(":")
+    return await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+
+
+def _abort(ep: Any) -> None:
+    with contextlib.suppress(*_errors()):
+        ep.abort()
+
+
 class UcxTransport:
     name = "ucx"
 
@@ -167,12 +177,13 @@ class UcxTransport:
     ) -> None:
         self.host = host
         self.port = port
-        self.max_conns_per_peer = max_conns_per_peer
         self.frame_timeout = frame_timeout
         self._listener: Any = None
         self._handler: ReceiveHandler | None = None
-        self._idle: dict[str, list[Any]] = defaultdict(list)
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        # an endpoint whose peer died since it was pooled: UCX marked it closed
+        self._pool: PeerPool[Any] = PeerPool(
+            max_conns_per_peer, _connect, _abort, usable=lambda ep: not ep.closed
+        )
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -195,11 +206,6 @@ class UcxTransport:
 
         self._listener = ucxx.create_listener(on_connect, port=self.port or None)
         self.port = int(self._listener.port)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, ep: Any) -> None:
         assert self._handler is not None
@@ -224,38 +230,16 @@ class UcxTransport:
     async def warm(self, peer: str) -> None:
         """One pooled endpoint to `peer` (made now: ~0.1 s here, which a first transfer,
         such as a failover's checkpoint load, would otherwise wait for)."""
-        self._idle[peer].append(await self._checkout(peer))  # an idle live one, or a new one
-
-    async def _checkout(self, peer: str) -> Any:
-        idle = self._idle[peer]
-        while idle:
-            ep = idle.pop()
-            if not ep.closed:  # a peer that died since: UCX marked its endpoint
-                return ep
-            with contextlib.suppress(*_errors()):
-                ep.abort()
-        host, _, port = peer.removeprefix("ucx://").rpartition(":")
-        return await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+        await self._pool.warm(peer)
 
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:
         ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_conns_per_peer))
         errors = _errors()
         try:
-            async with asyncio.timeout(timeout), slots:
-                ep = await self._checkout(peer)
-                reusable = False
-                try:
-                    ok, reason = await send_transfer(EndpointChannel(ep), header, payload, peer)
-                    reusable = True
-                finally:
-                    if reusable:
-                        self._idle[peer].append(ep)
-                    else:
-                        with contextlib.suppress(*errors):
-                            ep.abort()
+            async with asyncio.timeout(timeout), self._pool.lease(peer) as ep:
+                ok, reason = await send_transfer(EndpointChannel(ep), header, payload, peer)
         except TimeoutError as exc:
             reason = f"transfer to {peer} missed its {timeout}s deadline"
             raise TransferError(reason, **ids) from exc
@@ -266,12 +250,7 @@ class UcxTransport:
             raise TransferRejected(reason, **ids)
 
     async def close(self) -> None:
-        errors = _errors()
-        for eps in self._idle.values():
-            for ep in eps:
-                with contextlib.suppress(*errors):
-                    ep.abort()
-        self._idle.clear()
+        self._pool.close()
         await cancel_and_wait(*self._tasks)
         left = await settle_orphans(2.0)  # the endpoints are aborted: they end now
         if left:

@@ -1,4 +1,5 @@
-"""Connections a transport keeps per peer: both backends' pooling, written once.
+"""Connections a transport keeps per peer, and a send over one: both backends' pooling,
+written once.
 
 A transport sends one transfer at a time per connection and keeps a few connections per
 peer for concurrency. A connection is returned to its peer's idle list only after a
@@ -14,6 +15,10 @@ import contextlib
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, TypeVar
+
+from shared.transport.base import TransferError, TransferRejected
+from shared.transport.frames import TransferHeader
+from shared.transport.session import Channel, send_transfer
 
 Conn = TypeVar("Conn")
 
@@ -72,3 +77,29 @@ class PeerPool(Generic[Conn]):
             for conn in conns:
                 self._discard(conn)
         self.idle.clear()
+
+
+async def send_pooled(
+    pool: PeerPool[Conn],
+    channel: Callable[[Conn], Channel],
+    peer: str,
+    header: TransferHeader,
+    payload: memoryview,
+    timeout: float,
+    errors: tuple[type[BaseException], ...],
+    describe: Callable[[BaseException], str] = str,
+) -> None:
+    """One transfer over a pooled connection to `peer`, as `Transport.send` promises: a
+    missed deadline or one of the backend's `errors` (worded by `describe`) raises
+    TransferError, a refusal TransferRejected; both carry the request and transfer ids."""
+    ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
+    try:
+        async with asyncio.timeout(timeout), pool.lease(peer) as conn:
+            ok, reason = await send_transfer(channel(conn), header, payload, peer)
+    except TimeoutError as exc:  # before `errors`: TimeoutError is an OSError
+        reason = f"transfer to {peer} missed its {timeout}s deadline"
+        raise TransferError(reason, **ids) from exc
+    except errors as exc:
+        raise TransferError(f"transfer to {peer} failed: {describe(exc)}", **ids) from exc
+    if not ok:
+        raise TransferRejected(reason, **ids)

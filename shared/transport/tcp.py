@@ -15,10 +15,10 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
+from shared.transport.base import ReceiveHandler
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.pool import PeerPool
-from shared.transport.session import send_transfer, serve_frame
+from shared.transport.pool import PeerPool, send_pooled
+from shared.transport.session import serve_frame
 
 SOCKET_BUFFER = 4 << 20
 
@@ -143,17 +143,8 @@ class TcpTransport:
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:
-        ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
-        try:
-            async with asyncio.timeout(timeout), self._pool.lease(peer) as sock:
-                ok, reason = await send_transfer(SocketChannel(sock), header, payload, peer)
-        except TimeoutError as exc:
-            reason = f"transfer to {peer} missed its {timeout}s deadline"
-            raise TransferError(reason, **ids) from exc
-        except (ConnectionError, OSError, WireFormatError) as exc:
-            raise TransferError(f"transfer to {peer} failed: {exc}", **ids) from exc
-        if not ok:
-            raise TransferRejected(reason, **ids)
+        errors = (ConnectionError, OSError, WireFormatError)
+        await send_pooled(self._pool, SocketChannel, peer, header, payload, timeout, errors)
 
     async def close(self) -> None:
         await cancel_and_wait(*self._tasks)

@@ -32,10 +32,10 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
+from shared.transport.base import ReceiveHandler
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.pool import PeerPool
-from shared.transport.session import send_transfer, serve_frame
+from shared.transport.pool import PeerPool, send_pooled
+from shared.transport.session import serve_frame
 from shared.transport.ucx import fixes, waits
 
 log = logging.getLogger("tandem.transport.ucx")
@@ -160,6 +160,10 @@ async def _connect(peer: str) -> Any:
     return await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _abort(ep: Any) -> None:
     with contextlib.suppress(*_errors()):
         ep.abort()
@@ -235,19 +239,9 @@ class UcxTransport:
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:
-        ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
-        errors = _errors()
-        try:
-            async with asyncio.timeout(timeout), self._pool.lease(peer) as ep:
-                ok, reason = await send_transfer(EndpointChannel(ep), header, payload, peer)
-        except TimeoutError as exc:
-            reason = f"transfer to {peer} missed its {timeout}s deadline"
-            raise TransferError(reason, **ids) from exc
-        except errors as exc:
-            reason = f"transfer to {peer} failed: {type(exc).__name__}: {exc}"
-            raise TransferError(reason, **ids) from exc
-        if not ok:
-            raise TransferRejected(reason, **ids)
+        await send_pooled(
+            self._pool, EndpointChannel, peer, header, payload, timeout, _errors(), _describe
+        )
 
     async def close(self) -> None:
         self._pool.close()

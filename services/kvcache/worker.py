@@ -158,7 +158,7 @@ class KVCacheWorker:
         span.set_attribute("tandem.blocks_hit", len(sums))
         await msg.respond(encode(KVGetReply(hits=len(sums), block_bytes=size)))
         if sums:
-            self._start_send(get.transfer_id, get.reply_address, get.transfer_secret, payload, sums)
+            self._start_send(get, payload, sums)
 
     async def on_put_tails(self, msg: Msg) -> None:
         put = await self._read(
@@ -180,32 +180,25 @@ class KVCacheWorker:
             return
         tail, data = found
         await msg.respond(encode(KVTailReply(tail=tail, nbytes=len(data))))
-        self._start_send(
-            get.transfer_id, get.reply_address, get.transfer_secret, memoryview(data), None
-        )
+        self._start_send(get, memoryview(data), None)
 
     def _start_send(
-        self,
-        transfer_id: str,
-        address: str,
-        secret: str,
-        payload: memoryview,
-        sums: list[int] | None,
+        self, get: KVGet | KVGetTail, payload: memoryview, sums: list[int] | None
     ) -> None:
+        """Send `payload` where `get` asks, in the background (the get is answered first)."""
         ctx = otel_context.get_current()
-        task = asyncio.create_task(self._send(transfer_id, address, secret, payload, sums, ctx))
+        task = asyncio.create_task(self._send(get, payload, sums, ctx))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
 
     async def _send(
         self,
-        transfer_id: str,
-        address: str,
-        secret: str,
+        get: KVGet | KVGetTail,
         payload: memoryview,
         sums: list[int] | None,
         ctx: otel_context.Context,
     ) -> None:
+        transfer_id, address = get.transfer_id, get.reply_address
         with TRACER.start_as_current_span(
             "kv.transfer.send",
             context=ctx,
@@ -217,7 +210,7 @@ class KVCacheWorker:
                 payload,
                 chunk_bytes=len(payload) // len(sums) if sums else len(payload),
                 known_checksums=sums,  # the stored blocks' own, verified on read
-                secret=secret,
+                secret=get.transfer_secret,
             )
             try:
                 await self.transport.send(address, header, payload, timeout=SEND_TIMEOUT)

@@ -46,10 +46,6 @@ class SlabArena:
     def used_bytes(self) -> int:
         return (self.num_slabs - len(self._free)) * self.slab_bytes
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_slabs * self.slab_bytes
-
     def alloc(self) -> int | None:
         """A free slab's index, or None when the arena is full."""
         return self._free.pop() if self._free else None

@@ -123,14 +123,6 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def tier_of(self, block_hash: bytes) -> str | None:
-        entry = self.entries.get(block_hash)
-        return TIER_NAMES[entry.tier] if entry is not None else None
-
-    def lru_order(self, tier: int = MEMORY) -> list[bytes]:
-        """Hashes of a tier from least to most recently used."""
-        return list(self.lru[tier])
-
     def used_bytes(self, tier: int | None = None) -> int:
         if not self.arenas:
             return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
@@ -32,6 +33,7 @@ from shared.bus.messages import (
     KVPutTails,
     KVPutTailsReply,
     KVTailReply,
+    M,
     NodeInfo,
     decode,
     encode,
@@ -76,47 +78,7 @@ class KVCacheWorker:
         self.failures = 0
         self.lookups = 0
         self._sends: set[asyncio.Task[None]] = set()
-        self.metrics = NodeMetrics("kvcache")
-        m, st = self.metrics, store.stats
-        m.gauge(
-            "tandem_kvcache_memory_bytes",
-            "Bytes of blocks in memory",
-            lambda: store.used_bytes(MEMORY),
-        )
-        m.gauge(
-            "tandem_kvcache_disk_bytes", "Bytes of blocks on disk", lambda: store.used_bytes(DISK)
-        )
-        m.gauge("tandem_kvcache_blocks", "Stored blocks", lambda: len(store))
-        m.gauge("tandem_kvcache_pinned_blocks", "Blocks pinned (in use)", lambda: len(store.pins))
-        m.gauge("tandem_kvcache_lookups", "Prefix lookups served", lambda: self.lookups)
-        m.gauge("tandem_kvcache_hit_blocks", "Block lookups that hit", lambda: st.hits)
-        m.gauge("tandem_kvcache_miss_blocks", "Block lookups that missed", lambda: st.misses)
-        m.gauge(
-            "tandem_kvcache_corrupt_blocks", "Blocks dropped on a bad checksum", lambda: st.corrupt
-        )
-        m.gauge(
-            "tandem_kvcache_evicted_blocks", "Blocks dropped from every tier", lambda: st.evicted
-        )
-        m.gauge(
-            "tandem_kvcache_spilled_blocks", "Blocks moved from memory to disk", lambda: st.spilled
-        )
-        m.gauge(
-            "tandem_kvcache_promoted_blocks",
-            "Blocks moved from disk to memory",
-            lambda: st.promoted,
-        )
-        m.gauge(
-            "tandem_kvcache_rejected_blocks", "Blocks not stored (all pinned)", lambda: st.rejected
-        )
-        tails = self.tails
-        m.gauge("tandem_kvcache_tails", "Requests' partial blocks held", lambda: len(tails))
-        m.gauge("tandem_kvcache_tail_bytes", "Bytes of partial blocks", lambda: tails.used_bytes)
-        m.gauge("tandem_kvcache_tails_served", "Partial blocks sent", lambda: tails.served)
-        m.gauge(
-            "tandem_kvcache_tails_broken",
-            "Partial blocks dropped for a piece not continuing them",
-            lambda: tails.broken,
-        )
+        self.metrics = _metrics(store, self.tails, lambda: self.lookups)
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
@@ -140,21 +102,38 @@ class KVCacheWorker:
             await self._on_put(msg)
 
     async def _on_put(self, msg: Msg) -> None:
+        put = await self._read(msg, KVPut, lambda why: b"refused: " + why.encode(), self._check_put)
+        if put is not None:
+            await self._expect_put(msg, put, b"ok")
+
+    def _check_put(self, put: KVPut) -> None:
+        if not put.block_hashes or put.block_bytes <= 0:
+            raise WireFormatError("put needs block hashes and a block size")
+        if len(put.block_hashes) > MAX_BLOCKS_PER_REQUEST:
+            raise WireFormatError("too many blocks in one put")
+        if self.store.block_bytes and put.block_bytes != self.store.block_bytes:
+            raise WireFormatError(
+                f"blocks here are {self.store.block_bytes} bytes, not {put.block_bytes}"
+            )
+
+    async def _read(
+        self,
+        msg: Msg,
+        kind: type[M],
+        refusal: Callable[[str], bytes],
+        check: Callable[[M], None] | None = None,
+    ) -> M | None:
+        """The request decoded and checked; None once it was refused (answered with
+        `refusal(reason)` and counted as a dropped message)."""
         try:
-            put = decode(msg.data, KVPut)
-            if not put.block_hashes or put.block_bytes <= 0:
-                raise WireFormatError("put needs block hashes and a block size")
-            if len(put.block_hashes) > MAX_BLOCKS_PER_REQUEST:
-                raise WireFormatError("too many blocks in one put")
-            if self.store.block_bytes and put.block_bytes != self.store.block_bytes:
-                raise WireFormatError(
-                    f"blocks here are {self.store.block_bytes} bytes, not {put.block_bytes}"
-                )
+            request = decode(msg.data, kind)
+            if check is not None:
+                check(request)
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(b"refused: " + str(exc).encode())
-            return
-        await self._expect_put(msg, put, b"ok")
+            await msg.respond(refusal(str(exc)))
+            return None
+        return request
 
     async def _expect_put(self, msg: Msg, put: KVPut | KVPutTails, reply: bytes) -> None:
         """Accept the announced transfer (until PUT_TIMEOUT) and say so."""
@@ -169,13 +148,8 @@ class KVCacheWorker:
             await self._on_get(msg, span)
 
     async def _on_get(self, msg: Msg, span: trace.Span) -> None:
-        try:
-            get = decode(msg.data, KVGet)
-            if len(get.block_hashes) > MAX_BLOCKS_PER_REQUEST:
-                raise WireFormatError("too many blocks in one get")
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(encode(KVGetReply(error=str(exc))))
+        get = await self._read(msg, KVGet, lambda why: encode(KVGetReply(error=why)), _check_get)
+        if get is None:
             return
         self.lookups += 1
         payload, sums = self.store.prefix_payload(get.block_hashes)
@@ -184,33 +158,21 @@ class KVCacheWorker:
         span.set_attribute("tandem.blocks_hit", len(sums))
         await msg.respond(encode(KVGetReply(hits=len(sums), block_bytes=size)))
         if sums:
-            self._start_send(get.transfer_id, get.reply_address, get.transfer_secret, payload, sums)
+            self._start_send(get, payload, sums)
 
     async def on_put_tails(self, msg: Msg) -> None:
-        try:
-            put = decode(msg.data, KVPutTails)
-            if not put.tails or put.row_bytes <= 0:
-                raise WireFormatError("put_tails needs tails and a row size")
-            if len(put.tails) > MAX_TAILS_PER_PUT:
-                raise WireFormatError("too many tails in one put")
-            if any(not 0 <= t.first < len(t.token_ids) <= MAX_TAIL_TOKENS for t in put.tails):
-                raise WireFormatError("a tail's rows are out of range")
-            if tails_bytes(put) > MAX_TAIL_PUT_BYTES:
-                raise WireFormatError("too many tail bytes in one put")
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(encode(KVPutTailsReply(error=str(exc))))
+        put = await self._read(
+            msg, KVPutTails, lambda why: encode(KVPutTailsReply(error=why)), _check_put_tails
+        )
+        if put is None:
             return
         # Checked now to tell the sender at once; each piece is checked again on arrival.
         missing = [t.request_id for t in put.tails if not self.tails.continues(t)]
         await self._expect_put(msg, put, encode(KVPutTailsReply(missing=missing)))
 
     async def on_get_tail(self, msg: Msg) -> None:
-        try:
-            get = decode(msg.data, KVGetTail)
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(encode(KVTailReply(error=str(exc))))
+        get = await self._read(msg, KVGetTail, lambda why: encode(KVTailReply(error=why)))
+        if get is None:
             return
         found = self.tails.get(get.request_id)
         if found is None:
@@ -218,32 +180,25 @@ class KVCacheWorker:
             return
         tail, data = found
         await msg.respond(encode(KVTailReply(tail=tail, nbytes=len(data))))
-        self._start_send(
-            get.transfer_id, get.reply_address, get.transfer_secret, memoryview(data), None
-        )
+        self._start_send(get, memoryview(data), None)
 
     def _start_send(
-        self,
-        transfer_id: str,
-        address: str,
-        secret: str,
-        payload: memoryview,
-        sums: list[int] | None,
+        self, get: KVGet | KVGetTail, payload: memoryview, sums: list[int] | None
     ) -> None:
+        """Send `payload` where `get` asks, in the background (the get is answered first)."""
         ctx = otel_context.get_current()
-        task = asyncio.create_task(self._send(transfer_id, address, secret, payload, sums, ctx))
+        task = asyncio.create_task(self._send(get, payload, sums, ctx))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
 
     async def _send(
         self,
-        transfer_id: str,
-        address: str,
-        secret: str,
+        get: KVGet | KVGetTail,
         payload: memoryview,
         sums: list[int] | None,
         ctx: otel_context.Context,
     ) -> None:
+        transfer_id, address = get.transfer_id, get.reply_address
         with TRACER.start_as_current_span(
             "kv.transfer.send",
             context=ctx,
@@ -255,7 +210,7 @@ class KVCacheWorker:
                 payload,
                 chunk_bytes=len(payload) // len(sums) if sums else len(payload),
                 known_checksums=sums,  # the stored blocks' own, verified on read
-                secret=secret,
+                secret=get.transfer_secret,
             )
             try:
                 await self.transport.send(address, header, payload, timeout=SEND_TIMEOUT)
@@ -316,6 +271,56 @@ class KVCacheWorker:
         )
 
 
+def _check_get(get: KVGet) -> None:
+    if len(get.block_hashes) > MAX_BLOCKS_PER_REQUEST:
+        raise WireFormatError("too many blocks in one get")
+
+
+def _check_put_tails(put: KVPutTails) -> None:
+    if not put.tails or put.row_bytes <= 0:
+        raise WireFormatError("put_tails needs tails and a row size")
+    if len(put.tails) > MAX_TAILS_PER_PUT:
+        raise WireFormatError("too many tails in one put")
+    if any(not 0 <= t.first < len(t.token_ids) <= MAX_TAIL_TOKENS for t in put.tails):
+        raise WireFormatError("a tail's rows are out of range")
+    if tails_bytes(put) > MAX_TAIL_PUT_BYTES:
+        raise WireFormatError("too many tail bytes in one put")
+
+
 def tails_bytes(put: KVPutTails) -> int:
     """The size of the transfer a put of tails announces: the rows of each, from its first."""
     return sum(len(t.token_ids) - t.first for t in put.tails) * put.row_bytes
+
+
+def _metrics(store: BlockStore, tails: TailStore, lookups: Callable[[], int]) -> NodeMetrics:
+    """The node's gauges, read from its stores when scraped."""
+    m, st = NodeMetrics("kvcache"), store.stats
+    m.gauge(
+        "tandem_kvcache_memory_bytes",
+        "Bytes of blocks in memory",
+        lambda: store.used_bytes(MEMORY),
+    )
+    m.gauge("tandem_kvcache_disk_bytes", "Bytes of blocks on disk", lambda: store.used_bytes(DISK))
+    m.gauge("tandem_kvcache_blocks", "Stored blocks", lambda: len(store))
+    m.gauge("tandem_kvcache_pinned_blocks", "Blocks pinned (in use)", lambda: len(store.pins))
+    m.gauge("tandem_kvcache_lookups", "Prefix lookups served", lookups)
+    m.gauge("tandem_kvcache_hit_blocks", "Block lookups that hit", lambda: st.hits)
+    m.gauge("tandem_kvcache_miss_blocks", "Block lookups that missed", lambda: st.misses)
+    m.gauge("tandem_kvcache_corrupt_blocks", "Blocks dropped on a bad checksum", lambda: st.corrupt)
+    m.gauge("tandem_kvcache_evicted_blocks", "Blocks dropped from every tier", lambda: st.evicted)
+    m.gauge("tandem_kvcache_spilled_blocks", "Blocks moved from memory to disk", lambda: st.spilled)
+    m.gauge(
+        "tandem_kvcache_promoted_blocks",
+        "Blocks moved from disk to memory",
+        lambda: st.promoted,
+    )
+    m.gauge("tandem_kvcache_rejected_blocks", "Blocks not stored (all pinned)", lambda: st.rejected)
+    m.gauge("tandem_kvcache_tails", "Requests' partial blocks held", lambda: len(tails))
+    m.gauge("tandem_kvcache_tail_bytes", "Bytes of partial blocks", lambda: tails.used_bytes)
+    m.gauge("tandem_kvcache_tails_served", "Partial blocks sent", lambda: tails.served)
+    m.gauge(
+        "tandem_kvcache_tails_broken",
+        "Partial blocks dropped for a piece not continuing them",
+        lambda: tails.broken,
+    )
+    return m

@@ -12,6 +12,7 @@ so float32 greedy tokens equal `model.generate`'s.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,30 @@ class ModelRunner:
         cos, sin = self.rotary(x, positions[None, :])
         return cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
 
+    def _layers(
+        self,
+        token_ids: list[int],
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states of `token_ids` (at `positions`) after every decoder layer. Each layer
+        writes its K and V into the cache at `slots` first, then takes its attention output
+        (a row per token) from `attend(layer_idx, q, k, v)`: the one step the two forwards
+        do differently."""
+        h: torch.Tensor = self.embed(torch.tensor(token_ids, device=self.device))
+        cos, sin = self._rope(h, positions)
+        for layer_idx, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, x, cos, sin)
+            self.cache.write(layer_idx, slots, k, v)
+            o = attend(layer_idx, q, k, v)
+            h = residual + self._linear(attn.o_proj, o.reshape(len(token_ids), -1))
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+        return h
+
     @torch.inference_mode()
     def forward_packed(self, items: list[PackedItem]) -> torch.Tensor:
         """KV for every item's tokens into the cache; logits `[len(items), vocab]` of each last."""
@@ -137,21 +162,17 @@ class ModelRunner:
         for it in items:
             bounds.append((offset, offset + len(it.token_ids)))
             offset += len(it.token_ids)
-        h = self.embed(torch.tensor(ids, device=self.device))
-        cos, sin = self._rope(h, positions)
-        for layer_idx, layer in enumerate(self.layers):
-            residual = h
-            x = layer.input_layernorm(h)
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, x, cos, sin)
-            self.cache.write(layer_idx, slots, k, v)
+
+        def attend(
+            layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
             outs = [
                 self._attend_prefix(layer_idx, it, q[a:b], k[a:b], v[a:b])
                 for it, (a, b) in zip(items, bounds, strict=True)
             ]
-            o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
-            h = residual + self._linear(attn.o_proj, o.reshape(len(ids), -1))
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+            return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+        h = self._layers(ids, positions, slots, attend)
         last = torch.tensor([b - 1 for _, b in bounds], device=self.device)
         return self._linear(self.lm_head, self.norm(h[last])).float()
 
@@ -211,22 +232,18 @@ class ModelRunner:
             mask = (keys[None, :] < torch.tensor(lengths, device=self.device)[:, None])[
                 :, None, None, :
             ]
-        h = self.embed(torch.tensor(token_ids, device=self.device))
-        cos, sin = self._rope(h, pos)
-        for layer_idx, layer in enumerate(self.layers):
-            residual = h
-            x = layer.input_layernorm(h)
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, x, cos, sin)
-            self.cache.write(layer_idx, slots, k, v)
-            kc, vc = self.cache.gather(layer_idx, table)
+
+        def attend(
+            layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            kc, vc = self.cache.gather(layer_idx, table)  # this step's k and v written in
             kc, vc = kc[:, :, :max_len], vc[:, :, :max_len]
             # One query per sequence: fold the query heads of each KV group into the query
             # axis, so attention reads each KV head once instead of repeating it n_rep times.
             qg = q.view(batch, self.num_kv_heads, self.n_rep, self.head_dim)
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
-            h = residual + self._linear(attn.o_proj, o.reshape(batch, -1))
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+            return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
+
+        h = self._layers(token_ids, pos, slots, attend)
         return self._linear(self.lm_head, self.norm(h)).float()
 
 

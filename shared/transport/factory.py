@@ -27,7 +27,8 @@ def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0) -> Transpo
     if kind == "tcp":
         return TcpTransport(host=host, port=port)
     if kind == "ucx":
-        from shared.transport.ucx import UcxTransport  # imports ucxx (~0.6 s) only when used
+        # imports ucxx (~0.6 s) only when used
+        from shared.transport.ucx.transport import UcxTransport
 
         return UcxTransport(host=host, port=port)
     raise ValueError(f"unknown transport {kind!r} (expected one of {', '.join(TRANSPORTS)})")

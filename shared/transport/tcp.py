@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
+from shared.transport.base import ReceiveHandler
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import send_transfer, serve_frame
+from shared.transport.pool import PeerPool, send_pooled
+from shared.transport.session import serve_frame
 
 SOCKET_BUFFER = 4 << 20
 
@@ -81,12 +81,10 @@ class TcpTransport:
     ) -> None:
         self.host = host
         self.port = port
-        self.max_conns_per_peer = max_conns_per_peer
         self.frame_timeout = frame_timeout
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._idle: dict[str, list[socket.socket]] = defaultdict(list)
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._pool = PeerPool(max_conns_per_peer, _connect, socket.socket.close)
         self._handler: ReceiveHandler | None = None
 
     @property
@@ -142,50 +140,26 @@ class TcpTransport:
     async def warm(self, peer: str) -> None:
         """Nothing to do: a TCP connection is made in about a millisecond."""
 
-    async def _checkout(self, peer: str) -> socket.socket:
-        idle = self._idle[peer]
-        if idle:
-            return idle.pop()
-        host, _, port = peer.removeprefix("tcp://").rpartition(":")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        _tune(sock)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_conns_per_peer))
-        ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
-        try:
-            async with asyncio.timeout(timeout), slots:
-                sock = await self._checkout(peer)
-                reusable = False
-                try:
-                    ok, reason = await send_transfer(SocketChannel(sock), header, payload, peer)
-                    reusable = True
-                finally:
-                    if reusable:
-                        self._idle[peer].append(sock)
-                    else:
-                        sock.close()
-        except TimeoutError as exc:
-            reason = f"transfer to {peer} missed its {timeout}s deadline"
-            raise TransferError(reason, **ids) from exc
-        except (ConnectionError, OSError, WireFormatError) as exc:
-            raise TransferError(f"transfer to {peer} failed: {exc}", **ids) from exc
-        if not ok:
-            raise TransferRejected(reason, **ids)
+        errors = (ConnectionError, OSError, WireFormatError)
+        await send_pooled(self._pool, SocketChannel, peer, header, payload, timeout, errors)
 
     async def close(self) -> None:
         await cancel_and_wait(*self._tasks)
         if self._listener is not None:
             self._listener.close()
-        for socks in self._idle.values():
-            for s in socks:
-                s.close()
-        self._idle.clear()
+        self._pool.close()
+
+
+async def _connect(peer: str) -> socket.socket:
+    host, _, port = peer.removeprefix("tcp://").rpartition(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    _tune(sock)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

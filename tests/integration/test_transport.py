@@ -283,7 +283,7 @@ async def _raw_messages(kind: str, address: str, messages: list[bytes]) -> None:
             await writer.drain()
         writer.close()
         return
-    from shared.transport.ucx import _ucxx
+    from shared.transport.ucx.transport import _ucxx
 
     ep = await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
     for m in messages:  # small messages: eager sends complete without a matching receive
@@ -364,13 +364,13 @@ async def test_a_ucx_receive_outlives_its_cancelled_caller_until_the_abort() -> 
     """UCX cannot cancel a posted receive: a caller whose deadline passes must leave the
     operation (and its buffer) alive until the endpoint's abort ends it, never free memory
     UCX may still write into."""
-    from shared.transport import ucx
+    from shared.transport.ucx import transport as ucx
 
     peer = Peer("receive", "ucx")
     transport = ucx.UcxTransport()
     try:
         address = (await peer.next("address"))["address"]
-        ep = await transport._checkout(address)
+        ep = await transport._pool.checkout(address)
         buf = memoryview(bytearray(16))
         with pytest.raises(TimeoutError):  # the peer sends nothing unasked
             await asyncio.wait_for(ucx.EndpointChannel(ep).recv_into(buf), 0.05)
@@ -383,7 +383,7 @@ async def test_a_ucx_receive_outlives_its_cancelled_caller_until_the_abort() -> 
 
 
 async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
-    from shared.transport import ucx
+    from shared.transport.ucx import transport as ucx
 
     peer = Peer("receive", "ucx")
     transport = ucx.UcxTransport()
@@ -391,11 +391,11 @@ async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
         address = (await peer.next("address"))["address"]
         await transport.warm(address)
         await transport.warm(address)  # one is enough: no second endpoint
-        [ep] = transport._idle[address]
+        [ep] = transport._pool.idle[address]
         payload = memoryview(bytearray(os.urandom(MiB)))
         await transport.send(address, make_header("req", "w", payload), payload, timeout=30)
         assert (await peer.next("digest"))["transfer_id"] == "w"
-        assert transport._idle[address] == [ep]  # the warmed endpoint carried it
+        assert transport._pool.idle[address] == [ep]  # the warmed endpoint carried it
         peer.kill()
         for _ in range(200):  # UCX marks the endpoint once it notices the peer is gone
             if ep.closed:
@@ -403,8 +403,8 @@ async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
             await asyncio.sleep(0.02)
         if ep.closed:  # a dead pooled endpoint is never handed out again
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(transport._checkout(address), 2.0)
-            assert ep not in transport._idle[address]
+                await asyncio.wait_for(transport._pool.checkout(address), 2.0)
+            assert ep not in transport._pool.idle[address]
     finally:
         await transport.close()
         await peer.close()
@@ -413,7 +413,7 @@ async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
 async def test_ucx_progress_watchdog_takes_its_own_cancellation() -> None:
     """ucxx 0.52's progress watchdog swallowed a cancellation that landed while it awaited
     the arm task it had just cancelled, and went on polling: asyncio.run, cancelling every
-    task at the end, then waited for it forever (shared/transport/ucxx_fixes.py)."""
+    task at the end, then waited for it forever (shared/transport/ucx/fixes.py)."""
     from ucxx._lib_async import application_context
 
     transport = make_transport("ucx")
@@ -444,7 +444,7 @@ async def test_ucx_progress_watchdog_takes_its_own_cancellation() -> None:
 async def test_ucx_posts_a_bounded_window_of_parts_and_checks_them_in_order() -> None:
     """At most WINDOW operations are posted at a time (each waiting ucxx request spins the
     event loop), in part order, and each part is checked once it is done."""
-    from shared.transport import ucx
+    from shared.transport.ucx import transport as ucx
 
     posted: list[int] = []
     running = 0

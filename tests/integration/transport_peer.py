@@ -25,11 +25,11 @@ import time
 
 import xxhash
 
-from shared.transport import ucx_waits
 from shared.transport.base import BufferHandler, TransferError
 from shared.transport.factory import make_transport
 from shared.transport.frames import TransferHeader, make_header
 from shared.transport.pending import PendingTransfers
+from shared.transport.ucx import waits as ucx_waits
 
 MiB = 1 << 20
 

@@ -43,15 +43,15 @@ def test_lru_order_is_exact_and_prefix_stops_at_first_miss() -> None:
     store = BlockStore(memory_bytes=3 * B)
     for i in range(3):
         assert store.put(h(i), block(i))
-    assert store.lru_order() == [h(0), h(1), h(2)]
+    assert list(store.lru[MEMORY]) == [h(0), h(1), h(2)]
     assert bytes(store.prefix_payload([h(0)])[0]) == block(0)  # 0: now most recently used
-    assert store.lru_order() == [h(1), h(2), h(0)]
+    assert list(store.lru[MEMORY]) == [h(1), h(2), h(0)]
     assert store.put(h(3), block(3))  # evicts the least recently used: 1
-    assert store.lru_order() == [h(2), h(0), h(3)]
+    assert list(store.lru[MEMORY]) == [h(2), h(0), h(3)]
     assert store.stats.evicted == 1
     assert bytes(store.prefix_payload([h(0), h(1), h(2)])[0]) == block(0)
     assert store.put(h(2), block(2))  # re-storing a known block only refreshes it
-    assert store.lru_order() == [h(3), h(0), h(2)]  # the prefix lookup touched 0
+    assert list(store.lru[MEMORY]) == [h(3), h(0), h(2)]  # the prefix lookup touched 0
 
 
 def test_pinned_blocks_are_never_evicted() -> None:
@@ -74,15 +74,15 @@ def test_spill_to_disk_and_promote_back(tmp_path: Path) -> None:
     store = BlockStore(memory_bytes=2 * B, disk_bytes=2 * B, disk_dir=tmp_path)
     for i in range(4):
         store.put(h(i), block(i))
-    assert store.lru_order(MEMORY) == [h(2), h(3)]
-    assert store.lru_order(DISK) == [h(0), h(1)]
+    assert list(store.lru[MEMORY]) == [h(2), h(3)]
+    assert list(store.lru[DISK]) == [h(0), h(1)]
     assert store.stats.spilled == 2 and store.stats.evicted == 0
     assert store.get(h(0)) == block(0)  # promoted; memory's LRU block (2) spills
-    assert store.tier_of(h(0)) == "memory" and store.tier_of(h(2)) == "disk"
-    assert store.lru_order(DISK) == [h(1), h(2)]
+    assert store.entries[h(0)].tier == MEMORY and store.entries[h(2)].tier == DISK
+    assert list(store.lru[DISK]) == [h(1), h(2)]
     assert store.stats.promoted == 1
     store.put(h(4), block(4))  # memory full → 3 spills → disk full → 1 (disk LRU) dropped
-    assert h(1) not in store and store.tier_of(h(3)) == "disk"
+    assert h(1) not in store and store.entries[h(3)].tier == DISK
     assert store.used_bytes(MEMORY) == 2 * B and store.used_bytes(DISK) == 2 * B
     assert (tmp_path / "blocks.arena").stat().st_size == 2 * B
     store.close()

@@ -4,7 +4,7 @@ ucxx's own waits busy-yield on the event loop until their request completes (its
 `wait_yield`: ucxx has no completion futures outside its thread progress mode, and that
 mode breaks as soon as a process uses a second event loop). Here every wait is a future
 resolved by a check after each progress of the worker (`Notices`, run by the hook in
-`ucxx_fixes`). Spinning made an idle node burn a core, held the GIL beside a decode
+`fixes`). Spinning made an idle node burn a core, held the GIL beside a decode
 node's engine thread during every transfer, and with two processes spinning on 2 cores
 each hop of a transfer after an idle spell took ms (docs/benchmarks.md). Uses ucxx
 internals (`_ep`, `_tags`), pinned by the ucxx version in pyproject.toml.
@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from shared.transport import ucxx_fixes
+from shared.transport.ucx import fixes
 
 IDLE_POLL_MAX = 0.005  # seconds between probes of an idle endpoint, at most, when polling
 IDLE_RECHECK = 0.1  # seconds between checks of an idle endpoint woken after each progress
@@ -28,7 +28,7 @@ class Notices:
     operation's completion), checked after each progress of the worker.
 
     In blocking mode whatever the network brings makes the worker's event fd readable and
-    is taken in by the progress that follows; `ucxx_fixes.after_progress` runs `check`
+    is taken in by the progress that follows; `fixes.after_progress` runs `check`
     right after it, so a waiter learns of its message, its completion or its peer's death
     (which UCX also finds during a progress) at once, without polling.
     """
@@ -68,7 +68,7 @@ notices = Notices()
 async def completion(request: Any) -> None:
     """Await a posted ucxx request, raising its error (ucxx's `wait` outside blocking
     mode, which has no notices)."""
-    if ucxx_fixes.notifying:
+    if fixes.notifying:
         await notices.wait(lambda: bool(request.completed), REQUEST_RECHECK)
         request.check_error()
     else:
@@ -115,7 +115,7 @@ async def until_message(ep: Any) -> None:
     Outside blocking mode there are no notices: it probes with a growing pause up to
     IDLE_POLL_MAX, which then delays a transfer's first message by at most that.
     """
-    import ucxx  # initialised by shared.transport.ucx, the only caller
+    import ucxx  # initialised by shared.transport.ucx.transport, the only caller
     from ucxx.types import Tag
 
     tag = Tag(ep._tags["msg_recv"])
@@ -125,7 +125,7 @@ async def until_message(ep: Any) -> None:
         if ep.closed:
             raise ConnectionError("endpoint closed")
         ep._ep.raise_on_error()  # the peer died or closed: UCX marked the endpoint
-        if not ucxx_fixes.notifying:
+        if not fixes.notifying:
             await asyncio.sleep(pause)
             pause = min(IDLE_POLL_MAX, pause * 1.5 + 0.0001)
             continue

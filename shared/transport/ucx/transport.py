@@ -18,7 +18,7 @@ these defaults.
 The protocol is `shared/transport/session.py`'s; each of its sends is one tagged UCX
 message on a listener endpoint (payloads land straight in the handler's buffer), one
 transfer per endpoint at a time; a small pool of endpoints per peer gives concurrency.
-Nothing waits by spinning (`shared/transport/ucx_waits.py`).
+Nothing waits by spinning (`shared/transport/ucx/waits.py`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-from shared.transport import ucx_waits, ucxx_fixes
-from shared.transport.base import ReceiveHandler, TransferError, TransferRejected
+from shared.transport.base import ReceiveHandler
 from shared.transport.frames import PREFIX, TransferHeader
-from shared.transport.session import send_transfer, serve_frame
+from shared.transport.pool import PeerPool, send_pooled
+from shared.transport.session import serve_frame
+from shared.transport.ucx import fixes, waits
 
 log = logging.getLogger("tandem.transport.ucx")
 
@@ -51,8 +51,8 @@ def _ucxx() -> Any:
     import ucxx  # ~0.6 s: only processes that use UCX pay it
 
     if not _initialised:
-        ucxx_fixes.apply()
-        ucxx_fixes.after_progress.append(ucx_waits.notices.check)
+        fixes.apply()
+        fixes.after_progress.append(waits.notices.check)
         mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         ucxx.init(options=dict(DEFAULT_OPTIONS), env_takes_precedence=True, progress_mode=mode)
         _initialised = True
@@ -109,18 +109,18 @@ class EndpointChannel:
         self.ep = ep
 
     async def recv_into(self, buf: memoryview) -> None:
-        await _guarded(ucx_waits.recv(self.ep, buf))
+        await _guarded(waits.recv(self.ep, buf))
 
     async def send(self, data: bytes | memoryview) -> None:
-        await _guarded(ucx_waits.send(self.ep, memoryview(data).cast("B")))
+        await _guarded(waits.send(self.ep, memoryview(data).cast("B")))
 
     async def recv_parts(self, parts: list[memoryview], arrived: Callable[[int], None]) -> None:
         """Receives posted WINDOW ahead (UCX matches them in posting order), so later parts
         land while `arrived` checks earlier ones."""
-        await _in_order(lambda buf: ucx_waits.recv(self.ep, buf), parts, arrived)
+        await _in_order(lambda buf: waits.recv(self.ep, buf), parts, arrived)
 
     async def send_parts(self, parts: list[memoryview]) -> None:
-        await _in_order(lambda buf: ucx_waits.send(self.ep, buf), parts, None)
+        await _in_order(lambda buf: waits.send(self.ep, buf), parts, None)
 
 
 # Parts of one transfer posted at once: enough to keep data moving while `arrived` checks
@@ -155,6 +155,20 @@ async def _in_order(
         raise
 
 
+async def _connect(peer: str) -> Any:
+    host, _, port = peer.removeprefix("ucx://").rpartition(":")
+    return await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _abort(ep: Any) -> None:
+    with contextlib.suppress(*_errors()):
+        ep.abort()
+
+
 class UcxTransport:
     name = "ucx"
 
@@ -167,12 +181,13 @@ class UcxTransport:
     ) -> None:
         self.host = host
         self.port = port
-        self.max_conns_per_peer = max_conns_per_peer
         self.frame_timeout = frame_timeout
         self._listener: Any = None
         self._handler: ReceiveHandler | None = None
-        self._idle: dict[str, list[Any]] = defaultdict(list)
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        # an endpoint whose peer died since it was pooled: UCX marked it closed
+        self._pool: PeerPool[Any] = PeerPool(
+            max_conns_per_peer, _connect, _abort, usable=lambda ep: not ep.closed
+        )
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -196,11 +211,6 @@ class UcxTransport:
         self._listener = ucxx.create_listener(on_connect, port=self.port or None)
         self.port = int(self._listener.port)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _serve(self, ep: Any) -> None:
         assert self._handler is not None
         errors = _errors()
@@ -208,7 +218,7 @@ class UcxTransport:
             while True:
                 prefix = memoryview(bytearray(PREFIX.size))
                 try:
-                    await ucx_waits.until_message(ep)  # an idle endpoint waits here
+                    await waits.until_message(ep)  # an idle endpoint waits here
                     await EndpointChannel(ep).recv_into(prefix)
                 except errors:
                     return  # the peer closed or died between transfers
@@ -224,54 +234,17 @@ class UcxTransport:
     async def warm(self, peer: str) -> None:
         """One pooled endpoint to `peer` (made now: ~0.1 s here, which a first transfer,
         such as a failover's checkpoint load, would otherwise wait for)."""
-        self._idle[peer].append(await self._checkout(peer))  # an idle live one, or a new one
-
-    async def _checkout(self, peer: str) -> Any:
-        idle = self._idle[peer]
-        while idle:
-            ep = idle.pop()
-            if not ep.closed:  # a peer that died since: UCX marked its endpoint
-                return ep
-            with contextlib.suppress(*_errors()):
-                ep.abort()
-        host, _, port = peer.removeprefix("ucx://").rpartition(":")
-        return await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+        await self._pool.warm(peer)
 
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:
-        ids = {"request_id": header.request_id, "transfer_id": header.transfer_id}
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_conns_per_peer))
-        errors = _errors()
-        try:
-            async with asyncio.timeout(timeout), slots:
-                ep = await self._checkout(peer)
-                reusable = False
-                try:
-                    ok, reason = await send_transfer(EndpointChannel(ep), header, payload, peer)
-                    reusable = True
-                finally:
-                    if reusable:
-                        self._idle[peer].append(ep)
-                    else:
-                        with contextlib.suppress(*errors):
-                            ep.abort()
-        except TimeoutError as exc:
-            reason = f"transfer to {peer} missed its {timeout}s deadline"
-            raise TransferError(reason, **ids) from exc
-        except errors as exc:
-            reason = f"transfer to {peer} failed: {type(exc).__name__}: {exc}"
-            raise TransferError(reason, **ids) from exc
-        if not ok:
-            raise TransferRejected(reason, **ids)
+        await send_pooled(
+            self._pool, EndpointChannel, peer, header, payload, timeout, _errors(), _describe
+        )
 
     async def close(self) -> None:
-        errors = _errors()
-        for eps in self._idle.values():
-            for ep in eps:
-                with contextlib.suppress(*errors):
-                    ep.abort()
-        self._idle.clear()
+        self._pool.close()
         await cancel_and_wait(*self._tasks)
         left = await settle_orphans(2.0)  # the endpoints are aborted: they end now
         if left:

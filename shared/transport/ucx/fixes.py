@@ -9,7 +9,7 @@ Each patches ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
   (heap corruption: a later, unrelated crash).
 - The hook: `after_progress` callbacks run after every progress of the worker in blocking
   mode, which is when arrived messages and completed operations become visible (the
-  transport waits for both this way instead of spinning: `ucx_waits`).
+  transport waits for both this way instead of spinning: `waits`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ notifying = False  # whether a blocking-mode worker runs them (other modes do no
 
 
 def apply() -> None:
-    """Apply every fix: once per process, before ucxx.init (shared.transport.ucx does)."""
+    """Apply every fix: once per process, before ucxx.init (`transport._ucxx` does)."""
     _fix_blocking_progress()
     _fix_progress_watchdog()
     _fix_handshake_buffers()

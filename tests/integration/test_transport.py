@@ -211,7 +211,10 @@ async def test_corrupt_and_truncated_frames_are_rejected(
     with pytest.raises(TransferError):  # cancelled mid-payload by its deadline
         await sender.send(address, make_header("req", "cut", big), big, timeout=0.02)
     await sender.send(address, make_header("req", "good", payload), payload, timeout=30)
-    assert (await peer.next("digest"))["transfer_id"] == "good"
+    got = await peer.next("digest")
+    if got["transfer_id"] == "cut":  # it arrived whole before its sender gave up (a loaded
+        got = await peer.next("digest")  # machine, seen in CI): the next must still get in
+    assert got["transfer_id"] == "good"
 
 
 async def test_sends_cut_by_deadlines_of_a_few_ms_leave_the_sender_healthy(

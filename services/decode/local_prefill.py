@@ -28,7 +28,7 @@ from shared.engine.engine import Engine, StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.prefix_cache import PrefixCache
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer

@@ -6,12 +6,12 @@ import argparse
 import logging
 
 from services.decode.checkpoints import CheckpointWriter
-from services.decode.tails import TailUploader
 from services.decode.worker import DecodeWorker
 from shared.bus.journal import RequestJournal
-from shared.kv_uploader import BlockUploader
-from shared.kvclient import KVCacheClient
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.client import KVCacheClient
+from shared.kvclient.prefix_cache import PrefixCache
+from shared.kvclient.tails import TailUploader
+from shared.kvclient.uploader import BlockUploader
 from shared.runtime.engine import engine_from_args
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import (

@@ -27,7 +27,7 @@ from shared.bus.messages import Prefetch, decode
 from shared.engine.engine import Engine
 from shared.errors import WireFormatError
 from shared.kv.block_hash import BlockHash
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.prefix_cache import PrefixCache
 
 log = logging.getLogger("tandem.decode")
 PREFETCH_TIMEOUT = 5.0  # seconds for one prefetch's load from kvcache (as for a prefix)

@@ -28,7 +28,6 @@ from services.decode.checkpoints import CheckpointWriter
 from services.decode.local_prefill import LocalPrefill
 from services.decode.receiver import Expected, KVReceiver
 from services.decode.standby import Standby
-from services.decode.tails import TailUploader
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
@@ -44,8 +43,9 @@ from shared.deltas import delta_from_output
 from shared.engine.block_exchange import CheckpointPoint
 from shared.engine.engine import Engine, StepOutput
 from shared.errors import TandemError, WireFormatError
-from shared.kv_uploader import BlockUploader
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.prefix_cache import PrefixCache
+from shared.kvclient.tails import TailUploader
+from shared.kvclient.uploader import BlockUploader
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 

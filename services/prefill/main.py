@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from services.prefill.worker import PrefillWorker
-from shared.kvclient import KVCacheClient
+from shared.kvclient.client import KVCacheClient
 from shared.runtime.engine import engine_from_args
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_data_plane_options, add_engine_options, add_node_options

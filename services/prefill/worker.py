@@ -3,10 +3,10 @@
 Jobs come from the node's own queue (steered here by a router: this pool holds their
 prefix) and the shared one (intake.py). Per job: drop it if cancelled or past its deadline;
 load the longest cached prefix of its prompt from the kvcache service beyond what this
-node's own pool holds (prefix_cache.py); prefill only the rest (batched with the jobs that
-arrived together) on the engine thread; store the newly computed full blocks in the kvcache
-service in the background; announce what the pool now holds (and evicted) as KV events;
-hand each sequence to a decode node (handoff.py).
+node's own pool holds (`shared/kvclient/prefix_cache.py`); prefill only the rest (batched
+with the jobs that arrived together) on the engine thread; store the newly computed full
+blocks in the kvcache service in the background; announce what the pool now holds (and
+evicted) as KV events; hand each sequence to a decode node (handoff.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine, StepOutput
 from shared.errors import CapacityError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
-from shared.kvclient import KVCacheClient
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.client import KVCacheClient
+from shared.kvclient.prefix_cache import PrefixCache
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import Transport

@@ -9,7 +9,7 @@ import random
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.kv_uploader import BlockUploader
+from shared.kvclient.uploader import BlockUploader
 from shared.model.loader import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -72,7 +72,7 @@ def test_an_aborted_sequence_hands_nothing_over(tiny_model: LoadedModel) -> None
 
 
 class FlakyStore:
-    """A KV store client (the real one: shared/kvclient.py, tested against kvcache nodes)
+    """A KV store client (the real one: shared/kvclient/client.py, tested against kvcache nodes)
     whose second put fails."""
 
     def __init__(self) -> None:

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from services.decode.tails import TailUploader
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.errors import WireFormatError
 from shared.kv.block_hash import ROOT_HASH, BlockHash
 from shared.kv.tail import TailBlock, fit_tail
+from shared.kvclient.tails import TailUploader, extend
 from shared.model.loader import LoadedModel
 
 pytestmark = pytest.mark.unit
@@ -48,7 +48,7 @@ def dying_node(
             assert t.request_id == rid
             if tail is not None and t.first:  # a piece: the rows this step added
                 assert t.rows == len(o.new_token_ids) and t.first == len(tail.token_ids)
-                tail = tail.extended_by(t)
+                tail = extend(tail, t)
                 assert tail is not None
             else:  # whole: the first here, or a new block
                 assert t.first == 0 and (tail is None or t.start > tail.start)
@@ -246,17 +246,17 @@ async def test_a_tail_the_store_lost_is_asked_for_whole() -> None:
 
 def test_pieces_continue_only_their_own_tail() -> None:
     whole = t("a", 3)
-    assert whole.extended_by(t("a", 5, first=3)) == t("a", 5)
-    assert whole.extended_by(t("a", 5, first=2)) is None  # overlaps
-    assert whole.extended_by(t("a", 5, first=4)) is None  # a gap
-    assert whole.extended_by(TailBlock("a", 16, ROOT_HASH, [0, 1, 2, 3], b"\x03", 3)) is None
+    assert extend(whole, t("a", 5, first=3)) == t("a", 5)
+    assert extend(whole, t("a", 5, first=2)) is None  # overlaps
+    assert extend(whole, t("a", 5, first=4)) is None  # a gap
+    assert extend(whole, TailBlock("a", 16, ROOT_HASH, [0, 1, 2, 3], b"\x03", 3)) is None
     other = TailBlock("a", 0, ROOT_HASH, [0, 1, 9, 3], b"\x03", 3)  # another token before
-    assert whole.extended_by(other) is None
+    assert extend(whole, other) is None
 
 
 async def test_a_put_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many whole tails at once (say after a kvcache restart) go in several puts."""
-    monkeypatch.setattr("services.decode.tails.MAX_PUT_BYTES", 10)
+    monkeypatch.setattr("shared.kvclient.tails.MAX_PUT_BYTES", 10)
     client = SlowTailStore()
     client.hold = False
     uploader = TailUploader(client).start()  # type: ignore[arg-type]

@@ -17,8 +17,8 @@ from opentelemetry.trace import SpanContext
 from shared.engine.engine import Engine, StepOutput
 from shared.kv.block_hash import BlockHash, block_hashes
 from shared.kv.export import split_frame
-from shared.kv_uploader import BlockUploader
-from shared.kvclient import KVCacheClient
+from shared.kvclient.client import KVCacheClient
+from shared.kvclient.uploader import BlockUploader
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 

@@ -24,7 +24,8 @@ from shared.bus.client import Bus
 from shared.bus.messages import PrefillJob, decode
 from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
@@ -118,8 +119,8 @@ class LocalPrefill:
             if time.time() > reply_by:
                 return "the router stopped waiting"
             if hashes:  # cached, findable: the admission right after finds them
-                self.engine.import_cached_blocks(hashes, blocks)
-            fitted = self.engine.fit_tail(tail, context) if tail is not None else None
+                self.engine.exchange.import_cached_blocks(hashes, blocks)
+            fitted = self.engine.tails.fit(tail, context) if tail is not None else None
             if tail is not None and fitted is None:
                 log.info("the stored KV tail of %s does not fit its context", job.request_id)
             self.engine.add_request(

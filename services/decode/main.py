@@ -88,7 +88,7 @@ async def serve(args: argparse.Namespace) -> None:
         prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
     if client is not None and args.checkpoint_every > 0:
         uploader = BlockUploader(client)
-        engine.checkpoint_every = args.checkpoint_every
+        engine.exchange.checkpoint_every = args.checkpoint_every
         journal = await RequestJournal(rt.bus).start()
         if not args.no_checkpoint_tails:
             tails = TailUploader(client, args.checkpoint_tail_interval)

@@ -62,7 +62,7 @@ class Standby:
         try:
             hashes, blocks = await self._load_prefix(hint.token_ids, PREFETCH_TIMEOUT)
             if hashes:
-                placed = await self._run(self.engine.import_cached_blocks, hashes, blocks)
+                placed = await self._run(self.engine.exchange.import_cached_blocks, hashes, blocks)
                 self.prefetched_blocks += placed
                 log.debug("standby for %s: %d KV blocks loaded", hint.request_id, placed)
         except Exception as exc:  # best effort: a resume loads them itself

@@ -41,7 +41,8 @@ from shared.bus.topology import (
 )
 from shared.deltas import delta_from_output
 from shared.engine.block_exchange import CheckpointPoint
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kvclient.prefix_cache import PrefixCache
 from shared.kvclient.tails import TailUploader
@@ -91,13 +92,13 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
         # Blocks this node fills (generated tokens) go to the kvcache service, so the next
         # turn of a conversation finds its whole history cached.
         self.uploader = uploader
-        engine.collect_filled = uploader is not None
+        engine.exchange.collect_filled = uploader is not None
         # And each running sequence's partial last block after every step: a resume
         # elsewhere then recomputes one token, not up to a block.
         self.tails = tails
-        engine.collect_tails = tails is not None
+        engine.tails.collect = tails is not None
         if tails is not None:
-            tails.on_lost = engine.resend_tails
+            tails.on_lost = engine.tails.resend
         # What this node's pool holds goes out as KV events, so routers can send a request
         # whose prefix lives here straight to this node. Collected on the engine thread,
         # published after each step.
@@ -301,12 +302,12 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
         if evicted or named:
             self.loop.call_soon_threadsafe(self.pool_events.publish, evicted, named)
         if self.uploader is not None:
-            hashes, blocks = self.engine.take_filled_blocks()
-            points = self.engine.take_checkpoint_points()
+            hashes, blocks = self.engine.exchange.take_filled_blocks()
+            points = self.engine.exchange.take_checkpoint_points()
             if hashes:
                 self.loop.call_soon_threadsafe(self._checkpoint, hashes, blocks, points)
         if self.tails is not None:
-            tails = self.engine.take_tails()
+            tails = self.engine.tails.take()
             if tails:
                 self.loop.call_soon_threadsafe(self.tails.submit, tails)
         return outs

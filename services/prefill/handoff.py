@@ -25,7 +25,7 @@ from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
 from shared.deltas import delta_from_output
-from shared.engine.engine import StepOutput
+from shared.engine.outputs import StepOutput
 from shared.telemetry.logs import bind
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError

@@ -29,7 +29,8 @@ from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
 from shared.errors import CapacityError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
@@ -240,7 +241,7 @@ class PrefillWorker:
         """On the engine thread: place loaded prefix blocks, then prefill (nothing between)."""
         for hashes, blocks in prefixes:
             if blocks:
-                self.engine.import_cached_blocks(hashes, blocks)
+                self.engine.exchange.import_cached_blocks(hashes, blocks)
         return self.engine.prefill_and_export(requests, self._resumed)
 
     def _publish_kv_events(self) -> None:

@@ -23,7 +23,7 @@ from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
-from shared.bus.messages import Cancel, NodeInfo, SequenceSnapshot, TokenDelta, decode
+from shared.bus.messages import NodeInfo, SequenceSnapshot, TokenDelta
 from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
@@ -31,10 +31,11 @@ from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine
 from shared.engine.outputs import StepOutput
-from shared.errors import CapacityError, TandemError, WireFormatError
+from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.prefix_cache import PrefixCache
+from shared.runtime.cancels import read_cancel
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import Transport
@@ -84,13 +85,9 @@ class PrefillWorker:
         self.prefix.add_metrics(self.metrics)
 
     async def on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = decode(msg.data, Cancel)
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
+        cancel = read_cancel(self.bus, msg, self.node_id)
+        if cancel is None:
             return
-        if cancel.node_id and cancel.node_id != self.node_id:
-            return  # meant for one other node (a failover leaving it): the request goes on
         self.cancelled[cancel.request_id] = time.time()
         cutoff = time.time() - 600
         for rid in [r for r, t in self.cancelled.items() if t < cutoff]:

@@ -104,6 +104,10 @@ class KVReceiver:
         )
         await msg.respond(b"ok")
 
+    def drop(self, transfer_id: str) -> bool:
+        """Forget an announced transfer (its request was cancelled); False if none was."""
+        return self.expected.pop(transfer_id, None) is not None
+
     def expire(self) -> None:
         """Forget announcements past their deadline (their room is free again)."""
         now = time.time()

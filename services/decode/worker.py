@@ -132,8 +132,8 @@ class DecodeWorker:
         if cancel is None:
             return
         rid = cancel.request_id
-        expected = self.receiver.expected.pop(rid, None) is not None
-        self.local.cancel(rid, known=expected or rid in self.streams)
+        arriving = self.receiver.drop(rid)
+        self.local.cancel(rid, known=arriving or rid in self.streams)
         if rid in self.streams:
             self._end_stream(rid, -1, "cancelled")
             await self.on_engine(self.engine.abort, rid)

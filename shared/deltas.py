@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.bus.messages import TokenDelta
-from shared.engine.engine import StepOutput
+from shared.engine.outputs import StepOutput
 
 
 def delta_from_output(out: StepOutput, node_id: str) -> TokenDelta:

@@ -1,4 +1,9 @@
-"""Checkpoint records: how far each running sequence's KV is stored in the kvcache service.
+"""A decode node's checkpoints: its running sequences' KV stored in the kvcache service as
+they grow, and records of how far each one is stored.
+
+After each step the engine hands over the blocks it filled (every `--checkpoint-every` of a
+sequence, and at its end) and the partial last blocks (tails) that grew; both go to their
+uploaders (`shared.kvclient`) from the event loop, never in the engine's way.
 
 After the uploader reports a sequence's handed-over blocks stored, the decode node writes
 a CheckpointRecord to the request journal (`ckpt.<request id>`): the positions covered,
@@ -14,12 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from services.decode.streams import Streams
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord
 from shared.engine.block_exchange import CheckpointPoint
+from shared.engine.engine import Engine
+from shared.kvclient.tails import TailUploader
+from shared.kvclient.uploader import BlockUploader
 from shared.tasks import cancel_and_wait
+from shared.telemetry.metrics import NodeMetrics
 
 log = logging.getLogger("tandem.decode.checkpoints")
 
@@ -76,3 +86,91 @@ class CheckpointWriter:
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
+
+
+class Checkpointing:
+    """A decode worker's part: what its steps fill goes to kvcache (blocks, then their
+    records; tails), when an uploader is given for each."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        streams: Streams,
+        uploader: BlockUploader | None,
+        tails: TailUploader | None,
+        records: CheckpointWriter | None,
+    ) -> None:
+        self.engine = engine
+        self.streams = streams  # the running ones' spans link the upload spans
+        self.loop = asyncio.get_running_loop()  # built inside the service coroutine
+        # Blocks this node fills (generated tokens) go to the kvcache service, so the next
+        # turn of a conversation finds its whole history cached.
+        self.uploader = uploader
+        engine.exchange.collect_filled = uploader is not None
+        self.records = records  # of how far each sequence is stored, once it is
+        # And each running sequence's partial last block after every step: a resume
+        # elsewhere then recomputes one token, not up to a block.
+        self.tails = tails
+        engine.tails.collect = tails is not None
+        if tails is not None:
+            tails.on_lost = engine.tails.resend
+
+    def add_metrics(self, metrics: NodeMetrics) -> None:
+        tails = self.tails
+        if tails is None:
+            return
+        metrics.gauge(
+            "tandem_checkpoint_tails_stored", "Partial blocks stored", lambda: tails.stored
+        )
+        metrics.gauge(
+            "tandem_checkpoint_tails_lost",
+            "Partial blocks the store could not extend: sent again whole",
+            lambda: tails.lost,
+        )
+
+    def start(self) -> None:
+        if self.uploader is not None:
+            self.uploader.start()
+        if self.tails is not None:
+            self.tails.start()
+        if self.records is not None:
+            self.records.start()
+
+    def take(self) -> None:
+        """On the engine thread, right after a step: take what it filled (before reuse)
+        and hand it to the event loop."""
+        if self.uploader is not None:
+            hashes, blocks = self.engine.exchange.take_filled_blocks()
+            points = self.engine.exchange.take_checkpoint_points()
+            if hashes:
+                self.loop.call_soon_threadsafe(self._store, hashes, blocks, points)
+        if self.tails is not None:
+            tails = self.engine.tails.take()
+            if tails:
+                self.loop.call_soon_threadsafe(self.tails.submit, tails)
+
+    def _store(
+        self, hashes: Sequence[bytes], blocks: list[memoryview], points: list[CheckpointPoint]
+    ) -> None:
+        """On the event loop (it owns the streams' spans): hand filled blocks to the
+        uploader, linked to the requests running now (those that filled them); once stored,
+        their sequences' checkpoint records follow."""
+        assert self.uploader is not None
+        running = self.streams.running_contexts()
+        writer = self.records
+        after = (lambda: writer.stored(points)) if writer is not None and points else None
+        self.uploader.submit(hashes, blocks, running, on_stored=after)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here: a tail of it still pending is not written."""
+        if self.tails is not None:
+            self.tails.forget(request_id)
+
+    async def close(self) -> None:
+        if self.uploader is not None:
+            await self.uploader.drain(2.0)
+            await self.uploader.close()
+        if self.tails is not None:
+            await self.tails.close()
+        if self.records is not None:
+            await self.records.close()

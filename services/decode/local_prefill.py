@@ -4,7 +4,7 @@ holds most of its prompt, or a request resumed here after its node died.
 The cached blocks of the context (prompt, plus the tokens generated before a resume)
 beyond what this pool holds are loaded from the kvcache service first, so only the tail
 after the last stored block is computed, with no prefill node and no KV transfer in the
-way. A mixin of DecodeWorker (the attributes below are the worker's).
+way.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections import OrderedDict
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.decode.streams import DecodeNode, Streams
 from shared.bus.client import Bus
 from shared.bus.messages import PrefillJob, decode
 from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.prefix_cache import PrefixCache
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
@@ -36,23 +36,56 @@ from shared.telemetry.tracing import tracer
 log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
 PREFIX_LOAD_TIMEOUT = 5.0
+UNKNOWN_CANCEL_TTL = 30.0  # seconds a cancel for an unknown request is remembered
+MAX_UNKNOWN_CANCELS = 4096
 
 
 class LocalPrefill:
-    engine: Engine
-    bus: Bus
-    node_id: str
-    draining: bool
-    prefix: PrefixCache | None
-    resuming: dict[str, int]
-    admitting: dict[str, bool]
-    subjects: dict[str, str]
-    stream_spans: dict[str, trace.Span]
-    metrics: NodeMetrics
-    wake: asyncio.Event
-    _run: Callable[..., Any]
-    reserved_blocks: Callable[[], int]
-    cancelled_before: Callable[[str], bool]
+    """A decode worker's part: requests it prefills itself, and the cancels that concern
+    them."""
+
+    def __init__(
+        self,
+        node: DecodeNode,
+        engine: Engine,
+        bus: Bus,
+        streams: Streams,
+        metrics: NodeMetrics,
+        prefix: PrefixCache | None,
+    ) -> None:
+        self.node = node
+        self.engine = engine
+        self.bus = bus
+        self.streams = streams
+        self.metrics = metrics
+        self.prefix = prefix  # loads cached prefixes (and tails) from kvcache
+        self.admitting: dict[str, bool] = {}  # being admitted → cancelled meanwhile?
+        self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
+        # Cancels for requests this node did not know (yet): a local prefill of one still
+        # queued behind others here must not start after its router gave up on it.
+        self.unknown_cancels: OrderedDict[str, float] = OrderedDict()
+
+    def cancel(self, request_id: str, known: bool) -> None:
+        """A cancel for `request_id`, which this node runs or expects a transfer of if
+        `known`: an admission under way drops it once done; an unknown one is remembered."""
+        if request_id in self.admitting:
+            self.admitting[request_id] = True
+        elif not known:
+            self._remember_cancel(request_id)
+
+    def _remember_cancel(self, request_id: str) -> None:
+        now = time.monotonic()
+        self.unknown_cancels[request_id] = now
+        self.unknown_cancels.move_to_end(request_id)
+        while self.unknown_cancels and (
+            len(self.unknown_cancels) > MAX_UNKNOWN_CANCELS
+            or next(iter(self.unknown_cancels.values())) < now - UNKNOWN_CANCEL_TTL
+        ):
+            self.unknown_cancels.popitem(last=False)
+
+    def cancelled_before(self, request_id: str) -> bool:
+        at = self.unknown_cancels.get(request_id)
+        return at is not None and time.monotonic() - at < UNKNOWN_CANCEL_TTL
 
     async def on_prefill(self, msg: Msg) -> None:
         """A router sends a request here to prefill locally: most of its prompt is cached."""
@@ -67,10 +100,10 @@ class LocalPrefill:
                 self.bus.count_drop(msg.subject, str(exc))
                 await msg.respond(b"refused: malformed job")
                 return
-            if self.draining:
+            if self.node.draining:
                 await msg.respond(b"refused: draining")
                 return
-            if job.request_id in self.admitting or job.request_id in self.subjects:
+            if job.request_id in self.admitting or job.request_id in self.streams:
                 await msg.respond(b"refused: already here")
                 return
             if self.cancelled_before(job.request_id):  # its cancel overtook it in the queue
@@ -78,7 +111,7 @@ class LocalPrefill:
                 return
             context = job.prompt_ids + job.output_ids  # a resumed request: its output too
             prompt_blocks = self.engine.scheduler.blocks_for(len(context))
-            if self.engine.pool.num_free - self.reserved_blocks() < prompt_blocks + 1:
+            if self.node.free_blocks() < prompt_blocks + 1:
                 await msg.respond(b"refused: not enough free KV blocks")
                 return
             self.admitting[job.request_id] = False
@@ -87,7 +120,7 @@ class LocalPrefill:
             finally:
                 cancelled = self.admitting.pop(job.request_id)
             if refusal is None and cancelled:  # the router gave up on this path meanwhile
-                await self._run(self.engine.abort, job.request_id)
+                await self.node.on_engine(self.engine.abort, job.request_id)
                 refusal = "cancelled"
             if refusal is not None:
                 span.set_status(Status(StatusCode.ERROR, refusal))
@@ -97,12 +130,9 @@ class LocalPrefill:
                 self.resuming[job.request_id] = len(context)
             rid = job.request_id
             bind(request_id=rid)
-            self.subjects[rid] = job.token_subject
-            self.stream_spans[rid] = TRACER.start_span(
-                "decode.stream", attributes={"tandem.node_id": self.node_id}
-            )
+            self.streams.start(rid, job.token_subject)
             await msg.respond(b"ok")
-            self.wake.set()
+            self.streams.wake.set()
 
     async def _admit(self, job: PrefillJob, context: list[int], reply_by: float) -> str | None:
         """Queue the request in the engine, its cached prefix placed first; why not if not.
@@ -110,7 +140,7 @@ class LocalPrefill:
         admitting it here too would run it twice."""
         patience = reply_by - time.time() - 0.1
         (hashes, blocks), tail = await asyncio.gather(
-            self._load_prefix(context, patience),
+            load_prefix(self.prefix, context, patience),
             self._load_tail(job, patience),
         )
 
@@ -118,8 +148,8 @@ class LocalPrefill:
             if time.time() > reply_by:
                 return "the router stopped waiting"
             if hashes:  # cached, findable: the admission right after finds them
-                self.engine.import_cached_blocks(hashes, blocks)
-            fitted = self.engine.fit_tail(tail, context) if tail is not None else None
+                self.engine.exchange.import_cached_blocks(hashes, blocks)
+            fitted = self.engine.tails.fit(tail, context) if tail is not None else None
             if tail is not None and fitted is None:
                 log.info("the stored KV tail of %s does not fit its context", job.request_id)
             self.engine.add_request(
@@ -128,26 +158,10 @@ class LocalPrefill:
             return None
 
         try:
-            refusal: str | None = await self._run(admit)
+            refusal: str | None = await self.node.on_engine(admit)
         except TandemError as exc:
             return exc.message
         return refusal
-
-    async def _load_prefix(
-        self, context: list[int], patience: float
-    ) -> tuple[list[BlockHash], list[memoryview]]:
-        """The cached blocks of `context` beyond this pool's, from kvcache (best effort,
-        for at most `patience` seconds)."""
-        patience = min(PREFIX_LOAD_TIMEOUT, patience)
-        if self.prefix is None or patience <= 0:
-            return [], []
-        try:
-            return await asyncio.wait_for(
-                self.prefix.load(context, otel_context.get_current()), patience
-            )
-        except Exception as exc:  # the tail is computed instead
-            log.warning("prefix load from kvcache failed: %r", exc)
-            return [], []
 
     async def _load_tail(self, job: PrefillJob, patience: float) -> TailBlock | None:
         """A resumed request's partial last block, from kvcache (best effort, like the
@@ -178,3 +192,18 @@ class LocalPrefill:
                 out.request_id, out.num_output_tokens - 1,
                 context - out.num_cached_tokens, context,
             )  # fmt: skip
+
+
+async def load_prefix(
+    prefix: PrefixCache | None, context: list[int], patience: float
+) -> tuple[list[BlockHash], list[memoryview]]:
+    """The cached blocks of `context` beyond this pool's, from kvcache (best effort, for at
+    most `patience` seconds)."""
+    patience = min(PREFIX_LOAD_TIMEOUT, patience)
+    if prefix is None or patience <= 0:
+        return [], []
+    try:
+        return await asyncio.wait_for(prefix.load(context, otel_context.get_current()), patience)
+    except Exception as exc:  # the tail is computed instead
+        log.warning("prefix load from kvcache failed: %r", exc)
+        return [], []

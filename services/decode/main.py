@@ -5,21 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from services.decode.checkpoints import CheckpointWriter
-from services.decode.tails import TailUploader
 from services.decode.worker import DecodeWorker
 from shared.bus.journal import RequestJournal
-from shared.kv_uploader import BlockUploader
-from shared.kvclient import KVCacheClient
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.client import KVCacheClient
+from shared.kvclient.prefix_cache import PrefixCache
+from shared.kvclient.tails import TailUploader
+from shared.kvclient.uploader import BlockUploader
 from shared.runtime.engine import engine_from_args
 from shared.runtime.node import NodeRuntime
-from shared.runtime.options import (
-    add_data_plane_options,
-    add_engine_options,
-    add_node_options,
-    add_option,
-)
+from shared.runtime.options import add_engine_node_parser, add_option
 from shared.runtime.service import run_service
 from shared.transport.pending import PendingTransfers, SplitHandler
 
@@ -27,10 +21,7 @@ log = logging.getLogger("tandem.decode")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("decode", help="run a decode node")
-    add_node_options(p)
-    add_data_plane_options(p)
-    add_engine_options(p)
+    p = add_engine_node_parser(sub, "decode", "run a decode node")
     add_option(
         p,
         "--drain-timeout",
@@ -82,13 +73,13 @@ async def serve(args: argparse.Namespace) -> None:
     if not 0 <= args.checkpoint_tail_interval <= 60:
         raise SystemExit("--checkpoint-tail-interval must be between 0 and 60 seconds")
     pending = PendingTransfers()  # kvcache replies to this node's gets
-    client = uploader = checkpoints = prefix = tails = None
+    client = uploader = journal = prefix = tails = None
     if not args.no_kvcache:
         client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
         prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
     if client is not None and args.checkpoint_every > 0:
         uploader = BlockUploader(client)
-        engine.checkpoint_every = args.checkpoint_every
+        engine.exchange.checkpoint_every = args.checkpoint_every
         journal = await RequestJournal(rt.bus).start()
         if not args.no_checkpoint_tails:
             tails = TailUploader(client, args.checkpoint_tail_interval)
@@ -96,23 +87,17 @@ async def serve(args: argparse.Namespace) -> None:
         engine,
         rt.bus,
         rt.node_id,
-        transport_name=args.transport,
-        uploader=uploader,
+        transport=rt.transport,
+        registry=rt.registry,
         drain_timeout=args.drain_timeout,
         lease=max(args.lease, args.heartbeat_ttl),
         prefix=prefix,
+        uploader=uploader,
         tails=tails,
+        journal=journal,
     )
-    if uploader is not None:
-        checkpoints = CheckpointWriter(journal, rt.node_id, lambda rid: rid in worker.subjects)
-        worker.checkpoints = checkpoints.start()
-    registry = rt.registry
-    assert registry is not None
-    worker.announce = lambda: registry.heartbeat(worker.info())
-    worker.last_contact = lambda: registry.last_ok
     try:
-        await rt.transport.start(SplitHandler(pending, worker))
-        worker.data_address = rt.transport.address
+        await rt.transport.start(SplitHandler(pending, worker.receiver))
         await worker.subscribe()
         await rt.live(worker.info, worker.metrics)
         log.info(
@@ -123,8 +108,6 @@ async def serve(args: argparse.Namespace) -> None:
         )
         await worker.run(rt.stop)
     finally:
-        if checkpoints is not None:
-            await checkpoints.close()
         await rt.close()
         worker.close()
 

@@ -3,26 +3,25 @@
 A transfer is accepted only if a DecodeAssignment announced it first (the node reserved
 room then), before the announcement's deadline, of at most the announced size and carrying
 the announcement's secret; once its checksums verify, its sequence joins the running batch.
-A mixin of DecodeWorker (the attributes below are the worker's).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from opentelemetry import trace
+from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
 
+from services.decode.streams import DecodeNode, Streams
 from shared.buffers import uninitialised
-from shared.bus.messages import SequenceSnapshot
+from shared.bus.client import Bus
+from shared.bus.messages import DecodeAssignment, SequenceSnapshot, decode
+from shared.bus.topology import is_token_subject
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine
-from shared.errors import TandemError
+from shared.errors import TandemError, WireFormatError
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
@@ -43,17 +42,77 @@ class Expected:
 
 
 class KVReceiver:
-    engine: Engine
-    expected: dict[str, Expected]
-    receive_started: dict[str, int]
-    stream_spans: dict[str, trace.Span]
-    subjects: dict[str, str]
-    metrics: NodeMetrics
-    transport_name: str
-    node_id: str
-    wake: asyncio.Event
-    failures: int
-    _run: Callable[..., Any]
+    """A decode worker's part: the transfers announced to it, received into its batch."""
+
+    def __init__(
+        self,
+        node: DecodeNode,
+        engine: Engine,
+        bus: Bus,
+        streams: Streams,
+        metrics: NodeMetrics,
+        node_id: str,
+        transport_name: str,
+    ) -> None:
+        self.node = node
+        self.engine = engine
+        self.bus = bus
+        self.streams = streams
+        self.metrics = metrics
+        self.node_id = node_id
+        self.transport_name = transport_name
+        self.expected: dict[str, Expected] = {}  # transfer id → its announcement
+        self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
+        self.failures = 0
+
+    def reserved_blocks(self) -> int:
+        return sum(e.blocks for e in self.expected.values())
+
+    async def on_assign(self, msg: Msg) -> None:
+        if self.node.draining:  # before any validation: a draining node takes nothing
+            await msg.respond(b"refused: draining")
+            return
+        try:
+            assignment = decode(msg.data, DecodeAssignment)
+            snap = assignment.snapshot
+            if snap is None:
+                raise WireFormatError("assignment without a snapshot")
+            if not is_token_subject(assignment.token_subject):
+                raise WireFormatError(f"bad token subject {assignment.token_subject[:80]!r}")
+            self.engine.validate(snap.request_id, snap.prompt_ids, snap.params, snap.output_ids)
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(b"refused: malformed assignment")
+            return
+        except TandemError as exc:
+            await msg.respond(b"refused: " + exc.message.encode())
+            return
+        need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
+        now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
+        if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
+            await msg.respond(b"refused: not enough free KV blocks")
+            return
+        if need > self.engine.pool.num_blocks:
+            await msg.respond(b"refused: request larger than this node's KV pool")
+            return
+        self.expected[assignment.transfer_id] = Expected(
+            snap,
+            assignment.token_subject,
+            assignment.deadline or time.time() + 30,
+            now_blocks,
+            assignment.transfer_secret,
+        )
+        await msg.respond(b"ok")
+
+    def drop(self, transfer_id: str) -> bool:
+        """Forget an announced transfer (its request was cancelled); False if none was."""
+        return self.expected.pop(transfer_id, None) is not None
+
+    def expire(self) -> None:
+        """Forget announcements past their deadline (their room is free again)."""
+        now = time.time()
+        for tid in [t for t, e in self.expected.items() if e.deadline < now]:
+            self.expected.pop(tid, None)
 
     def allocate(self, header: TransferHeader) -> memoryview:
         exp = self.expected.get(header.transfer_id)
@@ -96,7 +155,7 @@ class KVReceiver:
         bind(request_id=rid)
         with TRACER.start_as_current_span("decode.admission", context=ctx) as admission:
             try:
-                await self._run(self.engine.add_snapshot, exp.snapshot, bytes(payload))
+                await self.node.on_engine(self.engine.add_snapshot, exp.snapshot, bytes(payload))
             except TandemError as exc:
                 admission.set_status(Status(StatusCode.ERROR, exc.message))
                 raise TransferRejected(exc.message, request_id=rid) from exc
@@ -106,11 +165,8 @@ class KVReceiver:
                 exp.snapshot.num_computed,
                 self.engine.num_running,
             )
-        self.stream_spans[rid] = TRACER.start_span(
-            "decode.stream", context=ctx, attributes={"tandem.node_id": self.node_id}
-        )
-        self.subjects[rid] = exp.token_subject
-        self.wake.set()
+        self.streams.start(rid, exp.token_subject, ctx)
+        self.streams.wake.set()
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures += 1

@@ -10,24 +10,22 @@ only the blocks stored since, and the partial last block.
 
 Best effort and bounded: one prefetch at a time (hints meanwhile are dropped), none while
 draining, and only when the pool has room for twice the context, so a standby copy never
-crowds out the node's own streams. A mixin of DecodeWorker (the attributes below are the
-worker's).
+crowds out the node's own streams.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from nats.aio.msg import Msg
 
+from services.decode.local_prefill import load_prefix
+from services.decode.streams import DecodeNode
 from shared.bus.client import Bus
 from shared.bus.messages import Prefetch, decode
 from shared.engine.engine import Engine
 from shared.errors import WireFormatError
-from shared.kv.block_hash import BlockHash
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.prefix_cache import PrefixCache
 
 log = logging.getLogger("tandem.decode")
 PREFETCH_TIMEOUT = 5.0  # seconds for one prefetch's load from kvcache (as for a prefix)
@@ -35,15 +33,17 @@ MAX_PREFETCHES = 1  # at once
 
 
 class Standby:
-    engine: Engine
-    bus: Bus
-    draining: bool
-    prefix: PrefixCache | None
-    prefetching: int
-    prefetched_blocks: int
-    _run: Callable[..., Any]
-    reserved_blocks: Callable[[], int]
-    _load_prefix: Callable[[list[int], float], Awaitable[tuple[list[BlockHash], list[memoryview]]]]
+    """A decode worker's part: the prefetches it takes as another stream's standby."""
+
+    def __init__(
+        self, node: DecodeNode, engine: Engine, bus: Bus, prefix: PrefixCache | None
+    ) -> None:
+        self.node = node
+        self.engine = engine
+        self.bus = bus
+        self.prefix = prefix
+        self.prefetching = 0  # prefetches under way
+        self.prefetched_blocks = 0
 
     async def on_prefetch(self, msg: Msg) -> None:
         try:
@@ -53,16 +53,18 @@ class Standby:
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             return
-        if self.draining or self.prefix is None or self.prefetching >= MAX_PREFETCHES:
+        if self.node.draining or self.prefix is None or self.prefetching >= MAX_PREFETCHES:
             return
         need = self.engine.scheduler.blocks_for(len(hint.token_ids))
-        if self.engine.pool.num_free - self.reserved_blocks() < 2 * need:
+        if self.node.free_blocks() < 2 * need:
             return
         self.prefetching += 1
         try:
-            hashes, blocks = await self._load_prefix(hint.token_ids, PREFETCH_TIMEOUT)
+            hashes, blocks = await load_prefix(self.prefix, hint.token_ids, PREFETCH_TIMEOUT)
             if hashes:
-                placed = await self._run(self.engine.import_cached_blocks, hashes, blocks)
+                placed = await self.node.on_engine(
+                    self.engine.exchange.import_cached_blocks, hashes, blocks
+                )
                 self.prefetched_blocks += placed
                 log.debug("standby for %s: %d KV blocks loaded", hint.request_id, placed)
         except Exception as exc:  # best effort: a resume loads them itself

@@ -15,107 +15,95 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
-from opentelemetry import trace
 
-from services.decode.checkpoints import CheckpointWriter
+from services.decode.checkpoints import Checkpointing, CheckpointWriter
 from services.decode.local_prefill import LocalPrefill
-from services.decode.receiver import Expected, KVReceiver
+from services.decode.presence import Presence
+from services.decode.receiver import KVReceiver
 from services.decode.standby import Standby
-from services.decode.tails import TailUploader
+from services.decode.streams import Streams
 from shared.bus.client import Bus
+from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
-from shared.bus.messages import Cancel, DecodeAssignment, NodeInfo, decode
-from shared.bus.registry import node_info
+from shared.bus.messages import NodeInfo
+from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import (
     assign_subject,
     cancel_subject,
-    is_token_subject,
     local_prefill_subject,
     prefetch_subject,
 )
 from shared.deltas import delta_from_output
-from shared.engine.block_exchange import CheckpointPoint
-from shared.engine.engine import Engine, StepOutput
-from shared.errors import TandemError, WireFormatError
-from shared.kv_uploader import BlockUploader
-from shared.prefix_cache import PrefixCache
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
+from shared.kvclient.prefix_cache import PrefixCache
+from shared.kvclient.tails import TailUploader
+from shared.kvclient.uploader import BlockUploader
+from shared.runtime.cancels import read_cancel
 from shared.telemetry.metrics import NodeMetrics
-from shared.telemetry.tracing import tracer
+from shared.transport.base import Transport
 
 log = logging.getLogger("tandem.decode")
-TRACER = tracer("decode")
-UNKNOWN_CANCEL_TTL = 30.0  # seconds a cancel for an unknown request is remembered
-MAX_UNKNOWN_CANCELS = 4096
+T = TypeVar("T")
 
 
-class DecodeWorker(KVReceiver, LocalPrefill, Standby):
+class DecodeWorker:
+    """Holds the engine (and the one thread it runs on), the streams it runs, and its parts:
+    the KV receiver, local prefills, the standby and checkpoints."""
+
     def __init__(
         self,
         engine: Engine,
         bus: Bus,
         node_id: str,
-        data_address: str = "",
-        transport_name: str = "",
-        uploader: BlockUploader | None = None,
+        transport: Transport | None = None,
+        registry: NodeRegistry | None = None,
         drain_timeout: float = 30.0,
-        checkpoints: CheckpointWriter | None = None,
         lease: float = 5.0,
         prefix: PrefixCache | None = None,
+        uploader: BlockUploader | None = None,
         tails: TailUploader | None = None,
+        journal: RequestJournal | None = None,
     ) -> None:
         self.engine = engine
-        self.prefix = prefix  # loads cached prefixes from kvcache for local prefills
-        self.resuming: dict[str, int] = {}  # resumed here, first token pending: context size
-        self.admitting: dict[str, bool] = {}  # local prefills being admitted → cancelled?
-        self.prefetching = 0  # standby prefetches under way
-        self.prefetched_blocks = 0
-        # Cancels for requests this node did not know (yet): a local prefill of one still
-        # queued behind others here must not start after its router gave up on it.
-        self.unknown_cancels: OrderedDict[str, float] = OrderedDict()
-        self.checkpoints = checkpoints  # records of how far each sequence is stored
-        # A node with no round trip to NATS for `lease` seconds (`last_contact`) gives up its
-        # sequences: the routers have resumed them elsewhere; their blocks are freed.
-        self.lease = lease
-        self.last_contact: Callable[[], float] | None = None
-        self.drain_timeout = drain_timeout
-        self.draining = False
-        # Set by the service: publishes a heartbeat now (routers learn of the drain at once).
-        self.announce: Callable[[], Awaitable[None]] | None = None
-        # Blocks this node fills (generated tokens) go to the kvcache service, so the next
-        # turn of a conversation finds its whole history cached.
-        self.uploader = uploader
-        engine.collect_filled = uploader is not None
-        # And each running sequence's partial last block after every step: a resume
-        # elsewhere then recomputes one token, not up to a block.
-        self.tails = tails
-        engine.collect_tails = tails is not None
-        if tails is not None:
-            tails.on_lost = engine.resend_tails
+        self.bus = bus
+        self.node_id = node_id
+        self.transport = transport  # None: no data plane (tests)
+        self.presence = Presence(registry, lease, drain_timeout)
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.loop = asyncio.get_running_loop()  # built inside the service coroutine
+        self.steps = 0
+        self.metrics = NodeMetrics("decode")
+        self.streams = Streams(node_id)
+        self.receiver = KVReceiver(
+            self,
+            engine,
+            bus,
+            self.streams,
+            self.metrics,
+            node_id,
+            transport.name if transport else "",
+        )
+        self.local = LocalPrefill(self, engine, bus, self.streams, self.metrics, prefix)
+        self.standby = Standby(self, engine, bus, prefix)
+        records = None
+        if uploader is not None and journal is not None:
+            records = CheckpointWriter(journal, node_id, self.streams.__contains__)
+        self.checkpoints = Checkpointing(engine, self.streams, uploader, tails, records)
         # What this node's pool holds goes out as KV events, so routers can send a request
         # whose prefix lives here straight to this node. Collected on the engine thread,
         # published after each step.
-        self.events = KVEventPublisher(bus, node_id)
-        self.pool_events = PoolEvents(engine, self.events)
-        self.loop = asyncio.get_running_loop()  # built inside the service coroutine
-        self.transport_name = transport_name
-        self.data_address = data_address
-        self.bus = bus
-        self.node_id = node_id
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self.expected: dict[str, Expected] = {}
-        self.subjects: dict[str, str] = {}  # request id → token subject
-        self.wake = asyncio.Event()
-        self.failures = 0
-        self.steps = 0
-        self.metrics = NodeMetrics("decode")
-        m = self.metrics
+        self.pool_events = PoolEvents(engine, KVEventPublisher(bus, node_id))
+        self._add_metrics()
+
+    def _add_metrics(self) -> None:
+        m, engine = self.metrics, self.engine
         m.gauge("tandem_kv_blocks_used", "KV blocks in use", lambda: engine.pool.num_used)
         m.gauge("tandem_kv_blocks_free", "KV blocks free", lambda: engine.pool.num_free)
         m.gauge("tandem_decode_running_sequences", "Running batch", lambda: engine.num_running)
@@ -123,107 +111,45 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
         m.gauge(
             "tandem_standby_prefetched_blocks",
             "KV blocks loaded ahead of a failover, as another stream's standby",
-            lambda: self.prefetched_blocks,
+            lambda: self.standby.prefetched_blocks,
         )
-        if tails is not None:
-            m.gauge("tandem_checkpoint_tails_stored", "Partial blocks stored", lambda: tails.stored)
-            m.gauge(
-                "tandem_checkpoint_tails_lost",
-                "Partial blocks the store could not extend: sent again whole",
-                lambda: tails.lost,
-            )
-        self.receive_started: dict[str, int] = {}  # transfer id → ns, for the receive span
-        self.stream_spans: dict[str, trace.Span] = {}
+        self.checkpoints.add_metrics(m)
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+    @property
+    def draining(self) -> bool:
+        return self.presence.draining
+
+    async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.loop.run_in_executor(self.thread, fn, *args)
+
+    def free_blocks(self) -> int:
+        return self.engine.pool.num_free - self.receiver.reserved_blocks()
 
     # ---- control plane ------------------------------------------------------------------
 
-    def reserved_blocks(self) -> int:
-        return sum(e.blocks for e in self.expected.values())
-
-    async def on_assign(self, msg: Msg) -> None:
-        if self.draining:  # before any validation: a draining node takes nothing
-            await msg.respond(b"refused: draining")
-            return
-        try:
-            assignment = decode(msg.data, DecodeAssignment)
-            snap = assignment.snapshot
-            if snap is None:
-                raise WireFormatError("assignment without a snapshot")
-            if not is_token_subject(assignment.token_subject):
-                raise WireFormatError(f"bad token subject {assignment.token_subject[:80]!r}")
-            self.engine.validate(snap.request_id, snap.prompt_ids, snap.params, snap.output_ids)
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(b"refused: malformed assignment")
-            return
-        except TandemError as exc:
-            await msg.respond(b"refused: " + exc.message.encode())
-            return
-        need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
-        now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
-        if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
-            await msg.respond(b"refused: not enough free KV blocks")
-            return
-        if need > self.engine.pool.num_blocks:
-            await msg.respond(b"refused: request larger than this node's KV pool")
-            return
-        self.expected[assignment.transfer_id] = Expected(
-            snap,
-            assignment.token_subject,
-            assignment.deadline or time.time() + 30,
-            now_blocks,
-            assignment.transfer_secret,
-        )
-        await msg.respond(b"ok")
-
     async def on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = decode(msg.data, Cancel)
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
+        cancel = read_cancel(self.bus, msg, self.node_id)
+        if cancel is None:
             return
-        if cancel.node_id and cancel.node_id != self.node_id:
-            return  # meant for one other node (a failover leaving it)
-        known = cancel.request_id in self.subjects or cancel.request_id in self.admitting
-        if self.expected.pop(cancel.request_id, None) is None and not known:
-            self._remember_cancel(cancel.request_id)
-        if cancel.request_id in self.admitting:  # on_prefill drops it once admitted
-            self.admitting[cancel.request_id] = True
-        if cancel.request_id in self.subjects:
-            self.subjects.pop(cancel.request_id, None)
-            self._end_stream(cancel.request_id, -1, "cancelled")
-            await self._run(self.engine.abort, cancel.request_id)
-            log.info("cancelled %s: %s", cancel.request_id, cancel.reason)
-
-    def _remember_cancel(self, request_id: str) -> None:
-        now = time.monotonic()
-        self.unknown_cancels[request_id] = now
-        self.unknown_cancels.move_to_end(request_id)
-        while self.unknown_cancels and (
-            len(self.unknown_cancels) > MAX_UNKNOWN_CANCELS
-            or next(iter(self.unknown_cancels.values())) < now - UNKNOWN_CANCEL_TTL
-        ):
-            self.unknown_cancels.popitem(last=False)
-
-    def cancelled_before(self, request_id: str) -> bool:
-        at = self.unknown_cancels.get(request_id)
-        return at is not None and time.monotonic() - at < UNKNOWN_CANCEL_TTL
+        rid = cancel.request_id
+        arriving = self.receiver.drop(rid)
+        self.local.cancel(rid, known=arriving or rid in self.streams)
+        if rid in self.streams:
+            self._end_stream(rid, -1, "cancelled")
+            await self.on_engine(self.engine.abort, rid)
+            log.info("cancelled %s: %s", rid, cancel.reason)
 
     # ---- the batch loop -----------------------------------------------------------------
 
     async def _publish(self, out: StepOutput) -> None:
-        subject = self.subjects.get(out.request_id)
+        subject = self.streams.subjects.get(out.request_id)
         if subject is None:
             return
         if out.num_output_tokens == 1:  # prefilled here (routed for its cached prefix)
             self.metrics.prefix_lookup_tokens.inc(out.num_prompt_tokens)
             self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
-        self.resumed_here(out)
+        self.local.resumed_here(out)
         if out.finished:
-            self.subjects.pop(out.request_id, None)
             self._end_stream(out.request_id, out.num_output_tokens, out.finish_reason or "")
         delta = delta_from_output(out, self.node_id)
         try:
@@ -232,61 +158,48 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
             log.warning("delta for %s not published: %s", out.request_id, exc)
 
     async def run(self, stop: asyncio.Event) -> None:
-        if self.uploader is not None:
-            self.uploader.start()
-        if self.tails is not None:
-            self.tails.start()
+        self.checkpoints.start()
         try:
             await self._run_steps(stop.is_set, stop)
             await self._drain()
         finally:
-            if self.uploader is not None:
-                await self.uploader.drain(2.0)
-                await self.uploader.close()
-            if self.tails is not None:
-                await self.tails.close()
-            await self.events.close()
+            await self.checkpoints.close()
+            await self.pool_events.publisher.close()
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished() or bool(self.receiver.expected)
 
     async def _drain(self) -> None:
-        """Stop taking work and finish what runs, for at most `drain_timeout`; then the node
-        leaves the registry and the routers resume whatever still runs on other nodes."""
-        self.draining = True
-        if self.announce is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.announce(), 1.0)
-        deadline = time.monotonic() + self.drain_timeout
-
-        def busy() -> bool:
-            return self.engine.has_unfinished() or bool(self.expected)
-
-        if busy():
+        """Stop taking work and finish what runs, for at most the drain timeout; then the
+        node leaves the registry and the routers resume whatever still runs on other nodes."""
+        self.presence.draining = True
+        await self.presence.announce(self.info())
+        deadline = time.monotonic() + self.presence.drain_timeout
+        if self._busy():
             log.info(
                 "draining: %d sequences running, %d arriving; up to %.0fs",
                 self.engine.num_running + self.engine.num_waiting,
-                len(self.expected),
-                self.drain_timeout,
+                len(self.receiver.expected),
+                self.presence.drain_timeout,
             )
-        await self._run_steps(lambda: not busy() or time.monotonic() > deadline, asyncio.Event())
-        if busy():
+
+        def finished() -> bool:
+            return not self._busy() or time.monotonic() > deadline
+
+        await self._run_steps(finished, asyncio.Event())
+        if self._busy():
             log.warning("drain timed out: the routers resume the rest elsewhere")
 
     async def _run_steps(self, done: Callable[[], bool], stop: asyncio.Event) -> None:
         while not done():
             await self._check_lease()
-            self._expire()
+            self.receiver.expire()
             if not self.engine.has_unfinished():
-                self.wake.clear()
-                waiter = asyncio.create_task(self.wake.wait())
-                stopper = asyncio.create_task(stop.wait())
-                await asyncio.wait(
-                    {waiter, stopper}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-                )
-                waiter.cancel()
-                stopper.cancel()
-                self._expire()
+                await self._idle(stop)
+                self.receiver.expire()
                 continue
             started = time.perf_counter()
-            outs = await self._run(self._step)
+            outs = await self.on_engine(self._step)
             self.metrics.step_seconds.observe(time.perf_counter() - started)
             self.metrics.batch_size.observe(len(outs))
             self.metrics.tokens.inc(len(outs))
@@ -294,80 +207,55 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
             for out in outs:
                 await self._publish(out)
 
+    async def _idle(self, stop: asyncio.Event) -> None:
+        """Nothing to step: wait for a stream to start, `stop`, or a second to pass."""
+        wake = self.streams.wake
+        wake.clear()
+        waiter = asyncio.create_task(wake.wait())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+
     def _step(self) -> list[StepOutput]:
         """On the engine thread: one step, then copy out the blocks it filled (before reuse)."""
         outs = self.engine.step()
         evicted, named = self.pool_events.take()
         if evicted or named:
             self.loop.call_soon_threadsafe(self.pool_events.publish, evicted, named)
-        if self.uploader is not None:
-            hashes, blocks = self.engine.take_filled_blocks()
-            points = self.engine.take_checkpoint_points()
-            if hashes:
-                self.loop.call_soon_threadsafe(self._checkpoint, hashes, blocks, points)
-        if self.tails is not None:
-            tails = self.engine.take_tails()
-            if tails:
-                self.loop.call_soon_threadsafe(self.tails.submit, tails)
+        self.checkpoints.take()
         return outs
-
-    def _checkpoint(
-        self, hashes: Sequence[bytes], blocks: list[memoryview], points: list[CheckpointPoint]
-    ) -> None:
-        """On the event loop (it owns `stream_spans`): hand filled blocks to the uploader,
-        linked to the requests running now (those that filled them); once stored, their
-        sequences' checkpoint records follow."""
-        assert self.uploader is not None
-        running = [span.get_span_context() for span in self.stream_spans.values()]
-        writer = self.checkpoints
-        after = (lambda: writer.stored(points)) if writer is not None and points else None
-        self.uploader.submit(hashes, blocks, running, on_stored=after)
 
     async def _check_lease(self) -> None:
         """Cut off from NATS for longer than the lease: drop every sequence (freeing its
         blocks). The routers declared this node dead and resumed its requests elsewhere."""
-        if self.last_contact is None or time.monotonic() - self.last_contact() < self.lease:
-            return
-        if not (self.engine.has_unfinished() or self.expected):
+        silent = self.presence.out_of_contact()
+        if silent is None or not self._busy():
             return
         log.warning(
             "no contact with NATS for %.1fs (lease %.1fs): dropping %d sequences",
-            time.monotonic() - self.last_contact(),
-            self.lease,
+            silent,
+            self.presence.lease,
             self.engine.num_running + self.engine.num_waiting,
         )
         self.metrics.lease_lost.inc()
-        for rid in list(self.subjects):
+        for rid in list(self.streams.subjects):
             self._end_stream(rid, -1, "lease lost")
-        self.subjects.clear()
-        self.expected.clear()
-        await self._run(self.engine.cancel_all)
+        self.receiver.expected.clear()
+        await self.on_engine(self.engine.cancel_all)
 
     def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
-        if self.tails is not None:
-            self.tails.forget(request_id)
-        span = self.stream_spans.pop(request_id, None)
-        if span is None:
-            return
-        if tokens >= 0:
-            span.set_attribute("tandem.completion_tokens", tokens)
-        span.set_attribute("tandem.finish_reason", reason)
-        span.set_attribute("tandem.engine_steps_total", self.steps)
-        span.end()
-
-    def _expire(self) -> None:
-        now = time.time()
-        for tid in [t for t, e in self.expected.items() if e.deadline < now]:
-            self.expected.pop(tid, None)
+        self.checkpoints.forget(request_id)
+        self.streams.end(request_id, tokens, reason, self.steps)
 
     def info(self) -> NodeInfo:
         return node_info(
             self.node_id,
             "decode",
-            data_address=self.data_address,
+            data_address=self.transport.address if self.transport is not None else "",
             load=self.engine.num_running + self.engine.num_waiting,
             running=self.engine.num_running,
-            free_kv_blocks=max(0, self.engine.pool.num_free - self.reserved_blocks()),
+            free_kv_blocks=max(0, self.free_blocks()),
             total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_extra.decode(),
             block_size=self.engine.config.block_size,
@@ -376,12 +264,12 @@ class DecodeWorker(KVReceiver, LocalPrefill, Standby):
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
-        await self.bus.nc.subscribe(assign_subject(self.node_id), cb=self.on_assign)
+        await self.bus.nc.subscribe(assign_subject(self.node_id), cb=self.receiver.on_assign)
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
-        await self.bus.nc.subscribe(local_prefill_subject(self.node_id), cb=self.on_prefill)
-        await self.bus.nc.subscribe(prefetch_subject(self.node_id), cb=self.on_prefetch)
-        self.events.cleared()
-        self.events.start()
+        await self.bus.nc.subscribe(local_prefill_subject(self.node_id), cb=self.local.on_prefill)
+        await self.bus.nc.subscribe(prefetch_subject(self.node_id), cb=self.standby.on_prefetch)
+        self.pool_events.publisher.cleared()
+        self.pool_events.publisher.start()
 
     def close(self) -> None:
         self.thread.shutdown(wait=False, cancel_futures=True)

@@ -13,26 +13,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Container
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from shared.bus.client import Bus
 from shared.bus.messages import DecodeAssignment, NodeInfo, SequenceSnapshot, encode
+from shared.bus.registry import NodeRegistry
 from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
 from shared.deltas import delta_from_output
-from shared.engine.engine import StepOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
 from shared.telemetry.logs import bind
+from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
-from shared.transport.base import TransferError
+from shared.transport.base import TransferError, Transport
 from shared.transport.frames import make_header, new_secret
-
-if TYPE_CHECKING:
-    from services.prefill.worker import PrefillWorker
 
 log = logging.getLogger("tandem.prefill")
 TRACER = tracer("prefill")
@@ -44,18 +44,29 @@ HANDOFF_PATIENCE = 60.0  # seconds to keep retrying full decode nodes before giv
 
 
 class HandOff:
+    """A prefill worker's part: its prefilled sequences, each to a decode node."""
+
     def __init__(
-        self, worker: PrefillWorker, fail: Callable[[ReceivedJob, str], Awaitable[None]]
+        self,
+        node_id: str,
+        engine: Engine,
+        bus: Bus,
+        transport: Transport,
+        registry: NodeRegistry,
+        metrics: NodeMetrics,
+        cancelled: Container[str],
+        stopping: asyncio.Event,
+        fail: Callable[[ReceivedJob, str], Awaitable[None]],
     ) -> None:
-        self.node_id = worker.node_id
-        self.engine = worker.engine
-        self.bus = worker.bus
-        self.transport = worker.transport
-        self.registry = worker.registry
-        self.metrics = worker.metrics
-        self.cancelled = worker.cancelled  # the worker's: request id → when cancelled
-        self.stopping = asyncio.Event()  # the worker's stop event, once it runs
-        self.fail = fail
+        self.node_id = node_id
+        self.engine = engine  # its KV layout and block count, for the transfer header
+        self.bus = bus
+        self.transport = transport
+        self.registry = registry
+        self.metrics = metrics
+        self.cancelled = cancelled  # request ids the worker heard cancelled
+        self.stopping = stopping  # the node's stop: no more retries
+        self.fail = fail  # tells the router the request failed
 
     async def run(
         self,

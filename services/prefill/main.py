@@ -6,10 +6,10 @@ import argparse
 import logging
 
 from services.prefill.worker import PrefillWorker
-from shared.kvclient import KVCacheClient
+from shared.kvclient.client import KVCacheClient
 from shared.runtime.engine import engine_from_args
 from shared.runtime.node import NodeRuntime
-from shared.runtime.options import add_data_plane_options, add_engine_options, add_node_options
+from shared.runtime.options import add_engine_node_parser
 from shared.runtime.service import run_service
 from shared.transport.pending import PendingTransfers
 
@@ -17,10 +17,7 @@ log = logging.getLogger("tandem.prefill")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("prefill", help="run a prefill node")
-    add_node_options(p)
-    add_data_plane_options(p)
-    add_engine_options(p)
+    p = add_engine_node_parser(sub, "prefill", "run a prefill node")
     p.set_defaults(func=run)
 
 

@@ -3,10 +3,10 @@
 Jobs come from the node's own queue (steered here by a router: this pool holds their
 prefix) and the shared one (intake.py). Per job: drop it if cancelled or past its deadline;
 load the longest cached prefix of its prompt from the kvcache service beyond what this
-node's own pool holds (prefix_cache.py); prefill only the rest (batched with the jobs that
-arrived together) on the engine thread; store the newly computed full blocks in the kvcache
-service in the background; announce what the pool now holds (and evicted) as KV events;
-hand each sequence to a decode node (handoff.py).
+node's own pool holds (`shared/kvclient/prefix_cache.py`); prefill only the rest (batched
+with the jobs that arrived together) on the engine thread; store the newly computed full
+blocks in the kvcache service in the background; announce what the pool now holds (and
+evicted) as KV events; hand each sequence to a decode node (handoff.py).
 """
 
 from __future__ import annotations
@@ -17,23 +17,25 @@ import logging
 import time
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, Status, StatusCode
 
 from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
-from shared.bus.messages import Cancel, NodeInfo, SequenceSnapshot, TokenDelta, decode
-from shared.bus.params import SamplingParams
+from shared.bus.messages import NodeInfo, SequenceSnapshot, TokenDelta
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
-from shared.engine.engine import Engine, StepOutput
-from shared.errors import CapacityError, TandemError, WireFormatError
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
+from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
-from shared.kvclient import KVCacheClient
-from shared.prefix_cache import PrefixCache
+from shared.kvclient.client import KVCacheClient
+from shared.kvclient.prefix_cache import PrefixCache
+from shared.runtime.cancels import read_cancel
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import Transport
@@ -74,22 +76,15 @@ class PrefillWorker:
         self.metrics.gauge(
             "tandem_kv_blocks_used", "KV blocks in use", lambda: engine.pool.num_used
         )
-        self._resumed: dict[str, list[int]] = {}  # this batch's failovers: tokens delivered
-        self.handoff = HandOff(self, self._fail)
         # What this node's pool holds goes out as KV events: routers steer a job to the
         # prefill node holding its prefix. Collected on the engine thread, sent from the loop.
-        self.events = KVEventPublisher(bus, node_id)
-        self.pool_events = PoolEvents(engine, self.events)
+        self.pool_events = PoolEvents(engine, KVEventPublisher(bus, node_id))
         self.prefix.add_metrics(self.metrics)
 
     async def on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = decode(msg.data, Cancel)
-        except WireFormatError as exc:
-            self.bus.count_drop(msg.subject, str(exc))
+        cancel = read_cancel(self.bus, msg, self.node_id)
+        if cancel is None:
             return
-        if cancel.node_id and cancel.node_id != self.node_id:
-            return  # meant for one other node (a failover leaving it): the request goes on
         self.cancelled[cancel.request_id] = time.time()
         cutoff = time.time() - 600
         for rid in [r for r, t in self.cancelled.items() if t < cutoff]:
@@ -111,18 +106,29 @@ class PrefillWorker:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
         intake = await JobIntake(self.bus, self.node_id).start()
-        self.handoff.stopping = stop
+        handoff = HandOff(
+            self.node_id,
+            self.engine,
+            self.bus,
+            self.transport,
+            self.registry,
+            self.metrics,
+            self.cancelled.keys(),
+            stop,
+            self._fail,
+        )
         self.prefix.start()
-        self.events.cleared()  # a restarted node's pool is empty, whatever it held before
-        self.events.start()
+        events = self.pool_events.publisher
+        events.cleared()  # a restarted node's pool is empty, whatever it held before
+        events.start()
         try:
-            await self._loop(intake, stop)
+            await self._loop(intake, handoff, stop)
         finally:
             await intake.stop()
             await self.prefix.close()
-            await self.events.close()
+            await events.close()
 
-    async def _loop(self, intake: JobIntake, stop: asyncio.Event) -> None:
+    async def _loop(self, intake: JobIntake, handoff: HandOff, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 jobs = await intake.fetch(self.max_batch)
@@ -144,20 +150,54 @@ class PrefillWorker:
                 self.queue_depth = len(live)
                 alive = asyncio.create_task(keep_alive(live, KEEP_ALIVE_INTERVAL))
                 try:
-                    await self._prefill_batch(live)
+                    await self._prefill_batch(live, handoff)
                 finally:
                     alive.cancel()
                     self.queue_depth = 0
 
-    async def _prefill_batch(self, jobs: list[ReceivedJob]) -> None:
-        requests: list[tuple[str, list[int], SamplingParams]] = []
-        for j in jobs:
-            requests.append((j.job.request_id, j.job.prompt_ids, j.job.sampling_params()))
-        self._resumed = {j.job.request_id: j.job.output_ids for j in jobs if j.job.output_ids}
-        loop = asyncio.get_running_loop()
+    async def _prefill_batch(self, jobs: list[ReceivedJob], handoff: HandOff) -> None:
+        """Load the jobs' cached prefixes, prefill them together on the engine thread, then
+        store their new blocks and hand each to a decode node."""
         fetched = time.time_ns()
         contexts = {j.job.request_id: extract_context(j.headers) for j in jobs}
-        for j in jobs:  # queue wait: from the job's JetStream timestamp to this fetch
+        compute = self._start_spans(jobs, contexts, fetched)
+        prefixes = await asyncio.gather(
+            *(
+                self.prefix.load(j.job.prompt_ids + j.job.output_ids, contexts[j.job.request_id])
+                for j in jobs
+            )
+        )
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.thread, self._import_and_prefill, prefixes, jobs
+            )
+        except TandemError as exc:
+            self._publish_kv_events()
+            await self._batch_failed(jobs, compute, exc)
+            return
+        self._publish_kv_events()
+        for span in compute.values():
+            span.end()
+        by_id = {j.job.request_id: j for j in jobs}
+        self._count(jobs, by_id, results, fetched)
+        for out, _, frame in results:
+            if frame is not None:
+                job = by_id[out.request_id].job
+                request = compute[out.request_id].get_span_context()
+                self.prefix.store(job.prompt_ids + job.output_ids, out, frame, request)
+        await asyncio.gather(
+            *(
+                handoff.run(by_id[out.request_id], out, snap, frame, contexts[out.request_id])
+                for out, snap, frame in results
+            )
+        )
+
+    def _start_spans(
+        self, jobs: list[ReceivedJob], contexts: dict[str, otel_context.Context], fetched: int
+    ) -> dict[str, Span]:
+        """Each job's queue wait (from its JetStream timestamp to this fetch), ended; and
+        its `prefill.compute` span, started."""
+        for j in jobs:
             published = int(j.msg.metadata.timestamp.timestamp() * 1e9)
             wait = TRACER.start_span(
                 "prefill.queue_wait",
@@ -166,7 +206,7 @@ class PrefillWorker:
                 attributes={"tandem.node_id": self.node_id, "tandem.attempt": j.num_delivered},
             )
             wait.end(end_time=fetched)
-        compute = {
+        return {
             j.job.request_id: TRACER.start_span(
                 "prefill.compute",
                 context=contexts[j.job.request_id],
@@ -179,37 +219,33 @@ class PrefillWorker:
             )
             for j in jobs
         }
-        prefixes = await asyncio.gather(
-            *(
-                self.prefix.load(j.job.prompt_ids + j.job.output_ids, contexts[j.job.request_id])
-                for j in jobs
-            )
-        )
-        try:
-            results = await loop.run_in_executor(
-                self.thread, self._import_and_prefill, prefixes, requests
-            )
-        except TandemError as exc:
-            self._publish_kv_events()
-            for j in jobs:
-                compute[j.job.request_id].set_status(Status(StatusCode.ERROR, exc.message))
-                compute[j.job.request_id].end()
-                if isinstance(exc, CapacityError):  # this batch did not fit: retry, maybe
-                    await j.nak(delay=RETRY_DELAY)  # smaller or on another node
-                else:
-                    await self._fail(j, exc.message)
-                    await j.term()
-            return
-        self._publish_kv_events()
-        for span in compute.values():
-            span.end()
+
+    async def _batch_failed(
+        self, jobs: list[ReceivedJob], compute: dict[str, Span], exc: TandemError
+    ) -> None:
+        for j in jobs:
+            compute[j.job.request_id].set_status(Status(StatusCode.ERROR, exc.message))
+            compute[j.job.request_id].end()
+            if isinstance(exc, CapacityError):  # this batch did not fit: retry, maybe
+                await j.nak(delay=RETRY_DELAY)  # smaller or on another node
+            else:
+                await self._fail(j, exc.message)
+                await j.term()
+
+    def _count(
+        self,
+        jobs: list[ReceivedJob],
+        by_id: dict[str, ReceivedJob],
+        results: list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]],
+        fetched: int,
+    ) -> None:
+        """The batch's metrics, and how much of each resumed request was recomputed."""
         m = self.metrics
         m.step_seconds.observe((time.time_ns() - fetched) / 1e9)
         m.batch_size.observe(len(jobs))
         m.tokens.inc(sum(len(j.job.prompt_ids) for j in jobs))
         m.prefix_lookup_tokens.inc(sum(out.num_prompt_tokens for out, _, _ in results))
         m.prefix_hit_tokens.inc(sum(out.num_cached_tokens for out, _, _ in results))
-        by_id = {j.job.request_id: j for j in jobs}
         for out, _, _ in results:
             resumed = by_id[out.request_id].job
             if resumed.output_ids:  # a failover or a resumed stream
@@ -220,28 +256,20 @@ class PrefillWorker:
                     "resumed %s after %d tokens: %d of %d context tokens recomputed",
                     out.request_id, len(resumed.output_ids), recomputed, context,
                 )  # fmt: skip
-        for out, _, frame in results:
-            if frame is not None:
-                job = by_id[out.request_id].job
-                request = compute[out.request_id].get_span_context()
-                self.prefix.store(job.prompt_ids + job.output_ids, out, frame, request)
-        await asyncio.gather(
-            *(
-                self.handoff.run(by_id[out.request_id], out, snap, frame, contexts[out.request_id])
-                for out, snap, frame in results
-            )
-        )
 
     def _import_and_prefill(
         self,
         prefixes: list[tuple[list[BlockHash], list[memoryview]]],
-        requests: list[tuple[str, list[int], SamplingParams]],
+        jobs: list[ReceivedJob],
     ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
         """On the engine thread: place loaded prefix blocks, then prefill (nothing between)."""
         for hashes, blocks in prefixes:
             if blocks:
-                self.engine.import_cached_blocks(hashes, blocks)
-        return self.engine.prefill_and_export(requests, self._resumed)
+                self.engine.exchange.import_cached_blocks(hashes, blocks)
+        requests = [(j.job.request_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs]
+        # failovers and resumed streams: the tokens already delivered
+        resumed = {j.job.request_id: j.job.output_ids for j in jobs if j.job.output_ids}
+        return self.engine.prefill_and_export(requests, resumed)
 
     def _publish_kv_events(self) -> None:
         """On the loop, once the engine thread is done with a batch (nothing else of this

@@ -115,7 +115,9 @@ class PoolEvents:
         self.publisher = publisher
         self._named: list[bytes] = []
         self._evicted: list[bytes] = []
-        engine.on_blocks_named = lambda hashes: self._named.extend(hashes)  # the list rebinds
+        engine.exchange.on_blocks_named = lambda hashes: self._named.extend(
+            hashes
+        )  # the list rebinds
         engine.pool.on_evict = lambda _block, h: self._evicted.append(h)
 
     def take(self) -> tuple[list[bytes], list[bytes]]:

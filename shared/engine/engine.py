@@ -11,8 +11,6 @@ the running batch).
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +19,12 @@ from shared.bus.messages import SequenceSnapshot
 from shared.bus.params import SamplingParams, new_seed
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
+from shared.engine.outputs import EngineStats, StepOutput
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.engine.tail_exchange import TailExchange
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
-from shared.kv.block_hash import BlockHash
 from shared.kv.block_pool import BlockPool
 from shared.kv.export import decode_kv, encode_kv
 from shared.kv.paged_cache import PagedKVCache
@@ -47,33 +46,9 @@ class EngineConfig:
     detokenize: bool = True
 
 
-@dataclass
-class StepOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    last_batch_size: int = 0
-
-
-class Engine(BlockExchange):
-    """Owns the model runner, KV cache, block pool and scheduler."""
+class Engine:
+    """Owns the model runner, KV cache, block pool and scheduler, and the parts that move
+    blocks (`exchange`) and tails (`tails`) in and out of the pool."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         self.model = model
@@ -99,19 +74,9 @@ class Engine(BlockExchange):
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.hash_extra = hash_extra
-        # Blocks filled since the last `take_filled_blocks` (only while someone collects them).
-        self.collect_filled = False
-        self.checkpoint_every = 1
-        self.collect_tails = False
-        self._tails_taken = {}
-        self._tails_resend = set()
-        self._tails_lock = threading.Lock()
-        self._filled: list[tuple[BlockHash, int]] = []
-        self._pending = {}
-        self._points = {}
-        self.scheduler.on_commit = self._on_commit
-        # Told (on the engine thread) of hashes this pool now holds, for KV events.
-        self.on_blocks_named: Callable[[list[BlockHash]], None] | None = None
+        self.exchange = BlockExchange(self.layout, self.pool, self.cache, hash_extra)
+        self.scheduler.on_commit = self.exchange.on_commit
+        self.tails = TailExchange(self.layout, self.cache, self.scheduler, hash_extra)
         self.vocab_size = int(model.config.vocab_size)
         self._ids = itertools.count()
 
@@ -198,14 +163,14 @@ class Engine(BlockExchange):
 
         `output_ids`: tokens a failed node already generated (and the client received); the
         sequence resumes after them, sampling exactly what it would have sampled next.
-        `tail`: the failed node's partial last block, as `fit_tail` cut it for this context;
+        `tail`: the failed node's partial last block, as `tails.fit` cut it for this context;
         used if the prefix found at admission reaches its start.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         self.validate(request_id, prompt_ids, params, output_ids)
         if tail is not None:
             context = prompt_ids + (output_ids or [])
-            if self.fit_tail(tail, context) != tail:
+            if self.tails.fit(tail, context) != tail:
                 raise WireFormatError(
                     "the KV tail does not fit this context", request_id=request_id
                 )
@@ -257,8 +222,7 @@ class Engine(BlockExchange):
         seq.block_ids = block_ids
         seq.num_computed = snapshot.num_computed
         self.scheduler.name_blocks(seq)  # findable for later prefixes; not filled here
-        if self.on_blocks_named is not None and seq.block_hashes:
-            self.on_blocks_named(seq.block_hashes)
+        self.exchange.named(seq.block_hashes)
         self.requests[seq.request_id] = seq
         if len(seq.pending_ids) == 1:
             self.scheduler.add_running(seq)
@@ -281,7 +245,8 @@ class Engine(BlockExchange):
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
-        self._sequence_ended(seq, finished=False)
+        self.exchange.sequence_ended(seq, finished=False)
+        self.tails.forget(seq.request_id)
         return True
 
     # ---- execution -------------------------------------------------------------------------
@@ -302,7 +267,7 @@ class Engine(BlockExchange):
         batch = self.scheduler.schedule_prefill()
         for seq in batch:
             if seq.tail is not None:
-                self._place_tail(seq)
+                self.tails.place(seq)
         if batch:
             logits = self.runner.forward_packed(
                 [PackedItem(s.pending_ids, s.num_computed, s.block_ids) for s in batch]
@@ -370,7 +335,8 @@ class Engine(BlockExchange):
         seq.status = SequenceStatus.FINISHED
         self.requests.pop(seq.request_id, None)
         self.stats.cached_prompt_tokens += seq.num_cached_tokens
-        self._sequence_ended(seq, finished=True)
+        self.exchange.sequence_ended(seq, finished=True)
+        self.tails.forget(seq.request_id)
 
     # ---- roles -----------------------------------------------------------------------------
 

@@ -60,15 +60,6 @@ class TailBlock:
         """How many token rows `data` holds."""
         return len(self.token_ids) - self.first
 
-    def extended_by(self, piece: TailBlock) -> TailBlock | None:
-        """This tail with `piece`'s rows appended, if `piece` continues exactly it."""
-        if not continues(self, piece):
-            return None
-        data = bytes(self.data) + bytes(piece.data)
-        return TailBlock(
-            self.request_id, self.start, self.parent, piece.token_ids, data, self.first
-        )
-
 
 def fit_tail(
     tail: TailBlock, context: list[int], hashes: list[BlockHash], block_size: int

@@ -104,3 +104,15 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never reuse KV across requests, not even from this node's own pool",
     )
+
+
+def add_engine_node_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], role: str, help: str
+) -> argparse.ArgumentParser:
+    """The subcommand of a node that runs an engine (prefill, decode): the node's, the data
+    plane's and the engine's options; the caller adds its own and its `func`."""
+    p = sub.add_parser(role, help=help)
+    add_node_options(p)
+    add_data_plane_options(p)
+    add_engine_options(p)
+    return p

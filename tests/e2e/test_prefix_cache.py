@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.kvclient import DOWN_BACKOFF
+from shared.kvclient.client import DOWN_BACKOFF
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.test_api import MODEL, client, reference, text_of

@@ -19,7 +19,7 @@ from shared.bus.topology import ensure_topology, kvcache_subject
 from shared.kv.block_hash import BlockHash
 from shared.kv.sharding import shard
 from shared.kv.tail import TailBlock
-from shared.kvclient import KVCacheClient, KVCacheError
+from shared.kvclient.client import KVCacheClient, KVCacheError
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
 from tests.otlp_receiver import OtlpReceiver

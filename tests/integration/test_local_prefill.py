@@ -64,7 +64,7 @@ async def ask(w: DecodeWorker, rid: str, reply_by: float | None) -> bytes:
 
 async def test_admits_in_time_and_refuses_a_second_copy(worker: DecodeWorker) -> None:
     assert await ask(worker, "r1", time.time() + 5) == b"ok"
-    assert "r1" in worker.engine.requests and "r1" in worker.subjects
+    assert "r1" in worker.engine.requests and "r1" in worker.streams
     assert await ask(worker, "r1", time.time() + 5) == b"refused: already here"
     assert await ask(worker, "r2", None) == b"ok"  # no header: no limit (older routers)
 
@@ -72,7 +72,7 @@ async def test_admits_in_time_and_refuses_a_second_copy(worker: DecodeWorker) ->
 async def test_refuses_after_the_router_stopped_waiting(worker: DecodeWorker) -> None:
     used = worker.engine.pool.num_used
     assert await ask(worker, "late", time.time() - 0.01) == b"refused: the router stopped waiting"
-    assert "late" not in worker.engine.requests and "late" not in worker.subjects
+    assert "late" not in worker.engine.requests and "late" not in worker.streams
     assert worker.engine.pool.num_used == used
 
 
@@ -90,22 +90,22 @@ async def test_a_cancel_during_admission_leaves_nothing(worker: DecodeWorker) ->
     await asyncio.to_thread(busy.wait, 5)
     answer = asyncio.create_task(ask(worker, "slow", time.time() + 30))
     for _ in range(100):  # until the node is waiting on the engine thread to admit it
-        if "slow" in worker.admitting:
+        if "slow" in worker.local.admitting:
             break
         await asyncio.sleep(0.02)
-    assert "slow" in worker.admitting
+    assert "slow" in worker.local.admitting
     cancel = Cancel(request_id="slow", reason="local prefill timed out", node_id="d1")
     await worker.bus.nc.publish(cancel_subject(), encode(cancel))
     await worker.bus.nc.flush()
     for _ in range(100):
-        if worker.admitting.get("slow"):
+        if worker.local.admitting.get("slow"):
             break
         await asyncio.sleep(0.02)
     release.set()
     await blocked
     assert await answer == b"refused: cancelled"
-    assert "slow" not in worker.engine.requests and "slow" not in worker.subjects
-    assert not worker.admitting
+    assert "slow" not in worker.engine.requests and "slow" not in worker.streams
+    assert not worker.local.admitting
     assert worker.engine.pool.num_used == 0
 
 
@@ -116,7 +116,7 @@ async def test_a_cancel_for_another_node_changes_nothing(worker: DecodeWorker) -
     await worker.bus.nc.publish(cancel_subject(), encode(cancel))
     await worker.bus.nc.flush()
     await asyncio.sleep(0.2)
-    assert "kept" in worker.engine.requests and "kept" in worker.subjects
+    assert "kept" in worker.engine.requests and "kept" in worker.streams
 
 
 async def test_a_cancel_that_overtook_its_request_refuses_it(worker: DecodeWorker) -> None:
@@ -127,7 +127,7 @@ async def test_a_cancel_that_overtook_its_request_refuses_it(worker: DecodeWorke
     await worker.bus.nc.publish(cancel_subject(), encode(cancel))
     await worker.bus.nc.flush()
     for _ in range(100):
-        if worker.cancelled_before("queued"):
+        if worker.local.cancelled_before("queued"):
             break
         await asyncio.sleep(0.02)
     assert await ask(worker, "queued", time.time() + 5) == b"refused: cancelled"

@@ -9,7 +9,7 @@ import random
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.kv_uploader import BlockUploader
+from shared.kvclient.uploader import BlockUploader
 from shared.model.loader import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -20,8 +20,8 @@ def step_and_take(engine: Engine) -> list[tuple[int, list[int], int]]:
     seen = []
     while engine.has_unfinished():
         engine.step()
-        hashes, blocks = engine.take_filled_blocks()
-        points = engine.take_checkpoint_points()
+        hashes, blocks = engine.exchange.take_filled_blocks()
+        points = engine.exchange.take_checkpoint_points()
         assert len(hashes) == len(blocks)
         if hashes:
             seen.append((len(hashes), [p.num_tokens for p in points], len(engine.requests)))
@@ -32,7 +32,7 @@ def test_every_block_by_default_then_every_second(tiny_model: LoadedModel) -> No
     rng = random.Random(4)
     prompt = [rng.randrange(3, 49152) for _ in range(20)]  # 20 + 40 = 60 tokens: 3 full blocks
     engine = Engine(tiny_model, EngineConfig(num_blocks=64))
-    engine.collect_filled = True
+    engine.exchange.collect_filled = True
     rid = engine.add_request(prompt, GREEDY)
     got = step_and_take(engine)
     # 59 tokens' KV computed (never the last one's): 3 full blocks, each handed over as it
@@ -41,14 +41,14 @@ def test_every_block_by_default_then_every_second(tiny_model: LoadedModel) -> No
     assert rid not in engine.requests
 
     engine = Engine(tiny_model, EngineConfig(num_blocks=64))
-    engine.collect_filled = True
-    engine.checkpoint_every = 2
+    engine.exchange.collect_filled = True
+    engine.exchange.checkpoint_every = 2
     rid = engine.add_request(prompt, GREEDY)
     seen = []
     while engine.has_unfinished():
         engine.step()
-        hashes, _ = engine.take_filled_blocks()
-        points = engine.take_checkpoint_points()
+        hashes, _ = engine.exchange.take_filled_blocks()
+        points = engine.exchange.take_checkpoint_points()
         if hashes:
             seen.append((len(hashes), [(p.request_id, p.num_tokens) for p in points]))
             if points:  # the point's output is the sequence's at hand-over time
@@ -60,19 +60,19 @@ def test_every_block_by_default_then_every_second(tiny_model: LoadedModel) -> No
 
 def test_an_aborted_sequence_hands_nothing_over(tiny_model: LoadedModel) -> None:
     engine = Engine(tiny_model, EngineConfig(num_blocks=64))
-    engine.collect_filled = True
-    engine.checkpoint_every = 4
+    engine.exchange.collect_filled = True
+    engine.exchange.checkpoint_every = 4
     rid = engine.add_request(list(range(100, 140)), GREEDY)  # 40 prompt tokens: 2 blocks
     engine.step()
-    assert engine.take_filled_blocks() == ([], [])  # 2 < 4: pending
+    assert engine.exchange.take_filled_blocks() == ([], [])  # 2 < 4: pending
     engine.abort(rid)
     engine.step() if engine.has_unfinished() else None
-    assert engine.take_filled_blocks() == ([], [])  # dropped: its blocks may be reused
-    assert engine.take_checkpoint_points() == []
+    assert engine.exchange.take_filled_blocks() == ([], [])  # dropped: its blocks may be reused
+    assert engine.exchange.take_checkpoint_points() == []
 
 
 class FlakyStore:
-    """A KV store client (the real one: shared/kvclient.py, tested against kvcache nodes)
+    """A KV store client (the real one: shared/kvclient/client.py, tested against kvcache nodes)
     whose second put fails."""
 
     def __init__(self) -> None:

@@ -193,22 +193,22 @@ def test_blocks_filled_on_one_engine_seed_another_with_cold_tokens(tiny_model: L
     rng = random.Random(9)
     prompt = [rng.randrange(3, 49152) for _ in range(70)]
     first = Engine(tiny_model, EngineConfig(num_blocks=64))
-    first.collect_filled = True
+    first.exchange.collect_filled = True
     cold = first.generate([prompt], GREEDY)[0]
-    hashes, blocks = first.take_filled_blocks()
+    hashes, blocks = first.exchange.take_filled_blocks()
     assert len(hashes) == (70 + 12 - 1) // 16  # every full block: prompt and generated ones
-    assert first.take_filled_blocks() == ([], [])  # handed out once
+    assert first.exchange.take_filled_blocks() == ([], [])  # handed out once
     follow_up = prompt + cold + [rng.randrange(3, 49152) for _ in range(20)]
     cold_follow = alone(tiny_model, follow_up, GREEDY)
 
     second = Engine(tiny_model, EngineConfig(num_blocks=64))
-    wanted = second.prompt_block_hashes(follow_up)
+    wanted = second.exchange.prompt_block_hashes(follow_up)
     assert wanted[: len(hashes)] == hashes  # the history's chain continues into the next turn
-    assert second.cached_prefix_blocks(wanted) == 0
-    assert second.import_cached_blocks(hashes, blocks) == len(hashes)
+    assert second.exchange.cached_prefix_blocks(wanted) == 0
+    assert second.exchange.import_cached_blocks(hashes, blocks) == len(hashes)
     assert second.pool.num_free == 64  # cached blocks are free (evictable), just findable
-    assert second.cached_prefix_blocks(wanted) == len(hashes)
-    assert second.import_cached_blocks(hashes, blocks) == 0  # already there
+    assert second.exchange.cached_prefix_blocks(wanted) == len(hashes)
+    assert second.exchange.import_cached_blocks(hashes, blocks) == 0  # already there
     rid = second.add_request(follow_up, GREEDY)
     got: list[int] = []
     cached = 0
@@ -222,10 +222,10 @@ def test_blocks_filled_on_one_engine_seed_another_with_cold_tokens(tiny_model: L
 
 def test_import_cached_blocks_refuses_wrong_sizes(tiny_model: LoadedModel) -> None:
     engine = Engine(tiny_model, EngineConfig(num_blocks=8))
-    h = engine.prompt_block_hashes(list(range(3, 40)))
+    h = engine.exchange.prompt_block_hashes(list(range(3, 40)))
     with pytest.raises(WireFormatError):
-        engine.import_cached_blocks(h[:1], [b"x" * 10])
-    assert engine.pool.num_free == 8 and engine.cached_prefix_blocks(h) == 0
+        engine.exchange.import_cached_blocks(h[:1], [b"x" * 10])
+    assert engine.pool.num_free == 8 and engine.exchange.cached_prefix_blocks(h) == 0
 
 
 def test_resume_after_delivered_tokens_continues_exactly(tiny_model: LoadedModel) -> None:

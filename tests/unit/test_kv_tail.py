@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from services.decode.tails import TailUploader
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.errors import WireFormatError
 from shared.kv.block_hash import ROOT_HASH, BlockHash
 from shared.kv.tail import TailBlock, fit_tail
+from shared.kvclient.tails import TailUploader, extend
 from shared.model.loader import LoadedModel
 
 pytestmark = pytest.mark.unit
@@ -32,7 +32,7 @@ def dying_node(
     """Run until `tokens` are out, as a checkpointing decode node: its stored full blocks,
     its latest tail, and the tokens it delivered."""
     engine = Engine(model, EngineConfig(num_blocks=64))
-    engine.collect_filled = engine.collect_tails = True
+    engine.exchange.collect_filled = engine.tails.collect = True
     rid = engine.add_request(prompt, params, "r")
     hashes: list[BlockHash] = []
     blocks: list[bytes | memoryview] = []
@@ -41,22 +41,22 @@ def dying_node(
     while len(out) < tokens:
         for o in engine.step():
             out.extend(o.new_token_ids)
-        h, b = engine.take_filled_blocks()
+        h, b = engine.exchange.take_filled_blocks()
         hashes += h
         blocks += b
-        for t in engine.take_tails():
+        for t in engine.tails.take():
             assert t.request_id == rid
             if tail is not None and t.first:  # a piece: the rows this step added
                 assert t.rows == len(o.new_token_ids) and t.first == len(tail.token_ids)
-                tail = tail.extended_by(t)
+                tail = extend(tail, t)
                 assert tail is not None
             else:  # whole: the first here, or a new block
                 assert t.first == 0 and (tail is None or t.start > tail.start)
                 tail = t
-        assert engine.take_tails() == []  # nothing grew since: nothing new
+        assert engine.tails.take() == []  # nothing grew since: nothing new
     if tail is not None:  # the pieces add up to the tail read whole
-        engine.resend_tails([rid])
-        (whole,) = engine.take_tails()
+        engine.tails.resend([rid])
+        (whole,) = engine.tails.take()
         assert whole.first == 0 and whole.token_ids == tail.token_ids
         assert bytes(whole.data) == bytes(tail.data)
     return hashes, blocks, tail, out
@@ -71,9 +71,9 @@ def resume(
     """A fresh node resumes the request: (tokens it makes, context tokens it recomputed)."""
     hashes, blocks, tail, delivered = stored
     engine = Engine(model, EngineConfig(num_blocks=64))
-    engine.import_cached_blocks(hashes, blocks)
+    engine.exchange.import_cached_blocks(hashes, blocks)
     context = prompt + delivered
-    fitted = engine.fit_tail(tail, context) if tail is not None else None
+    fitted = engine.tails.fit(tail, context) if tail is not None else None
     engine.add_request(prompt, params, "r", output_ids=delivered, tail=fitted)
     made: list[int] = []
     recomputed = -1
@@ -126,19 +126,19 @@ def test_a_tail_that_does_not_match_the_context_is_refused(tiny_model: LoadedMod
     assert tail is not None
     engine = Engine(tiny_model, EngineConfig(num_blocks=64))
     context = prompt + out
-    assert engine.fit_tail(tail, context) == tail
+    assert engine.tails.fit(tail, context) == tail
     other = list(context)
     other[33] += 1  # a token inside the tail differs
-    assert engine.fit_tail(tail, other) is None
+    assert engine.tails.fit(tail, other) is None
     other = list(context)
     other[3] += 1  # a token before it differs: its parent block is another
-    assert engine.fit_tail(tail, other) is None
-    assert engine.fit_tail(TailBlock("r", 32, tail.parent, tail.token_ids, b"x"), context) is None
+    assert engine.tails.fit(tail, other) is None
+    assert engine.tails.fit(TailBlock("r", 32, tail.parent, tail.token_ids, b"x"), context) is None
     n = len(tail.token_ids)
     piece = TailBlock(
         "r", 32, tail.parent, tail.token_ids, tail.data[-(len(tail.data) // n) :], n - 1
     )
-    assert engine.fit_tail(piece, context) is None  # a piece alone cannot be resumed from
+    assert engine.tails.fit(piece, context) is None  # a piece alone cannot be resumed from
     # a tail cut for a longer context, offered to admission as is, is refused there
     with pytest.raises(WireFormatError):
         engine.add_request(prompt, GREEDY, "r", output_ids=out[:2], tail=tail)
@@ -246,17 +246,17 @@ async def test_a_tail_the_store_lost_is_asked_for_whole() -> None:
 
 def test_pieces_continue_only_their_own_tail() -> None:
     whole = t("a", 3)
-    assert whole.extended_by(t("a", 5, first=3)) == t("a", 5)
-    assert whole.extended_by(t("a", 5, first=2)) is None  # overlaps
-    assert whole.extended_by(t("a", 5, first=4)) is None  # a gap
-    assert whole.extended_by(TailBlock("a", 16, ROOT_HASH, [0, 1, 2, 3], b"\x03", 3)) is None
+    assert extend(whole, t("a", 5, first=3)) == t("a", 5)
+    assert extend(whole, t("a", 5, first=2)) is None  # overlaps
+    assert extend(whole, t("a", 5, first=4)) is None  # a gap
+    assert extend(whole, TailBlock("a", 16, ROOT_HASH, [0, 1, 2, 3], b"\x03", 3)) is None
     other = TailBlock("a", 0, ROOT_HASH, [0, 1, 9, 3], b"\x03", 3)  # another token before
-    assert whole.extended_by(other) is None
+    assert extend(whole, other) is None
 
 
 async def test_a_put_is_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many whole tails at once (say after a kvcache restart) go in several puts."""
-    monkeypatch.setattr("services.decode.tails.MAX_PUT_BYTES", 10)
+    monkeypatch.setattr("shared.kvclient.tails.MAX_PUT_BYTES", 10)
     client = SlowTailStore()
     client.hold = False
     uploader = TailUploader(client).start()  # type: ignore[arg-type]

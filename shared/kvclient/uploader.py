@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
-from shared.kvclient import KVCacheClient
+from shared.kvclient.client import KVCacheClient
 from shared.tasks import cancel_and_wait
 from shared.telemetry.tracing import tracer
 

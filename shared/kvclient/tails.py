@@ -22,14 +22,23 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from shared.kv.tail import TailBlock
-from shared.kvclient import KVCacheClient
+from shared.kv.tail import TailBlock, continues
+from shared.kvclient.client import KVCacheClient
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.decode.tails")
 
 MAX_TAILS_PER_PUT = 256
 MAX_PUT_BYTES = 16 << 20  # whole tails after a kvcache restart: a few puts, not one huge
+
+
+def extend(tail: TailBlock, piece: TailBlock) -> TailBlock | None:
+    """`tail` with `piece`'s rows appended, if `piece` continues exactly it: how a pending
+    tail takes in the next step's piece before it is put."""
+    if not continues(tail, piece):
+        return None
+    data = bytes(tail.data) + bytes(piece.data)
+    return TailBlock(tail.request_id, tail.start, tail.parent, piece.token_ids, data, tail.first)
 
 
 class TailUploader:
@@ -50,7 +59,7 @@ class TailUploader:
             if pending is not None:
                 self.skipped += 1
                 if tail.first:
-                    merged = pending.extended_by(tail)
+                    merged = extend(pending, tail)
                     if merged is None:  # the engine hands pieces over in order: a bug guard
                         self._lost([tail.request_id])
                         continue

@@ -14,11 +14,12 @@ from __future__ import annotations
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanContext
 
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import Engine
+from shared.engine.outputs import StepOutput
 from shared.kv.block_hash import BlockHash, block_hashes
 from shared.kv.export import split_frame
-from shared.kv_uploader import BlockUploader
-from shared.kvclient import KVCacheClient
+from shared.kvclient.client import KVCacheClient
+from shared.kvclient.uploader import BlockUploader
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 
@@ -64,8 +65,8 @@ class PrefixCache:
         """Blocks of the cached prefix of `token_ids` that this node's pool lacks."""
         if self.cache is None:
             return [], []
-        hashes = self.engine.prompt_block_hashes(token_ids)
-        local = self.engine.cached_prefix_blocks(hashes)
+        hashes = self.engine.exchange.prompt_block_hashes(token_ids)
+        local = self.engine.exchange.cached_prefix_blocks(hashes)
         if local >= len(hashes):
             return [], []
         with TRACER.start_as_current_span(

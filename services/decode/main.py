@@ -5,17 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from services.decode.worker import DecodeWorker
-from shared.bus.journal import RequestJournal
-from shared.kvclient.client import KVCacheClient
-from shared.kvclient.prefix_cache import PrefixCache
-from shared.kvclient.tails import TailUploader
-from shared.kvclient.uploader import BlockUploader
-from shared.runtime.engine import engine_from_args
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_engine_node_parser, add_option
 from shared.runtime.service import run_service
-from shared.transport.pending import PendingTransfers, SplitHandler
 
 log = logging.getLogger("tandem.decode")
 
@@ -65,6 +57,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 async def serve(args: argparse.Namespace) -> None:
+    # The engine (torch) and the worker load only when the node runs: the console script
+    # that names this command also runs the router, which must not pay for them.
+    from services.decode.worker import DecodeWorker
+    from shared.bus.journal import RequestJournal
+    from shared.kvclient.client import KVCacheClient
+    from shared.kvclient.prefix_cache import PrefixCache
+    from shared.kvclient.tails import TailUploader
+    from shared.kvclient.uploader import BlockUploader
+    from shared.runtime.engine import engine_from_args
+    from shared.transport.pending import PendingTransfers, SplitHandler
+
     rt = await NodeRuntime.open("decode", args)
     assert rt.bus is not None and rt.transport is not None
     engine = engine_from_args(args)

@@ -5,13 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from services.prefill.worker import PrefillWorker
-from shared.kvclient.client import KVCacheClient
-from shared.runtime.engine import engine_from_args
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_engine_node_parser
 from shared.runtime.service import run_service
-from shared.transport.pending import PendingTransfers
 
 log = logging.getLogger("tandem.prefill")
 
@@ -22,6 +18,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 async def serve(args: argparse.Namespace) -> None:
+    # The engine (torch) and the worker load only when the node runs: the console script
+    # that names this command also runs the router, which must not pay for them.
+    from services.prefill.worker import PrefillWorker
+    from shared.kvclient.client import KVCacheClient
+    from shared.runtime.engine import engine_from_args
+    from shared.transport.pending import PendingTransfers
+
     rt = await NodeRuntime.open("prefill", args)
     assert rt.bus is not None and rt.transport is not None and rt.registry is not None
     engine = engine_from_args(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shared.bus.ids import AttemptId
 from shared.bus.messages import TokenDelta
 from shared.engine.outputs import StepOutput
 
@@ -9,7 +10,7 @@ from shared.engine.outputs import StepOutput
 def delta_from_output(out: StepOutput, node_id: str) -> TokenDelta:
     """`seq` is the index of the token the delta brings, so any node numbers alike."""
     return TokenDelta(
-        request_id=out.request_id,
+        attempt_id=AttemptId(out.request_id),  # a node's engine names sequences by it
         seq=out.num_output_tokens - 1,
         token_ids=out.new_token_ids,
         text=out.text,

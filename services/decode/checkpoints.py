@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from services.decode.streams import Streams
+from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord
 from shared.engine.block_exchange import CheckpointPoint
@@ -70,7 +71,7 @@ class CheckpointWriter:
                 if not self.running(rid):
                     continue  # finished or moved: the router forgets the request anyway
                 record = CheckpointRecord(
-                    request_id=rid,
+                    attempt_id=AttemptId(rid),
                     node_id=self.node_id,
                     num_tokens=point.num_tokens,
                     block_hashes=[bytes(h) for h in point.block_hashes],

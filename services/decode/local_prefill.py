@@ -20,7 +20,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.decode.streams import DecodeNode, Streams
 from shared.bus.client import Bus
-from shared.bus.messages import PrefillJob, decode
+from shared.bus.messages import PrefillJob, accepted, decode, refused
 from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine
@@ -98,40 +98,40 @@ class LocalPrefill:
                 reply_by = float((msg.headers or {}).get(REPLY_BY_HEADER, "inf"))
             except (WireFormatError, ValueError) as exc:
                 self.bus.count_drop(msg.subject, str(exc))
-                await msg.respond(b"refused: malformed job")
+                await msg.respond(refused("malformed job"))
                 return
             if self.node.draining:
-                await msg.respond(b"refused: draining")
+                await msg.respond(refused("draining"))
                 return
-            if job.request_id in self.admitting or job.request_id in self.streams:
-                await msg.respond(b"refused: already here")
+            if job.attempt_id in self.admitting or job.attempt_id in self.streams:
+                await msg.respond(refused("already here"))
                 return
-            if self.cancelled_before(job.request_id):  # its cancel overtook it in the queue
-                await msg.respond(b"refused: cancelled")
+            if self.cancelled_before(job.attempt_id):  # its cancel overtook it in the queue
+                await msg.respond(refused("cancelled"))
                 return
             context = job.prompt_ids + job.output_ids  # a resumed request: its output too
             prompt_blocks = self.engine.scheduler.blocks_for(len(context))
             if self.node.free_blocks() < prompt_blocks + 1:
-                await msg.respond(b"refused: not enough free KV blocks")
+                await msg.respond(refused("not enough free KV blocks"))
                 return
-            self.admitting[job.request_id] = False
+            self.admitting[job.attempt_id] = False
             try:
                 refusal = await self._admit(job, context, reply_by)
             finally:
-                cancelled = self.admitting.pop(job.request_id)
+                cancelled = self.admitting.pop(job.attempt_id)
             if refusal is None and cancelled:  # the router gave up on this path meanwhile
-                await self.node.on_engine(self.engine.abort, job.request_id)
+                await self.node.on_engine(self.engine.abort, job.attempt_id)
                 refusal = "cancelled"
             if refusal is not None:
                 span.set_status(Status(StatusCode.ERROR, refusal))
-                await msg.respond(b"refused: " + refusal.encode())
+                await msg.respond(refused(refusal))
                 return
             if job.output_ids:
-                self.resuming[job.request_id] = len(context)
-            rid = job.request_id
+                self.resuming[job.attempt_id] = len(context)
+            rid = job.attempt_id
             bind(request_id=rid)
             self.streams.start(rid, job.token_subject)
-            await msg.respond(b"ok")
+            await msg.respond(accepted())
             self.streams.wake.set()
 
     async def _admit(self, job: PrefillJob, context: list[int], reply_by: float) -> str | None:
@@ -151,9 +151,9 @@ class LocalPrefill:
                 self.engine.exchange.import_cached_blocks(hashes, blocks)
             fitted = self.engine.tails.fit(tail, context) if tail is not None else None
             if tail is not None and fitted is None:
-                log.info("the stored KV tail of %s does not fit its context", job.request_id)
+                log.info("the stored KV tail of %s does not fit its context", job.attempt_id)
             self.engine.add_request(
-                job.prompt_ids, job.sampling_params(), job.request_id, job.output_ids, fitted
+                job.prompt_ids, job.sampling_params(), job.attempt_id, job.output_ids, fitted
             )
             return None
 
@@ -174,7 +174,7 @@ class LocalPrefill:
         try:
             return await asyncio.wait_for(
                 self.prefix.cache.load_tail(
-                    job.request_id, layout.bytes_per_slot, layout.block_size - 1
+                    job.attempt_id, layout.bytes_per_slot, layout.block_size - 1
                 ),
                 patience,
             )

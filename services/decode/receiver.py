@@ -17,7 +17,8 @@ from opentelemetry.trace import Status, StatusCode
 from services.decode.streams import DecodeNode, Streams
 from shared.buffers import uninitialised
 from shared.bus.client import Bus
-from shared.bus.messages import DecodeAssignment, SequenceSnapshot, decode
+from shared.bus.ids import AttemptId
+from shared.bus.messages import DecodeAssignment, SequenceSnapshot, accepted, decode, refused
 from shared.bus.topology import is_token_subject
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine
@@ -70,7 +71,7 @@ class KVReceiver:
 
     async def on_assign(self, msg: Msg) -> None:
         if self.node.draining:  # before any validation: a draining node takes nothing
-            await msg.respond(b"refused: draining")
+            await msg.respond(refused("draining"))
             return
         try:
             assignment = decode(msg.data, DecodeAssignment)
@@ -79,21 +80,21 @@ class KVReceiver:
                 raise WireFormatError("assignment without a snapshot")
             if not is_token_subject(assignment.token_subject):
                 raise WireFormatError(f"bad token subject {assignment.token_subject[:80]!r}")
-            self.engine.validate(snap.request_id, snap.prompt_ids, snap.params, snap.output_ids)
+            self.engine.validate(snap.attempt_id, snap.prompt_ids, snap.params, snap.output_ids)
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
-            await msg.respond(b"refused: malformed assignment")
+            await msg.respond(refused("malformed assignment"))
             return
         except TandemError as exc:
-            await msg.respond(b"refused: " + exc.message.encode())
+            await msg.respond(refused(exc.message))
             return
         need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
         if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
-            await msg.respond(b"refused: not enough free KV blocks")
+            await msg.respond(refused("not enough free KV blocks"))
             return
         if need > self.engine.pool.num_blocks:
-            await msg.respond(b"refused: request larger than this node's KV pool")
+            await msg.respond(refused("request larger than this node's KV pool"))
             return
         self.expected[assignment.transfer_id] = Expected(
             snap,
@@ -102,11 +103,16 @@ class KVReceiver:
             now_blocks,
             assignment.transfer_secret,
         )
-        await msg.respond(b"ok")
+        await msg.respond(accepted())
 
-    def drop(self, transfer_id: str) -> bool:
-        """Forget an announced transfer (its request was cancelled); False if none was."""
-        return self.expected.pop(transfer_id, None) is not None
+    def drop(self, attempt: AttemptId) -> bool:
+        """Forget the transfers announced for a cancelled attempt, whatever handoff they
+        are (the table is keyed by transfer id: a failover's is not the attempt id);
+        False if there were none."""
+        gone = [t for t, e in self.expected.items() if e.snapshot.attempt_id == attempt]
+        for transfer_id in gone:
+            del self.expected[transfer_id]
+        return bool(gone)
 
     def expire(self) -> None:
         """Forget announcements past their deadline (their room is free again)."""
@@ -151,7 +157,7 @@ class KVReceiver:
         exp = self.expected.pop(header.transfer_id, None)
         if exp is None:
             raise TransferRejected("transfer cancelled", transfer_id=header.transfer_id)
-        rid = exp.snapshot.request_id
+        rid = exp.snapshot.attempt_id
         bind(request_id=rid)
         with TRACER.start_as_current_span("decode.admission", context=ctx) as admission:
             try:

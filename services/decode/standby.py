@@ -66,8 +66,8 @@ class Standby:
                     self.engine.exchange.import_cached_blocks, hashes, blocks
                 )
                 self.prefetched_blocks += placed
-                log.debug("standby for %s: %d KV blocks loaded", hint.request_id, placed)
+                log.debug("standby for %s: %d KV blocks loaded", hint.attempt_id, placed)
         except Exception as exc:  # best effort: a resume loads them itself
-            log.warning("prefetch for %s failed: %r", hint.request_id, exc)
+            log.warning("prefetch for %s failed: %r", hint.attempt_id, exc)
         finally:
             self.prefetching -= 1

@@ -131,7 +131,7 @@ class DecodeWorker:
         cancel = read_cancel(self.bus, msg, self.node_id)
         if cancel is None:
             return
-        rid = cancel.request_id
+        rid = cancel.attempt_id
         arriving = self.receiver.drop(rid)
         self.local.cancel(rid, known=arriving or rid in self.streams)
         if rid in self.streams:

@@ -47,17 +47,17 @@ class TailStore:
 
     def continues(self, piece: KVTail) -> bool:
         """Whether `piece` can be stored: a whole tail, or rows right after the stored ones."""
-        entry = self._tails.get(piece.request_id)
+        entry = self._tails.get(piece.attempt_id)
         return not piece.first or (entry is not None and continues(entry[0], piece))
 
     def put(self, tail: KVTail, data: bytes | memoryview) -> bool:
         """Store a whole tail (a copy of `data`) or append a piece's rows to the stored one;
         False if it could not (too large at all, or a piece not continuing it)."""
         if not self.continues(tail):
-            if self._remove(tail.request_id):
+            if self._remove(tail.attempt_id):
                 self.broken += 1
             return False
-        entry = self._tails.pop(tail.request_id, None)
+        entry = self._tails.pop(tail.attempt_id, None)
         if entry is not None:
             self.used_bytes -= len(entry[1])
         if tail.first and entry is not None:
@@ -71,7 +71,7 @@ class TailStore:
             self._remove(next(iter(self._tails)))
             self.dropped += 1
         whole = msgspec.structs.replace(tail, first=0)
-        self._tails[tail.request_id] = (whole, rows, self.clock() + self.ttl)
+        self._tails[tail.attempt_id] = (whole, rows, self.clock() + self.ttl)
         self.used_bytes += len(rows)
         self.stored += 1
         return True

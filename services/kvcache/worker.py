@@ -35,8 +35,10 @@ from shared.bus.messages import (
     KVTailReply,
     M,
     NodeInfo,
+    accepted,
     decode,
     encode,
+    refused,
 )
 from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
@@ -102,9 +104,9 @@ class KVCacheWorker:
             await self._on_put(msg)
 
     async def _on_put(self, msg: Msg) -> None:
-        put = await self._read(msg, KVPut, lambda why: b"refused: " + why.encode(), self._check_put)
+        put = await self._read(msg, KVPut, refused, self._check_put)
         if put is not None:
-            await self._expect_put(msg, put, b"ok")
+            await self._expect_put(msg, put, accepted())
 
     def _check_put(self, put: KVPut) -> None:
         if not put.block_hashes or put.block_bytes <= 0:
@@ -167,14 +169,14 @@ class KVCacheWorker:
         if put is None:
             return
         # Checked now to tell the sender at once; each piece is checked again on arrival.
-        missing = [t.request_id for t in put.tails if not self.tails.continues(t)]
+        missing = [t.attempt_id for t in put.tails if not self.tails.continues(t)]
         await self._expect_put(msg, put, encode(KVPutTailsReply(missing=missing)))
 
     async def on_get_tail(self, msg: Msg) -> None:
         get = await self._read(msg, KVGetTail, lambda why: encode(KVTailReply(error=why)))
         if get is None:
             return
-        found = self.tails.get(get.request_id)
+        found = self.tails.get(get.attempt_id)
         if found is None:
             await msg.respond(encode(KVTailReply()))
             return

@@ -20,7 +20,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
-from shared.bus.messages import DecodeAssignment, NodeInfo, SequenceSnapshot, encode
+from shared.bus.ids import handoff_transfer_id
+from shared.bus.messages import DecodeAssignment, NodeInfo, SequenceSnapshot, encode, read_reply
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
@@ -76,7 +77,7 @@ class HandOff:
         frame: bytes | None,
         ctx: otel_context.Context,
     ) -> None:
-        bind(request_id=job.job.request_id)  # this task's log lines carry the request id
+        bind(attempt_id=job.job.attempt_id)  # this task's log lines carry the request id
         with TRACER.start_as_current_span("prefill.handoff", context=ctx):
             log.info("prefilled: %d prompt tokens", out.num_prompt_tokens)
             try:
@@ -101,7 +102,7 @@ class HandOff:
         # rather than recomputing later, until the request's deadline.
         while time.time() < deadline and not self.stopping.is_set():
             for node in await self._decode_candidates(job.job.decode_node):
-                if job.job.request_id in self.cancelled:
+                if job.job.attempt_id in self.cancelled:
                     await job.term()
                     return
                 tried.add(node.node_id)
@@ -111,7 +112,7 @@ class HandOff:
             await job.in_progress()  # still ours: do not let ack_wait redeliver it
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
-        log.warning("no decode node took %s (tried %s)", job.job.request_id, sorted(tried))
+        log.warning("no decode node took %s (tried %s)", job.job.attempt_id, sorted(tried))
         if job.num_delivered >= 3:
             await self.fail(job, "no decode node accepted the request")
             await job.term()
@@ -154,9 +155,9 @@ class HandOff:
         self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
     ) -> bool:
         assert self.bus.nc is not None
-        rid = job.job.request_id
+        rid = job.job.attempt_id
         assignment = DecodeAssignment(
-            transfer_id=job.job.transfer_id or rid,
+            transfer_id=handoff_transfer_id(rid, job.job.handoff),
             snapshot=snap,
             token_subject=job.job.token_subject,
             prefill_node=self.node_id,
@@ -173,8 +174,9 @@ class HandOff:
         except Exception as exc:
             log.warning("assign %s to %s failed: %s", rid, node.node_id, exc)
             return False
-        if reply.data != b"ok":
-            log.info("%s refused %s: %s", node.node_id, rid, reply.data.decode(errors="replace"))
+        answer = read_reply(reply.data)
+        if not answer.accepted:
+            log.info("%s refused %s: %s", node.node_id, rid, answer.reason)
             return False
         payload = memoryview(frame)
         header = make_header(

@@ -44,10 +44,10 @@ async def one_per_request(jobs: list[ReceivedJob]) -> list[ReceivedJob]:
     delivered so far) that may still be queued; the resumed one wins, the other is ended."""
     kept: dict[str, ReceivedJob] = {}
     for job in jobs:
-        other = kept.get(job.job.request_id)
+        other = kept.get(job.job.attempt_id)
         if other is not None:
             if len(job.job.output_ids) < len(other.job.output_ids):
                 job, other = other, job
             await other.term()
-        kept[job.job.request_id] = job
+        kept[job.job.attempt_id] = job
     return list(kept.values())

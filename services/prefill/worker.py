@@ -25,6 +25,7 @@ from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import NodeInfo, SequenceSnapshot, TokenDelta
+from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
@@ -85,7 +86,7 @@ class PrefillWorker:
         cancel = read_cancel(self.bus, msg, self.node_id)
         if cancel is None:
             return
-        self.cancelled[cancel.request_id] = time.time()
+        self.cancelled[cancel.attempt_id] = time.time()
         cutoff = time.time() - 600
         for rid in [r for r, t in self.cancelled.items() if t < cutoff]:
             del self.cancelled[rid]
@@ -138,7 +139,7 @@ class PrefillWorker:
                 continue
             live = []
             for job in jobs:
-                if job.job.request_id in self.cancelled or not await self._admissible(job):
+                if job.job.attempt_id in self.cancelled or not await self._admissible(job):
                     await job.term()
                 elif job.job.deadline and time.time() > job.job.deadline:
                     await self._fail(job, "request expired before prefill")
@@ -159,11 +160,14 @@ class PrefillWorker:
         """Load the jobs' cached prefixes, prefill them together on the engine thread, then
         store their new blocks and hand each to a decode node."""
         fetched = time.time_ns()
-        contexts = {j.job.request_id: extract_context(j.headers) for j in jobs}
+        # keyed as the engine names sequences (str): on a node, the attempt id
+        contexts: dict[str, otel_context.Context] = {
+            j.job.attempt_id: extract_context(j.headers) for j in jobs
+        }
         compute = self._start_spans(jobs, contexts, fetched)
         prefixes = await asyncio.gather(
             *(
-                self.prefix.load(j.job.prompt_ids + j.job.output_ids, contexts[j.job.request_id])
+                self.prefix.load(j.job.prompt_ids + j.job.output_ids, contexts[j.job.attempt_id])
                 for j in jobs
             )
         )
@@ -178,7 +182,7 @@ class PrefillWorker:
         self._publish_kv_events()
         for span in compute.values():
             span.end()
-        by_id = {j.job.request_id: j for j in jobs}
+        by_id: dict[str, ReceivedJob] = {j.job.attempt_id: j for j in jobs}
         self._count(jobs, by_id, results, fetched)
         for out, _, frame in results:
             if frame is not None:
@@ -201,15 +205,15 @@ class PrefillWorker:
             published = int(j.msg.metadata.timestamp.timestamp() * 1e9)
             wait = TRACER.start_span(
                 "prefill.queue_wait",
-                context=contexts[j.job.request_id],
+                context=contexts[j.job.attempt_id],
                 start_time=min(published, fetched),
                 attributes={"tandem.node_id": self.node_id, "tandem.attempt": j.num_delivered},
             )
             wait.end(end_time=fetched)
         return {
-            j.job.request_id: TRACER.start_span(
+            j.job.attempt_id: TRACER.start_span(
                 "prefill.compute",
-                context=contexts[j.job.request_id],
+                context=contexts[j.job.attempt_id],
                 attributes={
                     "tandem.prompt_tokens": len(j.job.prompt_ids),
                     "tandem.batch_size": len(jobs),
@@ -224,8 +228,8 @@ class PrefillWorker:
         self, jobs: list[ReceivedJob], compute: dict[str, Span], exc: TandemError
     ) -> None:
         for j in jobs:
-            compute[j.job.request_id].set_status(Status(StatusCode.ERROR, exc.message))
-            compute[j.job.request_id].end()
+            compute[j.job.attempt_id].set_status(Status(StatusCode.ERROR, exc.message))
+            compute[j.job.attempt_id].end()
             if isinstance(exc, CapacityError):  # this batch did not fit: retry, maybe
                 await j.nak(delay=RETRY_DELAY)  # smaller or on another node
             else:
@@ -266,9 +270,13 @@ class PrefillWorker:
         for hashes, blocks in prefixes:
             if blocks:
                 self.engine.exchange.import_cached_blocks(hashes, blocks)
-        requests = [(j.job.request_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs]
+        requests: list[tuple[str, list[int], SamplingParams]] = [
+            (j.job.attempt_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs
+        ]
         # failovers and resumed streams: the tokens already delivered
-        resumed = {j.job.request_id: j.job.output_ids for j in jobs if j.job.output_ids}
+        resumed: dict[str, list[int]] = {
+            j.job.attempt_id: j.job.output_ids for j in jobs if j.job.output_ids
+        }
         return self.engine.prefill_and_export(requests, resumed)
 
     def _publish_kv_events(self) -> None:
@@ -280,11 +288,11 @@ class PrefillWorker:
         """Check one job alone, so a bad one never fails the batch it would have joined."""
         if not is_token_subject(job.job.token_subject):
             self.metrics.errors.labels("bad_job").inc()
-            log.warning("job %s names no valid token subject: dropped", job.job.request_id)
+            log.warning("job %s names no valid token subject: dropped", job.job.attempt_id)
             return False
         try:
             j = job.job
-            self.engine.validate(j.request_id, j.prompt_ids, j.sampling_params(), j.output_ids)
+            self.engine.validate(j.attempt_id, j.prompt_ids, j.sampling_params(), j.output_ids)
         except TandemError as exc:
             await self._fail(job, exc.message)
             return False
@@ -296,10 +304,10 @@ class PrefillWorker:
             await self.bus.publish(
                 job.job.token_subject,
                 TokenDelta(
-                    request_id=job.job.request_id,
+                    attempt_id=job.job.attempt_id,
                     error=reason,
                     node_id=self.node_id,
-                    attempt=job.job.transfer_id,
+                    handoff=job.job.handoff,
                 ),
             )
 

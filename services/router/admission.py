@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter, RoutePlan
 from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest, parse_request
+from shared.bus.ids import RequestId, attempt_id, new_request_id
 from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob
 from shared.bus.params import new_seed
 from shared.bus.topology import token_subject
@@ -102,29 +102,31 @@ def plan(
     return Plan(blocks, decode_node, local_node is not None, prefix)
 
 
-def new_job(parts: RouterParts, parsed: ParsedRequest, rid: str, node: NodeInfo) -> PrefillJob:
+def new_job(
+    parts: RouterParts, parsed: ParsedRequest, rid: RequestId, node: NodeInfo
+) -> PrefillJob:
     seed = parsed.params.seed if parsed.params.seed is not None else new_seed()
+    attempt = attempt_id(rid)
     return PrefillJob(
-        request_id=rid,
+        attempt_id=attempt,
         prompt_ids=parsed.prompt_ids,
         params=parsed.params,
         seed=seed,
         decode_node=node.node_id,
-        transfer_id=rid,
-        token_subject=token_subject(rid),
+        token_subject=token_subject(attempt),
         deadline=time.time() + parts.config.first_token_timeout,
     )
 
 
 def journal_entry(
-    parts: RouterParts, parsed: ParsedRequest, job: PrefillJob, created: int
+    parts: RouterParts, parsed: ParsedRequest, rid: RequestId, job: PrefillJob, created: int
 ) -> JournalEntry:
     return JournalEntry(
-        request_id=job.request_id,
+        request_id=rid,
         state="queued",
         router_id=parts.config.node_id,
         decode_node=job.decode_node,
-        internal_id=job.request_id,
+        attempt_id=job.attempt_id,
         job=job,
         chat=parsed.chat,
         model=parsed.model,
@@ -167,7 +169,7 @@ async def start(
     span: trace.Span,
 ) -> ServedRequest:
     """Plan and submit an admitted request; nothing of it stays anywhere if this fails."""
-    rid = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = new_request_id(parsed.chat)
     trace.get_current_span().set_attribute("tandem.request_id", rid)  # the request's span
     bind(request_id=rid)
     shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
@@ -177,7 +179,7 @@ async def start(
     parts.inflight.claim(rid)  # from its first journal write on, the janitor leaves it alone
     try:
         job = new_job(parts, parsed, rid, where.decode_node)
-        entry = journal_entry(parts, parsed, job, shape.created)
+        entry = journal_entry(parts, parsed, rid, job, shape.created)
         # In the journal before any node sees it: if this router dies from here on, a
         # client can resume it through another router (or the janitor cancels it).
         await parts.journal.put(entry)
@@ -185,7 +187,7 @@ async def start(
     except BaseException:  # not admitted: nothing of it may stay anywhere
         parts.inflight.release(rid)
         await stream.close()
-        await parts.dispatch.cancel(rid, rid, "not admitted")
+        await parts.dispatch.cancel(rid, attempt_id(rid), "not admitted")
         raise
     log_route(parsed, where, job, route, steered)
     parts.metrics.routes.labels(route).inc()

@@ -17,8 +17,9 @@ import msgspec
 from services.router.config import RouterConfig
 from services.router.nodes import NodeTable
 from shared.bus.client import Bus
+from shared.bus.ids import AttemptId, RequestId
 from shared.bus.journal import RequestJournal
-from shared.bus.messages import Cancel, NodeInfo, PrefillJob, encode
+from shared.bus.messages import Cancel, NodeInfo, PrefillJob, encode, read_reply
 from shared.bus.topology import REPLY_BY_HEADER, cancel_subject, local_prefill_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import submit_job
@@ -38,11 +39,11 @@ class Dispatch:
         self.nodes = nodes
         self.journal = journal
 
-    async def submit(self, job: PrefillJob, prefill_node: str = "", attempt: int = 0) -> None:
+    async def submit(self, job: PrefillJob, prefill_node: str = "") -> None:
         """To the prefill work queue (a steered job: that prefill node's own queue)."""
-        await submit_job(self.bus, job, prefill_node=prefill_node, attempt=attempt)
+        await submit_job(self.bus, job, prefill_node=prefill_node)
 
-    async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int, attempt: int = 0) -> str:
+    async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int) -> str:
         """A resumed request (failover, or a stream picked up after a router died): straight
         to the decode node, which loads the checkpointed KV itself and recomputes only the
         tail, no prefill node or transfer in the way; through the prefill queue if it
@@ -52,7 +53,7 @@ class Dispatch:
         other = self.nodes.pick_decode(blocks, {node.node_id})
         if other is not None:  # not the node that refused or timed out (see send_local)
             job = msgspec.structs.replace(job, decode_node=other.node_id)
-        await self.submit(job, attempt=attempt)
+        await self.submit(job)
         return "disaggregated"
 
     async def send_local(self, node: NodeInfo, job: PrefillJob, count: bool = True) -> bool:
@@ -76,18 +77,19 @@ class Dispatch:
         except Exception as exc:  # gone or slow: the disaggregated path still serves it
             log.warning("local prefill on %s failed: %s", node.node_id, exc)
             # Past reply_by it admits nothing; one admitted just before is dropped by this.
-            await self.cancel_on(node.node_id, job.request_id, "local prefill timed out")
+            await self.cancel_on(node.node_id, job.attempt_id, "local prefill timed out")
             return False
-        if reply.data != b"ok":
-            log.info("%s refused local prefill: %s", node.node_id, reply.data[:200])
+        answer = read_reply(reply.data)
+        if not answer.accepted:
+            log.info("%s refused local prefill: %s", node.node_id, answer.reason[:200])
             return False
         if count:
             self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
         return True
 
-    async def cancel_on(self, node_id: str, internal_id: str, reason: str) -> None:
+    async def cancel_on(self, node_id: str, attempt: AttemptId, reason: str) -> None:
         """Only `node_id` drops the request (a path or node it left; the others go on)."""
-        cancel = Cancel(request_id=internal_id, reason=reason, node_id=node_id)
+        cancel = Cancel(attempt_id=attempt, reason=reason, node_id=node_id)
         try:
             await self.bus.publish(cancel_subject(), cancel)
         except Exception as exc:  # best effort: that node's lease frees the blocks anyway
@@ -95,17 +97,17 @@ class Dispatch:
 
     async def cancel(
         self,
-        rid: str,
-        internal_id: str,
+        rid: RequestId,
+        attempt: AttemptId,
         reason: str,
         settle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Every node drops the request's current attempt; the journal forgets it (after
         `settle`, which lets a journal write in flight land so it can't re-create the entry)."""
         try:
-            await self.bus.publish(cancel_subject(), Cancel(request_id=internal_id, reason=reason))
+            await self.bus.publish(cancel_subject(), Cancel(attempt_id=attempt, reason=reason))
             if settle is not None:
                 await settle()
-            await self.journal.delete(rid, internal_id)
+            await self.journal.delete(rid, attempt)
         except Exception as exc:  # best effort: nodes also expire work past its deadline
             log.warning("cancel of %s failed: %s", rid, exc)

@@ -119,7 +119,7 @@ class Failover:
         if node is None:
             return
         self.standby = node.node_id
-        hint = Prefetch(request_id=self.job.request_id, token_ids=self.job.prompt_ids + delivered)
+        hint = Prefetch(attempt_id=self.job.attempt_id, token_ids=self.job.prompt_ids + delivered)
         try:
             await self.dispatch.bus.publish(prefetch_subject(node.node_id), hint)
         except Exception as exc:  # no standby then: a resume loads everything itself
@@ -128,13 +128,13 @@ class Failover:
     async def resume(self, reason: str) -> bool:
         """Resubmit the request after the tokens delivered so far; False if it cannot be."""
         if self.attempts >= MAX_FAILOVERS:
-            log.warning("%s: %s, and %d failovers were tried", self.job.request_id, reason,
+            log.warning("%s: %s, and %d failovers were tried", self.job.attempt_id, reason,
                         self.attempts)  # fmt: skip
             return False
         exclude = {self.stream.node_id, self.job.decode_node} - {""}
         node = await self._target(exclude)
         if node is None:
-            log.warning("%s: %s, and no decode node came within %.0fs", self.job.request_id,
+            log.warning("%s: %s, and no decode node came within %.0fs", self.job.attempt_id,
                         reason, NODE_WAIT)  # fmt: skip
             return False
         delivered = list(self.stream.token_ids)
@@ -148,7 +148,7 @@ class Failover:
         )  # fmt: skip
         log.warning(
             "%s: %s; resuming after %d delivered tokens on %s (failover %d, %s)",
-            self.job.request_id,
+            self.job.attempt_id,
             reason,
             len(delivered),
             node.node_id,
@@ -176,14 +176,14 @@ class Failover:
         job = msgspec.structs.replace(
             self.job,
             output_ids=delivered,
-            transfer_id=f"{self.job.request_id}/failover-{self.attempts}",
+            handoff=self.attempts,
             deadline=time.time() + self.dispatch.config.first_token_timeout,
         )
-        self.stream.attempt = job.transfer_id  # from now on the old attempt's errors are stale
+        self.stream.handoff = job.handoff  # from now on the old handoff's errors are stale
         try:
-            path = await self.dispatch.resubmit(node, job, self.blocks, attempt=self.attempts)
+            path = await self.dispatch.resubmit(node, job, self.blocks)
         except Exception as exc:
-            log.warning("failover of %s not submitted: %s", self.job.request_id, exc)
+            log.warning("failover of %s not submitted: %s", self.job.attempt_id, exc)
             return None
         self.metrics.failovers.inc()
         self.stream.sender = node.node_id
@@ -191,5 +191,5 @@ class Failover:
         for old in left:
             # The node it left may live on (cut off, or stalled): it must free the blocks.
             # It hears this once it can; until then its own lease on NATS runs out.
-            await self.dispatch.cancel_on(old, self.job.request_id, f"failed over: {reason}")
+            await self.dispatch.cancel_on(old, self.job.attempt_id, f"failed over: {reason}")
         return path

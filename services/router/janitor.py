@@ -40,7 +40,7 @@ class Janitor:
         expired = 0
         seen = set()
         entries, records = await self.parts.journal.scan()
-        await self._drop_stray_records(records, {e.internal_id for e, _ in entries}, now)
+        await self._drop_stray_records(records, {e.attempt_id for e, _ in entries}, now)
         for entry, revision in entries:
             rid = entry.request_id
             if self._owner_alive(entry.router_id, rid):
@@ -50,29 +50,29 @@ class Janitor:
             since = self.orphaned.setdefault(rid, max(self.started, min(last_beat, now)))
             if now - since < self.lease:
                 continue
-            if not await self.parts.journal.delete_if(rid, revision, entry.internal_id):
+            if not await self.parts.journal.delete_if(rid, revision, entry.attempt_id):
                 continue  # resumed (claimed) meanwhile
-            await self.parts.dispatch.cancel(rid, entry.internal_id, "not resumed within the lease")
+            await self.parts.dispatch.cancel(rid, entry.attempt_id, "not resumed within the lease")
             self.parts.metrics.expired.inc()
             expired += 1
             log.warning(
                 "%s: router %s is gone and no client resumed it within %.0fs: cancelled",
                 rid, entry.router_id, self.lease,
             )  # fmt: skip
-        for rid in list(self.orphaned):
-            if rid not in seen:
-                del self.orphaned[rid]
+        for gone in list(self.orphaned):
+            if gone not in seen:
+                del self.orphaned[gone]
         return expired
 
     async def _drop_stray_records(self, records: list[str], live: set[str], now: float) -> None:
         """Checkpoint records of attempts no entry names (a record written just as its
         request finished) go once they are old enough not to be a request starting now."""
-        for internal_id in records:
-            if internal_id in live:
+        for attempt in records:
+            if attempt in live:
                 continue
-            record = await self.parts.journal.checkpoint(internal_id)
+            record = await self.parts.journal.checkpoint(attempt)
             if record is None or now - record.timestamp > STRAY_AFTER:
-                await self.parts.journal.delete_checkpoint(internal_id)
+                await self.parts.journal.delete_checkpoint(attempt)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

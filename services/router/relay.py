@@ -168,7 +168,7 @@ async def finish(
     """The request is complete: record it, forget it, and send the last events or the body."""
     usage = record_finish(parts, served, progress)
     await served.journal.settle()
-    await parts.journal.delete(served.rid, served.job.request_id)
+    await parts.journal.delete(served.rid, served.job.attempt_id)
     parsed, rid, created = served.parsed, served.rid, served.shape.created
     if response is None:
         text = "".join(progress.texts)
@@ -234,7 +234,7 @@ async def release(parts: RouterParts, served: ServedRequest, finished: bool) -> 
         # nodes hear it at once; only the journal delete waits for a write in flight.
         await parts.dispatch.cancel(
             served.rid,
-            served.job.request_id,
+            served.job.attempt_id,
             "client disconnected or request failed",
             settle=served.journal.settle,
         )

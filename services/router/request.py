@@ -19,6 +19,7 @@ import msgspec
 from services.router.failover import Failover
 from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest
+from shared.bus.ids import RequestId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta
 
@@ -75,7 +76,7 @@ class ResponseShape:
 
 @dataclass
 class ServedRequest:
-    rid: str  # what the client knows (the response id)
+    rid: RequestId  # what the client knows (the response id)
     parsed: ParsedRequest
     shape: ResponseShape
     stream: RequestStream

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 
 import msgspec
 from aiohttp import web
@@ -35,6 +34,7 @@ from services.router.relay import relay
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest
+from shared.bus.ids import AttemptId, attempt_id
 from shared.bus.messages import Cancel, JournalEntry, NodeInfo, PrefillJob
 from shared.bus.topology import cancel_subject, token_subject
 from shared.errors import CapacityError, ConflictError, InvalidRequestError, NotFoundError
@@ -78,7 +78,7 @@ async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamR
     ) as span:
         after = last_event_id(request)
         entry, revision, job = await resumable_entry(parts, rid)
-        record = await parts.journal.checkpoint(entry.internal_id)
+        record = await parts.journal.checkpoint(entry.attempt_id)
         known = known_output(entry, record.output_ids if record else None)
         # Resume before the client's last token: regenerating it (not sent again) also
         # brings its finish reason if it was the last one.
@@ -89,7 +89,7 @@ async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamR
             raise CapacityError("no decode node has room for this request", retry_after=2)
         claimed, job = await claim(parts, entry, revision, job, node, output)
         bind(request_id=rid)
-        served = await resubmit(parts, claimed, entry.internal_id, job, node, blocks, after)
+        served = await resubmit(parts, claimed, entry.attempt_id, job, node, blocks, after)
         log.info(
             "resumed %s for its client after event %d: %d tokens known, resubmitted after %d "
             "(router %s had it)",
@@ -125,11 +125,11 @@ async def claim(
     output: list[int],
 ) -> tuple[JournalEntry, PrefillJob]:
     """Take the entry over under a new attempt (one router wins), and the attempt's job."""
-    internal = f"{entry.request_id}-r{uuid.uuid4().hex[:6]}"
+    attempt = attempt_id(entry.request_id, takeover=True)
     claimed = msgspec.structs.replace(
         entry,
         router_id=parts.config.node_id,
-        internal_id=internal,
+        attempt_id=attempt,
         state="resumed",
         decode_node=node.node_id,
         output_ids=output,
@@ -139,9 +139,9 @@ async def claim(
         raise ConflictError("another router resumed this request first")
     job = msgspec.structs.replace(
         job,
-        request_id=internal,
-        transfer_id=internal,
-        token_subject=token_subject(internal),
+        attempt_id=attempt,
+        handoff=0,
+        token_subject=token_subject(attempt),
         decode_node=node.node_id,
         output_ids=output,
         deadline=time.time() + parts.config.first_token_timeout,
@@ -152,7 +152,7 @@ async def claim(
 async def resubmit(
     parts: RouterParts,
     claimed: JournalEntry,
-    old_attempt: str,
+    old_attempt: AttemptId,
     job: PrefillJob,
     node: NodeInfo,
     blocks: int,
@@ -160,8 +160,8 @@ async def resubmit(
 ) -> ServedRequest:
     """Cancel the old attempt everywhere, send the new one, and make its ServedRequest."""
     reason = f"resumed by {parts.config.node_id}"
-    await parts.bus.publish(cancel_subject(), Cancel(request_id=old_attempt, reason=reason))
-    stream = await RequestStream(parts.bus, job.request_id, job.output_ids).open()
+    await parts.bus.publish(cancel_subject(), Cancel(attempt_id=old_attempt, reason=reason))
+    stream = await RequestStream(parts.bus, job.attempt_id, job.output_ids).open()
     try:
         await parts.dispatch.resubmit(node, job, blocks)
     except BaseException:

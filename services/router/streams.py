@@ -52,9 +52,9 @@ class RequestStream:
         # The node the current attempt streams from once resumed: only a gap it leaves is a
         # loss (the node left behind may still send late deltas, ahead of the new one's).
         self.sender: str | None = None
-        # The current attempt's job transfer id (a failover starts a new one): an error
-        # from an earlier attempt's job is stale, the request lives on.
-        self.attempt = request_id
+        # The current handoff (a failover starts a new one): an error from an earlier
+        # handoff's job is stale, the request lives on.
+        self.handoff = 0
         self.stale_errors = 0
 
     async def open(self) -> RequestStream:
@@ -69,10 +69,10 @@ class RequestStream:
             self.bus.count_drop(msg.subject, str(exc))
             return
         if delta.error is not None:
-            if delta.attempt and delta.attempt != self.attempt:
+            if delta.handoff is not None and delta.handoff != self.handoff:
                 self.stale_errors += 1
-                log.info("%s: dropped an error of superseded attempt %s: %s",
-                         self.request_id, delta.attempt, delta.error)  # fmt: skip
+                log.info("%s: dropped an error of superseded handoff %d: %s",
+                         self.request_id, delta.handoff, delta.error)  # fmt: skip
                 return
             self.queue.put_nowait(delta)  # errors jump the order: the request is over
             return

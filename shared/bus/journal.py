@@ -71,34 +71,34 @@ class RequestJournal:
     async def get_with_revision(self, request_id: str) -> tuple[JournalEntry, int] | None:
         return await self._read(request_id, JournalEntry)
 
-    async def delete(self, request_id: str, internal_id: str = "") -> None:
-        """Forget a request and the checkpoint record of its current attempt."""
+    async def delete(self, request_id: str, attempt_id: str = "") -> None:
+        """Forget a request and the checkpoint record of its current attempt (ids.py)."""
         assert self.kv is not None
         with contextlib.suppress(KeyNotFoundError):
             await self.kv.delete(request_id)
-        if internal_id:
+        if attempt_id:
             with contextlib.suppress(KeyNotFoundError):
-                await self.kv.delete(CHECKPOINT_PREFIX + internal_id)
+                await self.kv.delete(CHECKPOINT_PREFIX + attempt_id)
 
-    async def delete_if(self, request_id: str, revision: int, internal_id: str = "") -> bool:
+    async def delete_if(self, request_id: str, revision: int, attempt_id: str = "") -> bool:
         """Delete only if the entry is still at `revision` (not claimed by a resume since)."""
         assert self.kv is not None
         try:
             await self.kv.delete(request_id, last=revision)
         except (KeyWrongLastSequenceError, KeyNotFoundError):
             return False
-        if internal_id:
+        if attempt_id:
             with contextlib.suppress(KeyNotFoundError):
-                await self.kv.delete(CHECKPOINT_PREFIX + internal_id)
+                await self.kv.delete(CHECKPOINT_PREFIX + attempt_id)
         return True
 
     async def put_checkpoint(self, record: CheckpointRecord) -> None:
         assert self.kv is not None
         stamped = msgspec.structs.replace(record, timestamp=time.time())
-        await self.kv.put(CHECKPOINT_PREFIX + record.request_id, encode(stamped))
+        await self.kv.put(CHECKPOINT_PREFIX + record.attempt_id, encode(stamped))
 
-    async def checkpoint(self, internal_id: str) -> CheckpointRecord | None:
-        found = await self._read(CHECKPOINT_PREFIX + internal_id, CheckpointRecord)
+    async def checkpoint(self, attempt_id: str) -> CheckpointRecord | None:
+        found = await self._read(CHECKPOINT_PREFIX + attempt_id, CheckpointRecord)
         return found[0] if found else None
 
     async def entries(self) -> list[JournalEntry]:
@@ -126,7 +126,7 @@ class RequestJournal:
                 out.append(found)
         return out, records
 
-    async def delete_checkpoint(self, internal_id: str) -> None:
+    async def delete_checkpoint(self, attempt_id: str) -> None:
         assert self.kv is not None
         with contextlib.suppress(KeyNotFoundError):
-            await self.kv.delete(CHECKPOINT_PREFIX + internal_id)
+            await self.kv.delete(CHECKPOINT_PREFIX + attempt_id)

@@ -12,6 +12,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from shared.bus.ids import AttemptId, RequestId
 from shared.bus.params import SamplingParams
 from shared.errors import WireFormatError
 
@@ -29,7 +30,7 @@ MAX_MESSAGE_BYTES = 512 * 1024
 class SequenceSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What another node needs to continue a sequence, beside its KV blocks."""
 
-    request_id: str
+    attempt_id: AttemptId
     prompt_ids: list[int]
     output_ids: list[int]
     params: SamplingParams
@@ -46,12 +47,12 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field
 class PrefillJob(Message, frozen=True, tag="prefill_job"):
     """Router → prefill work queue: compute this prompt's KV and ship it to `decode_node`."""
 
-    request_id: str = ""
+    attempt_id: AttemptId = AttemptId("")
     prompt_ids: list[int] = []
     params: SamplingParams = SamplingParams()
     seed: int = 0
     decode_node: str = ""
-    transfer_id: str = ""
+    handoff: int = 0  # 0: the attempt's first; a failover counts one more (ids.py)
     token_subject: str = ""
     deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
     output_ids: list[int] = []  # a failover: tokens already delivered; continue after them
@@ -78,7 +79,7 @@ class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
 class TokenDelta(Message, frozen=True, tag="token_delta"):
     """Node → router: the next tokens of a request; `seq` counts deltas per request from 0."""
 
-    request_id: str = ""
+    attempt_id: AttemptId = AttemptId("")
     seq: int = 0
     token_ids: list[int] = []
     text: str = ""
@@ -88,15 +89,39 @@ class TokenDelta(Message, frozen=True, tag="token_delta"):
     node_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    # On an error: the attempt (job transfer id) that failed. A superseded attempt (a job
+    # On an error: the handoff that failed. A superseded handoff (a job
     # still queued when its request failed over and went on elsewhere) must not end it.
-    attempt: str = ""
+    handoff: int | None = None
+
+
+class Reply(Message, frozen=True, tag="reply"):
+    """← a node's answer to what it may refuse (expect a transfer, prefill locally, store
+    blocks): taken, or why not."""
+
+    accepted: bool = False
+    reason: str = ""
+
+
+def accepted() -> bytes:
+    return encode(Reply(accepted=True))
+
+
+def refused(reason: str) -> bytes:
+    return encode(Reply(accepted=False, reason=reason))
+
+
+def read_reply(data: bytes) -> Reply:
+    """The answer; bytes that are no Reply are a refusal saying so (never an exception)."""
+    try:
+        return decode(data, Reply)
+    except WireFormatError as exc:
+        return Reply(accepted=False, reason=f"malformed reply: {exc}")
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
     """Router → all nodes: stop work on a request and free its blocks."""
 
-    request_id: str = ""
+    attempt_id: AttemptId = AttemptId("")
     reason: str = ""
     # Only this node acts ("": every node). A failover cancels the request on the node it
     # left, which may be alive after all (cut off, or slow), without touching the new one.
@@ -108,7 +133,7 @@ class Prefetch(Message, frozen=True, tag="prefetch"):
     this context into your pool now (cached, evictable). If the stream's node dies, its
     resume here then loads only what was stored since."""
 
-    request_id: str = ""
+    attempt_id: AttemptId = AttemptId("")
     token_ids: list[int] = []
 
 
@@ -140,7 +165,7 @@ class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):
 class CheckpointRecord(Message, frozen=True, tag="checkpoint"):
     """A decode node checkpointed a sequence's KV up to `num_tokens` in the kvcache service."""
 
-    request_id: str = ""
+    attempt_id: AttemptId = AttemptId("")
     node_id: str = ""
     num_tokens: int = 0
     block_hashes: list[bytes] = []
@@ -157,14 +182,14 @@ class JournalEntry(Message, frozen=True, tag="journal"):
     request's output, written every block; decode nodes' checkpoint records may know more).
     """
 
-    request_id: str = ""  # what the client knows (response id, journal key)
+    request_id: RequestId = RequestId("")  # what the client knows (response id, journal key)
     state: JournalState = "queued"
     router_id: str = ""
     prefill_node: str = ""
     decode_node: str = ""
     tokens_delivered: int = 0
     updated_at: float = 0.0
-    internal_id: str = ""  # what nodes know the current attempt by (a resume changes it)
+    attempt_id: AttemptId = AttemptId("")  # the current attempt (a takeover changes it)
     job: PrefillJob | None = None
     chat: bool = False
     model: str = ""
@@ -203,7 +228,7 @@ class KVTail(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A request's partial last KV block (`shared.kv.tail`): where it starts, the full block
     before it, the tokens whose KV it holds; as a piece (`first` > 0), the rows it adds."""
 
-    request_id: str
+    attempt_id: AttemptId
     start: int
     parent: bytes
     token_ids: list[int]
@@ -226,15 +251,15 @@ class KVPutTailsReply(Message, frozen=True, tag="kv_put_tails_reply"):
     do not continue what it holds (it lost or never had their earlier rows): they will be
     dropped, and only a whole tail helps. `error`: refused, send nothing."""
 
-    missing: list[str] = []
+    missing: list[AttemptId] = []
     error: str = ""
 
 
 class KVGetTail(Message, frozen=True, tag="kv_get_tail"):
-    """→ kvcache node: send request `request_id`'s stored tail to `reply_address`."""
+    """→ kvcache node: send attempt `attempt_id`'s stored tail to `reply_address`."""
 
     transfer_id: str = ""
-    request_id: str = ""
+    attempt_id: AttemptId = AttemptId("")
     reply_address: str = ""
     transfer_secret: str = ""
 

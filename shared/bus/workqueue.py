@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shared.bus.client import Bus
+from shared.bus.ids import handoff_transfer_id
 from shared.bus.messages import PrefillJob, decode
 from shared.bus.topology import (
     PREFILL_CONSUMER,
@@ -29,11 +30,12 @@ from shared.bus.topology import (
 from shared.errors import WireFormatError
 
 
-async def submit_job(bus: Bus, job: PrefillJob, attempt: int = 0, prefill_node: str = "") -> None:
-    """Queue a job once (a retried publish is de-duplicated); a failover is a new attempt.
-    With `prefill_node`, only that node's consumer takes it (steered to where its prefix
-    lives); otherwise whichever prefill node asks first."""
-    msg_id = job.request_id if attempt == 0 else f"{job.request_id}/failover-{attempt}"
+async def submit_job(bus: Bus, job: PrefillJob, prefill_node: str = "") -> None:
+    """Queue a job once (a retried publish is de-duplicated by the id of the attempt's
+    handoff: a failover's job is a new message). With `prefill_node`, only that node's
+    consumer takes it (steered to where its prefix lives); otherwise whichever prefill
+    node asks first."""
+    msg_id = handoff_transfer_id(job.attempt_id, job.handoff)
     subject = prefill_node_subject(prefill_node) if prefill_node else PREFILL_SUBJECT
     await bus.js_publish(subject, job, msg_id=msg_id)
 

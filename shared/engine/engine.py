@@ -187,33 +187,33 @@ class Engine:
         if header.layout() != self.layout:
             raise WireFormatError(
                 f"KV layout {header.layout()} does not match this node's {self.layout}",
-                request_id=snapshot.request_id,
+                request_id=snapshot.attempt_id,
             )
         if header.first_block != 0 or header.num_tokens != snapshot.num_computed:
             raise WireFormatError(
                 "KV export must cover the sequence from its first block up to num_computed",
-                request_id=snapshot.request_id,
+                request_id=snapshot.attempt_id,
             )
         if self.scheduler.blocks_for(snapshot.num_computed) != header.num_blocks:
             raise WireFormatError(
                 "KV export block count does not match its token count",
-                request_id=snapshot.request_id,
+                request_id=snapshot.attempt_id,
             )
         total = len(snapshot.prompt_ids) + len(snapshot.output_ids)
         if not total - snapshot.num_computed > 0:
-            raise WireFormatError("snapshot has no pending token", request_id=snapshot.request_id)
+            raise WireFormatError("snapshot has no pending token", request_id=snapshot.attempt_id)
         self.validate(
-            snapshot.request_id, snapshot.prompt_ids, snapshot.params, snapshot.output_ids
+            snapshot.attempt_id, snapshot.prompt_ids, snapshot.params, snapshot.output_ids
         )
         if not self.pool.can_allocate(header.num_blocks):
             raise CapacityError(
                 f"no room for {header.num_blocks} KV blocks ({self.pool.num_free} free)",
-                request_id=snapshot.request_id,
+                request_id=snapshot.attempt_id,
             )
         block_ids = self.pool.allocate(header.num_blocks)
         self.cache.write_blocks(block_ids, blocks)
         seq = self._new_sequence(
-            snapshot.request_id,
+            snapshot.attempt_id,
             snapshot.prompt_ids,
             snapshot.params,
             snapshot.seed,

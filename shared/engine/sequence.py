@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.bus.ids import AttemptId
 from shared.bus.messages import SequenceSnapshot
 from shared.bus.params import SamplingParams
 from shared.engine.detokenize import IncrementalDetokenizer
@@ -69,7 +70,7 @@ class Sequence:
 
     def snapshot(self) -> SequenceSnapshot:
         return SequenceSnapshot(
-            request_id=self.request_id,
+            attempt_id=AttemptId(self.request_id),
             prompt_ids=list(self.prompt_ids),
             output_ids=list(self.output_ids),
             params=self.params,

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 from shared.bus.client import Bus
+from shared.bus.ids import AttemptId
 from shared.bus.messages import (
     KVGet,
     KVGetReply,
@@ -32,6 +33,7 @@ from shared.bus.messages import (
     NodeInfo,
     decode,
     encode,
+    read_reply,
 )
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import kvcache_subject
@@ -89,9 +91,9 @@ class KVCacheClient:
             block_bytes=len(blocks) // len(hashes),
             transfer_secret=new_secret(),
         )
-        reply = await self._ask(node_id, "put", announce)
-        if reply != b"ok":
-            raise KVCacheError(f"kvcache {node_id} refused put: {reply.decode(errors='replace')}")
+        reply = read_reply(await self._ask(node_id, "put", announce))
+        if not reply.accepted:
+            raise KVCacheError(f"kvcache {node_id} refused put: {reply.reason}")
         await self._send(address, "put", announce, memoryview(blocks), announce.block_bytes)
 
     async def _send(
@@ -269,7 +271,8 @@ class KVCacheClient:
         announce = KVPutTails(
             transfer_id=f"tails-{uuid.uuid4().hex}",
             tails=[
-                KVTail(t.request_id, t.start, bytes(t.parent), t.token_ids, t.first) for t in tails
+                KVTail(AttemptId(t.request_id), t.start, bytes(t.parent), t.token_ids, t.first)
+                for t in tails
             ],
             row_bytes=row,
             transfer_secret=new_secret(),
@@ -280,26 +283,28 @@ class KVCacheClient:
         payload = memoryview(b"".join(t.data for t in tails))
         # Checksummed per MiB, not per tail: a piece may be a single ~46 KB row.
         await self._send(node.data_address, "put_tails", announce, payload, 1 << 20)
-        return reply.missing
+        return list(reply.missing)
 
-    async def load_tail(self, request_id: str, row_bytes: int, max_rows: int) -> TailBlock | None:
-        """The request's stored tail, whole (None: none, or its node is unavailable)."""
-        node = await self._tail_owner(request_id)
+    async def load_tail(
+        self, attempt_id: AttemptId, row_bytes: int, max_rows: int
+    ) -> TailBlock | None:
+        """The attempt's stored tail, whole (None: none, or its node is unavailable)."""
+        node = await self._tail_owner(attempt_id)
         if node is None:
             return None
         try:
-            return await self._get_tail(node, request_id, row_bytes, max_rows)
+            return await self._get_tail(node, attempt_id, row_bytes, max_rows)
         except Exception as exc:
             self._mark_down(node, "get_tail", exc)
             return None
 
     async def _get_tail(
-        self, node: NodeInfo, request_id: str, row_bytes: int, max_rows: int
+        self, node: NodeInfo, attempt_id: AttemptId, row_bytes: int, max_rows: int
     ) -> TailBlock | None:
         with self._incoming("tail", row_bytes * max_rows) as (transfer_id, secret, arrived):
             ask = KVGetTail(
                 transfer_id=transfer_id,
-                request_id=request_id,
+                attempt_id=attempt_id,
                 reply_address=self.transport.address,
                 transfer_secret=secret,
             )
@@ -307,9 +312,9 @@ class KVCacheClient:
             if reply.error:
                 raise KVCacheError(f"kvcache {node.node_id}: {reply.error}")
             t = reply.tail
-            if t is None or t.request_id != request_id or t.first:
+            if t is None or t.attempt_id != attempt_id or t.first:
                 return None
             if not 0 < len(t.token_ids) <= max_rows or reply.nbytes != len(t.token_ids) * row_bytes:
                 return None  # another model's rows: unusable
             data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
-        return TailBlock(t.request_id, t.start, BlockHash(t.parent), t.token_ids, data)
+        return TailBlock(t.attempt_id, t.start, BlockHash(t.parent), t.token_ids, data)

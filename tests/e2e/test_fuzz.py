@@ -131,9 +131,9 @@ def _samples() -> list[Message]:
     params = SamplingParams(max_tokens=4)
     snap = SequenceSnapshot("fuzz-1", [1, 2, 3], [], params, 1, 3)
     return [
-        PrefillJob(request_id="fuzz-1", prompt_ids=[1, 2, 3], params=params, decode_node="x"),
+        PrefillJob(attempt_id="fuzz-1", prompt_ids=[1, 2, 3], params=params, decode_node="x"),
         DecodeAssignment(transfer_id="fuzz-1", snapshot=snap, token_subject="tandem.fuzz"),
-        Cancel(request_id="fuzz-1", reason="fuzz"),
+        Cancel(attempt_id="fuzz-1", reason="fuzz"),
         KVPut(transfer_id="fuzz-p", block_hashes=[b"\0" * 8], block_bytes=16),
         KVGet(transfer_id="fuzz-g", block_hashes=[b"\0" * 8], reply_address="tcp://127.0.0.1:9"),
         KVEvent(node_id="fuzz", op="stored", block_hashes=[b"\1" * 8]),

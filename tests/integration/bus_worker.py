@@ -19,7 +19,7 @@ async def main(url: str) -> None:
     while True:
         jobs = await consumer.fetch(batch=1, timeout=1.0)
         if jobs:
-            print(f"got {jobs[0].job.request_id}", flush=True)
+            print(f"got {jobs[0].job.attempt_id}", flush=True)
             await asyncio.sleep(3600)
 
 

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from services.prefill.intake import JobIntake
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
+from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode
 from shared.bus.params import SamplingParams
@@ -45,9 +46,9 @@ async def connect(server: NatsServer, name: str) -> Bus:
     return bus
 
 
-def job(request_id: str) -> PrefillJob:
+def job(attempt: str) -> PrefillJob:
     return PrefillJob(
-        request_id=request_id, prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=4)
+        attempt_id=AttemptId(attempt), prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=4)
     )
 
 
@@ -90,7 +91,7 @@ async def test_killed_consumer_job_is_redelivered_and_duplicates_stored_once(
     received = []
     while not received and time.monotonic() < deadline:
         received = await consumer.fetch(batch=1, timeout=1.0)
-    assert [r.job.request_id for r in received] == ["r-1"]
+    assert [r.job.attempt_id for r in received] == ["r-1"]
     assert received[0].num_delivered == 2
     await received[0].ack()
     assert await consumer.fetch(batch=1, timeout=0.5) == []
@@ -106,8 +107,8 @@ async def test_steered_jobs_reach_only_their_node_and_a_lost_node_s_are_purged(
     await submit_job(bus, job("shared-1"))
     await submit_job(bus, job("steered-1"), prefill_node="p1")
     # p1 asks its own queue first: the steered job, although it was queued second
-    assert [j.job.request_id for j in await p1.fetch(1)] == ["steered-1"]
-    assert [j.job.request_id for j in await p2.fetch(4)] == ["shared-1"]  # any node's
+    assert [j.job.attempt_id for j in await p1.fetch(1)] == ["steered-1"]
+    assert [j.job.attempt_id for j in await p2.fetch(4)] == ["shared-1"]  # any node's
     await submit_job(bus, job("steered-2"), prefill_node="p2")
     assert await p1.fetch(4) == []  # never another node's steered job
     await purge_steered(bus, "p2")  # p2 was lost: its request fails over elsewhere
@@ -125,11 +126,11 @@ async def test_nak_retries_and_malformed_jobs_are_terminated(nats_server: NatsSe
     await submit_job(bus, job("good"))
     consumer = await JobConsumer(bus).start()
     jobs = await consumer.fetch(batch=2, timeout=2.0)
-    assert [j.job.request_id for j in jobs] == ["good"]
+    assert [j.job.attempt_id for j in jobs] == ["good"]
     assert bus.dropped[PREFILL_SUBJECT] == 1
     await jobs[0].nak(delay=0.2)
     again = await consumer.fetch(batch=1, timeout=3.0)
-    assert [j.job.request_id for j in again] == ["good"] and again[0].num_delivered == 2
+    assert [j.job.attempt_id for j in again] == ["good"] and again[0].num_delivered == 2
     await again[0].term()
     assert await consumer.fetch(batch=1, timeout=1.0) == []  # neither comes back
     await bus.close()
@@ -217,7 +218,7 @@ async def test_trace_context_travels_in_headers(nats_server: NatsServer) -> None
 
     await bus.nc.subscribe("tandem.tokens.x", cb=handler)
     with tracer.start_as_current_span("router") as span:
-        await bus.publish("tandem.tokens.x", TokenDelta(request_id="x", seq=0, token_ids=[5]))
+        await bus.publish("tandem.tokens.x", TokenDelta(attempt_id="x", seq=0, token_ids=[5]))
         trace_id = span.get_span_context().trace_id
     headers, data = await asyncio.wait_for(got, 5)
     assert "traceparent" in headers
@@ -232,8 +233,8 @@ async def test_oversize_body_is_refused_before_it_breaks_the_connection(
 ) -> None:
     bus = await connect(nats_server, "svc")
     with pytest.raises(Exception, match="exceed"):
-        await bus.publish("x", TokenDelta(request_id="x", text="a" * (600 * 1024)))
-    await bus.publish("x", TokenDelta(request_id="x", text="ok"))  # still connected
+        await bus.publish("x", TokenDelta(attempt_id="x", text="a" * (600 * 1024)))
+    await bus.publish("x", TokenDelta(attempt_id="x", text="ok"))  # still connected
     assert bus.is_connected
     await bus.close()
 

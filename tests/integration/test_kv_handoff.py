@@ -53,7 +53,7 @@ def test_prefill_export_import_decode_across_processes(
     for i in range(len(prompts)):
         snap, frame = load(tmp_path, f"r{i}")
         assert snap.prompt_ids == prompts[i] and snap.num_computed == len(prompts[i])
-        first[snap.request_id] = list(snap.output_ids)
+        first[snap.attempt_id] = list(snap.output_ids)
         decode.add_snapshot(snap, frame)
     rest = drain(decode)
     for i in range(len(prompts)):

@@ -15,7 +15,8 @@ import pytest
 
 from services.decode.worker import DecodeWorker
 from shared.bus.client import Bus
-from shared.bus.messages import Cancel, PrefillJob, encode
+from shared.bus.ids import AttemptId
+from shared.bus.messages import Cancel, PrefillJob, encode, read_reply
 from shared.bus.params import SamplingParams
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
@@ -45,33 +46,34 @@ async def worker(nats_server: NatsServer, tiny_model: LoadedModel) -> AsyncItera
 
 def job(rid: str) -> PrefillJob:
     return PrefillJob(
-        request_id=rid,
+        attempt_id=AttemptId(rid),
         prompt_ids=list(range(5, 45)),
         params=SamplingParams(max_tokens=8, temperature=0),
         token_subject=token_subject(rid),
-        transfer_id=rid,
     )
 
 
-async def ask(w: DecodeWorker, rid: str, reply_by: float | None) -> bytes:
+async def ask(w: DecodeWorker, rid: str, reply_by: float | None) -> str:
+    """The node's typed answer, as "ok" or "refused: <reason>"."""
     assert w.bus.nc is not None
     headers = {REPLY_BY_HEADER: f"{reply_by:.3f}"} if reply_by is not None else None
     msg = await w.bus.nc.request(
         local_prefill_subject("d1"), encode(job(rid)), timeout=10, headers=headers
     )
-    return msg.data
+    reply = read_reply(msg.data)
+    return "ok" if reply.accepted else f"refused: {reply.reason}"
 
 
 async def test_admits_in_time_and_refuses_a_second_copy(worker: DecodeWorker) -> None:
-    assert await ask(worker, "r1", time.time() + 5) == b"ok"
+    assert await ask(worker, "r1", time.time() + 5) == "ok"
     assert "r1" in worker.engine.requests and "r1" in worker.streams
-    assert await ask(worker, "r1", time.time() + 5) == b"refused: already here"
-    assert await ask(worker, "r2", None) == b"ok"  # no header: no limit (older routers)
+    assert await ask(worker, "r1", time.time() + 5) == "refused: already here"
+    assert await ask(worker, "r2", None) == "ok"  # no header: no limit (older routers)
 
 
 async def test_refuses_after_the_router_stopped_waiting(worker: DecodeWorker) -> None:
     used = worker.engine.pool.num_used
-    assert await ask(worker, "late", time.time() - 0.01) == b"refused: the router stopped waiting"
+    assert await ask(worker, "late", time.time() - 0.01) == "refused: the router stopped waiting"
     assert "late" not in worker.engine.requests and "late" not in worker.streams
     assert worker.engine.pool.num_used == used
 
@@ -94,7 +96,7 @@ async def test_a_cancel_during_admission_leaves_nothing(worker: DecodeWorker) ->
             break
         await asyncio.sleep(0.02)
     assert "slow" in worker.local.admitting
-    cancel = Cancel(request_id="slow", reason="local prefill timed out", node_id="d1")
+    cancel = Cancel(attempt_id="slow", reason="local prefill timed out", node_id="d1")
     await worker.bus.nc.publish(cancel_subject(), encode(cancel))
     await worker.bus.nc.flush()
     for _ in range(100):
@@ -103,7 +105,7 @@ async def test_a_cancel_during_admission_leaves_nothing(worker: DecodeWorker) ->
         await asyncio.sleep(0.02)
     release.set()
     await blocked
-    assert await answer == b"refused: cancelled"
+    assert await answer == "refused: cancelled"
     assert "slow" not in worker.engine.requests and "slow" not in worker.streams
     assert not worker.local.admitting
     assert worker.engine.pool.num_used == 0
@@ -111,8 +113,8 @@ async def test_a_cancel_during_admission_leaves_nothing(worker: DecodeWorker) ->
 
 async def test_a_cancel_for_another_node_changes_nothing(worker: DecodeWorker) -> None:
     assert worker.bus.nc is not None
-    assert await ask(worker, "kept", time.time() + 5) == b"ok"
-    cancel = Cancel(request_id="kept", reason="failed over", node_id="d2")
+    assert await ask(worker, "kept", time.time() + 5) == "ok"
+    cancel = Cancel(attempt_id="kept", reason="failed over", node_id="d2")
     await worker.bus.nc.publish(cancel_subject(), encode(cancel))
     await worker.bus.nc.flush()
     await asyncio.sleep(0.2)
@@ -123,13 +125,13 @@ async def test_a_cancel_that_overtook_its_request_refuses_it(worker: DecodeWorke
     """The router gave up (or its client left) while the request still waited behind other
     local prefills here: the cancel arrives first, and the request must not start after."""
     assert worker.bus.nc is not None
-    cancel = Cancel(request_id="queued", reason="local prefill timed out", node_id="d1")
+    cancel = Cancel(attempt_id="queued", reason="local prefill timed out", node_id="d1")
     await worker.bus.nc.publish(cancel_subject(), encode(cancel))
     await worker.bus.nc.flush()
     for _ in range(100):
         if worker.local.cancelled_before("queued"):
             break
         await asyncio.sleep(0.02)
-    assert await ask(worker, "queued", time.time() + 5) == b"refused: cancelled"
+    assert await ask(worker, "queued", time.time() + 5) == "refused: cancelled"
     assert "queued" not in worker.engine.requests
-    assert await ask(worker, "other", time.time() + 5) == b"ok"  # only that one
+    assert await ask(worker, "other", time.time() + 5) == "ok"  # only that one

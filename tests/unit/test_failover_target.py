@@ -56,7 +56,7 @@ class RouterStandIn:
         self.sent: list[tuple[str, PrefillJob]] = []
         self.cancels: list[tuple[str, str]] = []
 
-    async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int, attempt: int) -> str:
+    async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int) -> str:
         self.sent.append((node.node_id, job))
         return "disaggregated"
 
@@ -65,7 +65,7 @@ class RouterStandIn:
 
 
 def failover_of(router: RouterStandIn) -> Failover:
-    job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
+    job = PrefillJob(attempt_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r1", output_ids=[7, 8])  # type: ignore[arg-type]
     stream.node_id = "d1"
     return Failover(router, router.metrics, job, stream, blocks=1)  # type: ignore[arg-type]
@@ -107,7 +107,7 @@ async def test_gives_up_when_no_decode_node_comes(monkeypatch: pytest.MonkeyPatc
 async def test_a_steered_job_fails_over_when_its_prefill_node_is_lost() -> None:
     router = RouterStandIn()
     router.nodes.decode = [decoder("d1"), decoder("d2")]
-    job = PrefillJob(request_id="r2", prompt_ids=[1, 2, 3], decode_node="d1")
+    job = PrefillJob(attempt_id="r2", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r2")  # type: ignore[arg-type]
     failover = Failover(router, router.metrics, job, stream, blocks=1, prefill_node="p1")  # type: ignore[arg-type]
     assert failover.expected_sender() == "p1"  # probed until it sends token 0
@@ -159,7 +159,7 @@ async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
         decode_node("d1", 90), decode_node("d2", 50), decode_node("d3", 80),
         NodeInfo(node_id="k1", role="kvcache"),
     )  # fmt: skip
-    job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
+    job = PrefillJob(attempt_id="r1", prompt_ids=[1, 2, 3], decode_node="d1")
     stream = RequestStream(bus=None, request_id="r1", output_ids=[7])  # type: ignore[arg-type]
     stream.node_id = "d1"
     failover = Failover(router, router.metrics, job, stream, blocks=1)  # type: ignore[arg-type]
@@ -170,7 +170,7 @@ async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
     await failover.warm_standby()  # once per stream
     assert failover.standby == "d3"  # the most room, not the node serving it
     assert router.bus.published == [
-        ("tandem.decode.d3.prefetch", Prefetch(request_id="r1", token_ids=[1, 2, 3, 7, 8]))
+        ("tandem.decode.d3.prefetch", Prefetch(attempt_id="r1", token_ids=[1, 2, 3, 7, 8]))
     ]
     assert await failover.resume("its decode node was lost")  # on the standby, d3
     stream.node_id = "d3"

@@ -18,22 +18,22 @@ from shared.errors import WireFormatError
 pytestmark = pytest.mark.unit
 
 SAMPLES: list[m.Message] = [
-    m.PrefillJob(request_id="r", prompt_ids=[1, 2], params=SamplingParams(max_tokens=3)),
+    m.PrefillJob(attempt_id="r", prompt_ids=[1, 2], params=SamplingParams(max_tokens=3)),
     m.DecodeAssignment(
         transfer_id="t",
         snapshot=SequenceSnapshot("r", [1, 2], [3], SamplingParams(), 5, 2),
     ),
-    m.TokenDelta(request_id="r", seq=3, token_ids=[7], text="x", finished=True),
-    m.Cancel(request_id="r", reason="client gone"),
+    m.TokenDelta(attempt_id="r", seq=3, token_ids=[7], text="x", finished=True),
+    m.Cancel(attempt_id="r", reason="client gone"),
     m.NodeInfo(node_id="d1", role="decode", free_kv_blocks=9),
     m.KVEvent(node_id="k1", op="stored", block_hashes=[b"\x01" * 16]),
-    m.CheckpointRecord(request_id="r", num_tokens=32, block_hashes=[b"\x02" * 16]),
+    m.CheckpointRecord(attempt_id="r", num_tokens=32, block_hashes=[b"\x02" * 16]),
     m.JournalEntry(request_id="r", state="decoding"),
     m.KVPutTails(transfer_id="t", tails=[m.KVTail("r", 16, b"\x03" * 16, [5, 6], 1)], row_bytes=64),
     m.KVPutTailsReply(missing=["r"]),
-    m.KVGetTail(transfer_id="t", request_id="r", reply_address="tcp://127.0.0.1:9"),
+    m.KVGetTail(transfer_id="t", attempt_id="r", reply_address="tcp://127.0.0.1:9"),
     m.KVTailReply(tail=m.KVTail("r", 0, b"\x00" * 16, [5]), nbytes=64),
-    m.Prefetch(request_id="r", token_ids=[1, 2, 3]),
+    m.Prefetch(attempt_id="r", token_ids=[1, 2, 3]),
 ]
 KINDS = [type(s) for s in SAMPLES]
 

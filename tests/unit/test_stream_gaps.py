@@ -19,7 +19,7 @@ class FakeMsg:  # what nats-py hands a subscription callback: only .data and .su
 
 
 async def feed(stream: RequestStream, seq: int, finished: bool = False, node: str = "d1") -> None:
-    delta = TokenDelta(request_id="r1", seq=seq, token_ids=[100 + seq], text=f"<{seq}>",
+    delta = TokenDelta(attempt_id="r1", seq=seq, token_ids=[100 + seq], text=f"<{seq}>",
                        finished=finished, node_id=node)  # fmt: skip
     await stream._on_msg(FakeMsg(encode(delta)))  # type: ignore[arg-type]
 
@@ -67,19 +67,19 @@ async def test_no_resume_without_a_gap() -> None:
     assert [d.seq async for d in stream.deltas(5.0, 5.0, None, resume)] == [0, 1, 2]
 
 
-async def error(stream: RequestStream, attempt: str, node: str = "p1") -> None:
-    delta = TokenDelta(request_id="r1", error=f"failed in {attempt!r}", node_id=node,
-                       attempt=attempt)  # fmt: skip
+async def error(stream: RequestStream, handoff: int | None, node: str = "p1") -> None:
+    delta = TokenDelta(attempt_id="r1", error=f"failed in handoff {handoff}", node_id=node,
+                       handoff=handoff)  # fmt: skip
     await stream._on_msg(FakeMsg(encode(delta)))  # type: ignore[arg-type]
 
 
-async def test_an_error_of_a_superseded_attempt_does_not_end_the_request() -> None:
-    """A failover's job went on elsewhere while an earlier attempt's job still sat in the
+async def test_an_error_of_a_superseded_handoff_does_not_end_the_request() -> None:
+    """A failover's job went on elsewhere while an earlier handoff's job still sat in the
     prefill queue; that one expiring must not fail the live request."""
     stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
     await feed(stream, 0)
-    stream.attempt = "r1/failover-1"  # what the failover sets
-    await error(stream, "r1")  # the first attempt's job, expired in the queue
+    stream.handoff = 1  # what the failover sets
+    await error(stream, 0)  # the first handoff's job, expired in the queue
     await feed(stream, 1, node="d2")
     await feed(stream, 2, finished=True, node="d2")
     got = [d async for d in stream.deltas(5.0, 5.0)]
@@ -87,11 +87,11 @@ async def test_an_error_of_a_superseded_attempt_does_not_end_the_request() -> No
     assert stream.stale_errors == 1
 
 
-async def test_an_error_of_the_current_attempt_ends_the_request() -> None:
-    for attempt in ("r1/failover-1", ""):  # "": a node that tags no attempt (decode)
+async def test_an_error_of_the_current_handoff_ends_the_request() -> None:
+    for handoff in (1, None):  # None: a node that tags no handoff (decode)
         stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
-        stream.attempt = "r1/failover-1"
+        stream.handoff = 1
         await feed(stream, 0)
-        await error(stream, attempt)
+        await error(stream, handoff)
         got = [d async for d in stream.deltas(5.0, 5.0)]
         assert got[-1].error is not None and stream.stale_errors == 0

@@ -6,7 +6,8 @@
    node's pool holds all but a short tail of the prompt (KV-aware routing), the request goes
    straight to that node, which prefills the tail itself (step 3). Otherwise the router
    picks the decode node with the most free KV blocks per running sequence and publishes a
-   PrefillJob on the JetStream work queue (Nats-Msg-Id = request id: stored once).
+   PrefillJob on the JetStream work queue (Nats-Msg-Id = the attempt's handoff id:
+   stored once; ids are explained in shared/bus/ids.py).
 2. **prefilling** — a prefill node pulls the job (pull-based: the least busy node asks
    first), batches it with others, computes the KV and the first token, and publishes that
    token as delta 0. It asks the decode node to expect transfer `<id>` (NATS request; the

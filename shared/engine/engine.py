@@ -19,12 +19,13 @@ from shared.bus.messages import SequenceSnapshot
 from shared.bus.params import SamplingParams, new_seed
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
+from shared.engine.limits import RequestLimits
 from shared.engine.outputs import EngineStats, StepOutput
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine.tail_exchange import TailExchange
-from shared.errors import CapacityError, InvalidRequestError, WireFormatError
+from shared.errors import CapacityError, WireFormatError
 from shared.kv.block_pool import BlockPool
 from shared.kv.export import decode_kv, encode_kv
 from shared.kv.paged_cache import PagedKVCache
@@ -44,6 +45,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
     detokenize: bool = True
+    # Chunked prefill (scheduler.py): 0 prefills a prompt whole before the next decode step
+    step_token_budget: int = 0
+    prefill_chunk_tokens: int = 512
 
 
 class Engine:
@@ -67,6 +71,8 @@ class Engine:
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_caching=self.config.enable_prefix_caching,
+                step_token_budget=self.config.step_token_budget,
+                prefill_chunk_tokens=self.config.prefill_chunk_tokens,
             ),
             self.pool,
             hash_extra,
@@ -78,6 +84,9 @@ class Engine:
         self.scheduler.on_commit = self.exchange.on_commit
         self.tails = TailExchange(self.layout, self.cache, self.scheduler, hash_extra)
         self.vocab_size = int(model.config.vocab_size)
+        self.limits = RequestLimits(
+            model.max_model_len, self.vocab_size, self.config.block_size, num_blocks
+        )
         self._ids = itertools.count()
 
     # ---- admission -------------------------------------------------------------------------
@@ -93,44 +102,7 @@ class Engine:
 
         `output_ids`: tokens generated before (a resumed or imported sequence).
         """
-        params.validate(request_id)
-        limit = self.model.max_model_len
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty", request_id=request_id, param="prompt")
-        if len(prompt_ids) >= limit:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}",
-                request_id=request_id,
-                param="prompt",
-            )
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context of {limit}",
-                request_id=request_id,
-                param="max_tokens",
-            )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise InvalidRequestError(
-                "prompt contains token ids outside the vocabulary",
-                request_id=request_id,
-                param="prompt",
-            )
-        if self.scheduler.blocks_for(len(prompt_ids) + params.max_tokens) > self.pool.num_blocks:
-            raise CapacityError(
-                "request needs more KV blocks than this node has in total", request_id=request_id
-            )
-        if output_ids and len(output_ids) >= params.max_tokens:
-            raise InvalidRequestError(
-                "the sequence has already produced max_tokens", request_id=request_id
-            )
-        if output_ids and (min(output_ids) < 0 or max(output_ids) >= self.vocab_size):
-            raise InvalidRequestError(
-                "generated output contains token ids outside the vocabulary",
-                request_id=request_id,
-            )
-        if request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)
+        self.limits.check(request_id, prompt_ids, params, output_ids, known=self.requests)
 
     def _new_sequence(
         self,
@@ -252,41 +224,73 @@ class Engine:
     # ---- execution -------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        sched = self.scheduler
+        return bool(sched.waiting or sched.running or sched.prefilling)
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return len(self.scheduler.running) + len(self.scheduler.prefilling)
 
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[StepOutput]:
-        """One forward pass (prefill batch or decode step); outputs of the sequences in it."""
+        """One step: a prefill batch or a decode step (the classic schedule), or, with
+        chunked prefill and sequences running, a decode step and a chunk of one prompt."""
+        if self.scheduler.chunking:
+            return self._chunked_step()
         batch = self.scheduler.schedule_prefill()
+        if not batch:
+            decodes = self.scheduler.schedule_decode()
+            return self._decode(decodes) if decodes else []
         for seq in batch:
             if seq.tail is not None:
                 self.tails.place(seq)
-        if batch:
-            logits = self.runner.forward_packed(
-                [PackedItem(s.pending_ids, s.num_computed, s.block_ids) for s in batch]
-            )
-            self.stats.prefill_steps += 1
-            self.stats.prefill_tokens += sum(len(s.pending_ids) for s in batch)
-            for seq in batch:
-                self.scheduler.add_running(seq)
-        else:
-            batch = self.scheduler.schedule_decode()
-            if not batch:
-                return []
-            logits = self.runner.forward_decode(
-                [s.last_token for s in batch],
-                [s.num_tokens - 1 for s in batch],
-                [s.block_ids for s in batch],
-            )
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(batch)
+        logits = self.runner.forward_packed(
+            [PackedItem(s.pending_ids, s.num_computed, s.block_ids) for s in batch]
+        )
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += sum(len(s.pending_ids) for s in batch)
+        for seq in batch:
+            self.scheduler.add_running(seq)
+        self.stats.steps += 1
+        self.stats.last_batch_size = len(batch)
+        return self._after_forward(batch, logits)
+
+    def _chunked_step(self) -> list[StepOutput]:
+        """Every running sequence decodes one token, and the prompt being prefilled advances
+        by a chunk within the step's token budget; a chunk that ends its prompt samples the
+        first token (a long prompt no longer stalls the running streams for its whole
+        prefill). Greedy output is unchanged: a chunk attends over the KV of the chunks
+        before it exactly as a prompt attends over a cached prefix."""
+        decodes = self.scheduler.schedule_decode()
+        outputs = self._decode(decodes) if decodes else []
+        seq = self.scheduler.admit_for_chunks()
+        if seq is None:
+            return outputs
+        if seq.tail is not None:
+            self.tails.place(seq)
+        pending = seq.pending_ids
+        chunk = pending[: self.scheduler.chunk_size(len(decodes))]
+        logits = self.runner.forward_packed([PackedItem(chunk, seq.num_computed, seq.block_ids)])
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += len(chunk)
+        if len(chunk) < len(pending):  # more to come: no token yet
+            seq.num_computed += len(chunk)
+            self.scheduler.commit_full_blocks(seq)
+            return outputs
+        self.scheduler.prefilled(seq)
+        return outputs + self._after_forward([seq], logits)
+
+    def _decode(self, batch: list[Sequence]) -> list[StepOutput]:
+        logits = self.runner.forward_decode(
+            [s.last_token for s in batch],
+            [s.num_tokens - 1 for s in batch],
+            [s.block_ids for s in batch],
+        )
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(batch)
         self.stats.steps += 1
         self.stats.last_batch_size = len(batch)
         return self._after_forward(batch, logits)

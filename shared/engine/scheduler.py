@@ -24,6 +24,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
+    # Chunked prefill: tokens one step may compute, decodes and a prefill chunk together
+    # (0: off, a prompt is prefilled whole before the next decode step).
+    step_token_budget: int = 0
+    prefill_chunk_tokens: int = 512  # at most this many prompt tokens per step when chunking
 
 
 class Scheduler:
@@ -35,6 +39,8 @@ class Scheduler:
         self.hash_extra = hash_extra
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # admitted, blocks held, prompt partly computed: prefilled a chunk per step
+        self.prefilling: list[Sequence] = []
         self.num_preemptions = 0
         # Told of blocks this node filled itself (hashes, block ids), to store them elsewhere.
         self.on_commit: Callable[[Sequence, int, list[BlockHash], list[int]], None] | None = None
@@ -57,6 +63,8 @@ class Scheduler:
         """Take a sequence out of the queues and free its blocks (finish or abort)."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.release_blocks(seq)
@@ -80,29 +88,72 @@ class Scheduler:
         batch: list[Sequence] = []
         tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            hits, hit_hashes = self._prefix_hits(seq)
-            computed = seq.num_computed if seq.block_ids else len(hits) * self.config.block_size
-            pending = seq.num_tokens - computed
-            if batch and tokens + pending > self.config.max_num_batched_tokens:
+            pending = self._admit_head(budget=None if not batch else self._room(tokens))
+            if pending is None:
                 break
-            held = len(seq.block_ids) + len(hits)
-            need = max(0, self.blocks_for(seq.num_tokens) - held)
-            reclaimed = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
-            if not self.pool.can_allocate(need + reclaimed):
-                break
-            self.pool.share(hits)
-            seq.block_ids = seq.block_ids + hits + self.pool.allocate(need)
-            if hits:
-                seq.block_hashes = hit_hashes
-                seq.num_computed = computed
-                seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
-            self.waiting.popleft()
-            batch.append(seq)
+            batch.append(self.waiting.popleft())
             tokens += pending
         for seq in batch:
             seq.status = SequenceStatus.RUNNING
         return batch
+
+    def _room(self, tokens: int) -> int:
+        return self.config.max_num_batched_tokens - tokens
+
+    def _admit_head(self, budget: int | None) -> int | None:
+        """Give the first waiting sequence its blocks (cached prefix hits shared, the rest
+        allocated), if they fit and its pending tokens are within `budget` (None: any);
+        returns its pending token count, or None (nothing changed)."""
+        seq = self.waiting[0]
+        hits, hit_hashes = self._prefix_hits(seq)
+        computed = seq.num_computed if seq.block_ids else len(hits) * self.config.block_size
+        pending = seq.num_tokens - computed
+        if budget is not None and pending > budget:
+            return None
+        held = len(seq.block_ids) + len(hits)
+        need = max(0, self.blocks_for(seq.num_tokens) - held)
+        reclaimed = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        if not self.pool.can_allocate(need + reclaimed):
+            return None
+        self.pool.share(hits)
+        seq.block_ids = seq.block_ids + hits + self.pool.allocate(need)
+        if hits:
+            seq.block_hashes = hit_hashes
+            seq.num_computed = computed
+            seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
+        return pending
+
+    # ---- chunked prefill ------------------------------------------------------------------
+
+    @property
+    def chunking(self) -> bool:
+        """Whether this step should prefill in chunks beside the running decodes."""
+        return self.config.step_token_budget > 0 and bool(self.running or self.prefilling)
+
+    def admit_for_chunks(self) -> Sequence | None:
+        """The sequence whose prompt this step prefills a chunk of: the one started, else
+        the first waiting one if its blocks fit (then it holds them until it finishes)."""
+        if self.prefilling:
+            return self.prefilling[0]
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        if self._admit_head(budget=None) is None:
+            return None
+        seq = self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.prefilling.append(seq)
+        return seq
+
+    def chunk_size(self, decodes: int) -> int:
+        """Prompt tokens this step may compute beside `decodes` decode tokens (at least one
+        block, so a long prompt still advances on a full batch)."""
+        room = self.config.step_token_budget - decodes
+        return max(self.config.block_size, min(self.config.prefill_chunk_tokens, room))
+
+    def prefilled(self, seq: Sequence) -> None:
+        """Its last chunk is computed: it decodes from the next step on."""
+        self.prefilling.remove(seq)
+        self.running.append(seq)
 
     def schedule_decode(self) -> list[Sequence]:
         """Every running sequence, each with a slot for its next token (preempting if needed)."""

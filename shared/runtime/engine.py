@@ -37,5 +37,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            step_token_budget=args.step_token_budget,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
         ),
     )

@@ -87,10 +87,28 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
 
 
+STEP_TOKEN_BUDGET = 0  # see docs/benchmarks.md, "Chunked prefill"
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
     add_option(p, "--max-num-seqs", type=int, default=64)
     add_option(p, "--max-batched-tokens", type=int, default=4096)
+    add_option(
+        p,
+        "--step-token-budget",
+        type=int,
+        default=STEP_TOKEN_BUDGET,
+        help="chunked prefill: tokens one engine step computes, decodes and a prompt chunk "
+        "together, while sequences run (0: prefill each prompt whole)",
+    )
+    add_option(
+        p,
+        "--prefill-chunk-tokens",
+        type=int,
+        default=512,
+        help="chunked prefill: prompt tokens one step computes at most",
+    )
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     add_option(
         p,

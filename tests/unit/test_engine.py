@@ -259,3 +259,49 @@ def test_a_failed_prefill_batch_leaves_the_engine_clean(tiny_model: LoadedModel)
     assert not engine.has_unfinished() and engine.pool.num_used == 0
     results = engine.prefill_and_export([("next", b, params)])
     assert [out.request_id for out, _, _ in results] == ["next"]
+
+
+def test_chunked_prefill_keeps_decodes_going_and_tokens_unchanged(
+    tiny_model: LoadedModel,
+) -> None:
+    """A long prompt arriving while others decode is prefilled a chunk per step: the running
+    sequences get a token every step meanwhile (no stall), and every output equals the
+    sequence run alone."""
+    rng = random.Random(7)
+    short = [[rng.randrange(3, 49152) for _ in range(8)] for _ in range(3)]
+    long = [rng.randrange(3, 49152) for _ in range(300)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    config = EngineConfig(num_blocks=256, step_token_budget=40, prefill_chunk_tokens=32)
+    engine = Engine(tiny_model, config)
+    ids = [engine.add_request(p, params) for p in short]
+    got: dict[str, list[int]] = {}
+    for out in engine.step():  # the short ones prefill together, then decode
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    long_id = engine.add_request(long, params)
+    steps_until_first = 0
+    while long_id not in got:
+        outs = engine.step()
+        steps_until_first += 1
+        assert {o.request_id for o in outs} >= set(ids)  # every running one got a token
+        for out in outs:
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert steps_until_first >= 300 // 32  # it went in chunks of at most 32 tokens
+    for out in run_to_end(engine).items():
+        got.setdefault(out[0], []).extend(out[1])
+    for rid, prompt in zip([*ids, long_id], [*short, long], strict=True):
+        assert got[rid] == alone(tiny_model, prompt, params)
+    assert engine.pool.num_used == 0
+
+
+def test_an_aborted_prompt_mid_chunks_frees_its_blocks(tiny_model: LoadedModel) -> None:
+    config = EngineConfig(num_blocks=64, step_token_budget=24, prefill_chunk_tokens=16)
+    engine = Engine(tiny_model, config)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()
+    long_id = engine.add_request(list(range(10, 210)), GREEDY)
+    engine.step()
+    assert engine.scheduler.prefilling  # partly computed
+    assert engine.abort(long_id)
+    assert not engine.scheduler.prefilling
+    run_to_end(engine)
+    assert engine.pool.num_used == 0

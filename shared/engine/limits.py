@@ -1,0 +1,68 @@
+"""What an engine accepts: a request's limits, checked before anything is touched."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+
+from shared.bus.params import SamplingParams
+from shared.errors import CapacityError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    total_blocks: int
+
+    def check(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_ids: list[int] | None = None,
+        known: Container[str] = (),
+    ) -> None:
+        """Raise InvalidRequestError (or CapacityError) without touching any state.
+
+        `output_ids`: tokens generated before (a resumed or imported sequence).
+        """
+        params.validate(request_id)
+        limit = self.max_model_len
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty", request_id=request_id, param="prompt")
+        if len(prompt_ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}",
+                request_id=request_id,
+                param="prompt",
+            )
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context of {limit}",
+                request_id=request_id,
+                param="max_tokens",
+            )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                "prompt contains token ids outside the vocabulary",
+                request_id=request_id,
+                param="prompt",
+            )
+        if -(-(len(prompt_ids) + params.max_tokens) // self.block_size) > self.total_blocks:
+            raise CapacityError(
+                "request needs more KV blocks than this node has in total", request_id=request_id
+            )
+        if output_ids and len(output_ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                "the sequence has already produced max_tokens", request_id=request_id
+            )
+        if output_ids and (min(output_ids) < 0 or max(output_ids) >= self.vocab_size):
+            raise InvalidRequestError(
+                "generated output contains token ids outside the vocabulary",
+                request_id=request_id,
+            )
+        if request_id in known:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)

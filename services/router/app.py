@@ -22,6 +22,7 @@ from services.router.parts import RouterParts
 from services.router.relay import relay
 from services.router.resume import resume_stream
 from services.router.routing import PrefixRouter
+from services.router.tokens_api import TokensApi
 from shared.bus.workqueue import purge_steered
 from shared.errors import TandemError
 from shared.model.tokenizer import TokenizerInfo
@@ -39,6 +40,8 @@ class Router:
         self.routing = routing
         self.tok = tokenizer
         self._background: set[asyncio.Future[None]] = set()
+        config = parts.config
+        self.tokens = TokensApi(tokenizer, config.limits, config.max_body_bytes)
         parts.nodes.on_leave.append(self.node_left)
 
     def node_left(self, node_id: str) -> None:

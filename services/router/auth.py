@@ -23,7 +23,7 @@ from aiohttp.typedefs import Middleware
 
 from shared.errors import AuthenticationError, RateLimitError, TandemError
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/version"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

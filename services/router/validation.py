@@ -199,6 +199,18 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return bool(options and options.get("include_usage") is True)
 
 
+def tokenize_body(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
+    """The tokens of a `/tokenize` body: a chat's `messages` through the chat template (with
+    `add_generation_prompt`, default true) or a `prompt` string (with `add_special_tokens`,
+    default true), as vLLM's endpoint takes them."""
+    if "messages" in body:
+        return tok.chat(_messages(body), _bool(body, "add_generation_prompt", True))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _bad("'prompt' must be a string (or send 'messages')", "prompt")
+    return tok.encode(prompt, add_special_tokens=_bool(body, "add_special_tokens", True))
+
+
 def parse_request(
     body: Any, chat: bool, tok: TokenizerInfo, served: set[str], limits: Limits
 ) -> ParsedRequest:

@@ -79,16 +79,23 @@ class TokenizerInfo:
     chat_template: jinja2.Template | None = None
     special_tokens: dict[str, str] | None = None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if self.chat_template is None:
             raise ModelLoadError("this model has no chat template")
         try:
             text = self.chat_template.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
                 **(self.special_tokens or {}),

@@ -140,6 +140,35 @@ async def test_streams_parse_with_a_naive_sse_reader_and_the_sdk(
         assert "".join(ch.choices[0].text for ch in stream if ch.choices) == ref
 
 
+async def test_tokenize_detokenize_and_version(stack: Stack, real_model: LoadedModel) -> None:
+    """vLLM's extension endpoints: the tokenizer's own ids, a round trip, clear 4xx."""
+    text = "The capital of France is Paris. 日本 🙂"
+    messages = [{"role": "user", "content": "Hi there"}]
+    async with aiohttp.ClientSession(stack.url) as s:
+        async with s.post("/tokenize", json={"model": MODEL, "prompt": text}) as r:
+            assert r.status == 200
+            body = await r.json()
+        want = real_model.tokenizer.encode(text, add_special_tokens=True)
+        assert body["tokens"] == want and body["count"] == len(want)
+        assert body["max_model_len"] == real_model.max_model_len
+        async with s.post("/tokenize", json={"model": MODEL, "messages": messages}) as r:
+            assert (await r.json())["tokens"] == real_model.apply_chat_template(messages)
+        async with s.post("/detokenize", json={"model": MODEL, "tokens": want}) as r:
+            assert (await r.json())["prompt"] == real_model.tokenizer.decode(want)
+        async with s.get("/version") as r:
+            assert r.status == 200 and (await r.json())["version"]
+        bad = [
+            ("/tokenize", {"model": MODEL, "prompt": 5}, 400),
+            ("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+            ("/detokenize", {"model": MODEL, "tokens": [1, "x"]}, 400),
+            ("/detokenize", {"model": MODEL, "tokens": [10**9]}, 400),
+        ]
+        for path, payload, status in bad:
+            async with s.post(path, json=payload) as r:
+                assert r.status == status, (path, payload)
+                assert (await r.json())["error"]["message"]
+
+
 def test_models_health_ready_metrics(stack: Stack) -> None:
     with client(stack) as c:
         assert [m.id for m in c.models.list().data] == [MODEL]

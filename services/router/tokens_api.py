@@ -1,0 +1,63 @@
+"""vLLM's extension endpoints that tools probe: `POST /tokenize`, `POST /detokenize`,
+`GET /version`. Same shapes as vLLM's (`count`, `max_model_len`, `tokens`; `prompt`;
+`version`), validated like the completions body, answered by the router's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from aiohttp import web
+
+from services.router.admission import read_body
+from services.router.validation import Limits, tokenize_body
+from shared.errors import InvalidRequestError, NotFoundError
+from shared.model.tokenizer import TokenizerInfo
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+VERSION = _version()
+
+
+class TokensApi:
+    def __init__(self, tok: TokenizerInfo, limits: Limits, max_body_bytes: int) -> None:
+        self.tok = tok
+        self.limits = limits
+        self.max_body_bytes = max_body_bytes
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        body = await read_body(request, self.max_body_bytes)
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        model = body.get("model", self.tok.served_name)  # vLLM lets it be left out
+        if model != self.tok.served_name:
+            raise NotFoundError(f"model '{model}' not found", param="model", code="model_not_found")
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = tokenize_body(body, self.tok)
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": self.tok.max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
+        if any(not 0 <= t < self.tok.vocab_size for t in tokens):
+            raise InvalidRequestError("'tokens' holds ids outside the vocabulary", param="tokens")
+        return web.json_response({"prompt": self.tok.decode(tokens)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})

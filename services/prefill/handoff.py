@@ -77,7 +77,7 @@ class HandOff:
         frame: bytes | None,
         ctx: otel_context.Context,
     ) -> None:
-        bind(attempt_id=job.job.attempt_id)  # this task's log lines carry the request id
+        bind(request_id=job.job.attempt_id)  # this task's log lines carry the request id
         with TRACER.start_as_current_span("prefill.handoff", context=ctx):
             log.info("prefilled: %d prompt tokens", out.num_prompt_tokens)
             try:

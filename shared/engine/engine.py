@@ -266,22 +266,27 @@ class Engine:
         before it exactly as a prompt attends over a cached prefix."""
         decodes = self.scheduler.schedule_decode()
         outputs = self._decode(decodes) if decodes else []
-        seq = self.scheduler.admit_for_chunks()
-        if seq is None:
+        chunks = self.scheduler.schedule_chunks(self.scheduler.chunk_size(len(decodes)))
+        if not chunks:
             return outputs
-        if seq.tail is not None:
-            self.tails.place(seq)
-        pending = seq.pending_ids
-        chunk = pending[: self.scheduler.chunk_size(len(decodes))]
-        logits = self.runner.forward_packed([PackedItem(chunk, seq.num_computed, seq.block_ids)])
+        for seq, _ in chunks:
+            if seq.tail is not None:  # a resume's stored tail, placed once at admission
+                self.tails.place(seq)
+        items = [PackedItem(s.pending_ids[:n], s.num_computed, s.block_ids) for s, n in chunks]
+        logits = self.runner.forward_packed(items)
         self.stats.prefill_steps += 1
-        self.stats.prefill_tokens += len(chunk)
-        if len(chunk) < len(pending):  # more to come: no token yet
-            seq.num_computed += len(chunk)
-            self.scheduler.commit_full_blocks(seq)
+        self.stats.prefill_tokens += sum(n for _, n in chunks)
+        done: list[int] = []
+        for i, (seq, n) in enumerate(chunks):
+            if n < len(seq.pending_ids):  # more to come: no token yet
+                seq.num_computed += n
+                self.scheduler.commit_full_blocks(seq)
+            else:
+                self.scheduler.prefilled(seq)
+                done.append(i)
+        if not done:
             return outputs
-        self.scheduler.prefilled(seq)
-        return outputs + self._after_forward([seq], logits)
+        return outputs + self._after_forward([chunks[i][0] for i in done], logits[done])
 
     def _decode(self, batch: list[Sequence]) -> list[StepOutput]:
         logits = self.runner.forward_decode(

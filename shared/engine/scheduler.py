@@ -130,19 +130,29 @@ class Scheduler:
         """Whether this step should prefill in chunks beside the running decodes."""
         return self.config.step_token_budget > 0 and bool(self.running or self.prefilling)
 
-    def admit_for_chunks(self) -> Sequence | None:
-        """The sequence whose prompt this step prefills a chunk of: the one started, else
-        the first waiting one if its blocks fit (then it holds them until it finishes)."""
-        if self.prefilling:
-            return self.prefilling[0]
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
-            return None
-        if self._admit_head(budget=None) is None:
-            return None
-        seq = self.waiting.popleft()
-        seq.status = SequenceStatus.RUNNING
-        self.prefilling.append(seq)
-        return seq
+    def schedule_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
+        """The prompts this step computes a chunk of, and how many tokens each, within
+        `budget`: the ones started first (FIFO), then waiting ones admitted while blocks
+        and the budget last (an admitted one holds its blocks until it finishes)."""
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            if budget <= 0:
+                return chunks
+            n = min(budget, len(seq.pending_ids))
+            chunks.append((seq, n))
+            budget -= n
+        while budget > 0 and self.waiting:
+            if len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
+                break
+            if self._admit_head(budget=None) is None:
+                break
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.prefilling.append(seq)
+            n = min(budget, len(seq.pending_ids))
+            chunks.append((seq, n))
+            budget -= n
+        return chunks
 
     def chunk_size(self, decodes: int) -> int:
         """Prompt tokens this step may compute beside `decodes` decode tokens (at least one

@@ -87,7 +87,7 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
 
 
-STEP_TOKEN_BUDGET = 0  # see docs/benchmarks.md, "Chunked prefill"
+STEP_TOKEN_BUDGET = 256  # measured: docs/benchmarks.md, "Chunked prefill"
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:

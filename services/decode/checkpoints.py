@@ -29,7 +29,7 @@ from shared.engine.block_exchange import CheckpointPoint
 from shared.engine.engine import Engine
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader
-from shared.tasks import cancel_and_wait
+from shared.tasks import WakeLoop
 from shared.telemetry.metrics import NodeMetrics
 
 log = logging.getLogger("tandem.decode.checkpoints")
@@ -47,46 +47,43 @@ class CheckpointWriter:
         self.latest: dict[str, CheckpointPoint] = {}
         self.written = 0
         self.failed = 0
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = WakeLoop(self._round)
 
     def stored(self, points: list[CheckpointPoint]) -> None:
         """The blocks behind these points are stored: record them (latest per request)."""
         for point in points:
             self.latest[point.request_id] = point
         if points:
-            self._wake.set()
+            self._loop.wake()
 
     def start(self) -> CheckpointWriter:
-        self._task = asyncio.create_task(self._run())
+        self._loop.start()
         return self
 
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self.latest:
-                rid = next(iter(self.latest))
-                point = self.latest.pop(rid)
-                if not self.running(rid):
-                    continue  # finished or moved: the router forgets the request anyway
-                record = CheckpointRecord(
-                    attempt_id=AttemptId(rid),
-                    node_id=self.node_id,
-                    num_tokens=point.num_tokens,
-                    block_hashes=[bytes(h) for h in point.block_hashes],
-                    output_ids=point.output_ids,
-                    seed=point.seed,
-                )
-                try:
-                    await asyncio.wait_for(self.journal.put_checkpoint(record), WRITE_TIMEOUT)
-                    self.written += 1
-                except Exception as exc:  # a later record supersedes it
-                    self.failed += 1
-                    log.debug("checkpoint record of %s not written: %r", rid, exc)
+    async def _round(self) -> None:
+        """The latest point of every sequence still running here, a record each."""
+        while self.latest:
+            rid = next(iter(self.latest))
+            point = self.latest.pop(rid)
+            if not self.running(rid):
+                continue  # finished or moved: the router forgets the request anyway
+            record = CheckpointRecord(
+                attempt_id=AttemptId(rid),
+                node_id=self.node_id,
+                num_tokens=point.num_tokens,
+                block_hashes=[bytes(h) for h in point.block_hashes],
+                output_ids=point.output_ids,
+                seed=point.seed,
+            )
+            try:
+                await asyncio.wait_for(self.journal.put_checkpoint(record), WRITE_TIMEOUT)
+                self.written += 1
+            except Exception as exc:  # a later record supersedes it
+                self.failed += 1
+                log.debug("checkpoint record of %s not written: %r", rid, exc)
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
+        await self._loop.close()
 
 
 class Checkpointing:

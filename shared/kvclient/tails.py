@@ -18,13 +18,12 @@ token does).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 from shared.kv.tail import TailBlock, continues
 from shared.kvclient.client import KVCacheClient
-from shared.tasks import cancel_and_wait
+from shared.tasks import WakeLoop
 
 log = logging.getLogger("tandem.decode.tails")
 
@@ -50,8 +49,7 @@ class TailUploader:
         self.skipped = 0  # merged into or replaced by a newer one before being written
         self.lost = 0  # not stored whole: sent again whole
         self.on_lost: Callable[[list[str]], None] = lambda request_ids: None
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = WakeLoop(self._round, min_interval=interval)
 
     def submit(self, tails: list[TailBlock]) -> None:
         for tail in tails:
@@ -66,7 +64,7 @@ class TailUploader:
                     tail = merged
             self.latest[tail.request_id] = tail
         if tails:
-            self._wake.set()
+            self._loop.wake()
 
     def forget(self, request_id: str) -> None:
         self.latest.pop(request_id, None)
@@ -81,30 +79,23 @@ class TailUploader:
         self.on_lost(request_ids)
 
     def start(self) -> TailUploader:
-        self._task = asyncio.create_task(self._run())
+        self._loop.start()
         return self
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        started = -1e9
-        while True:
-            await self._wake.wait()
-            # Pieces submitted while this waits merge into what is pending.
-            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
-            self._wake.clear()
-            started = loop.time()
-            # What arrives during this round waits for the next (its submit set _wake).
-            due = set(self.latest)
-            while due & self.latest.keys():
-                batch = self._next_batch(due)
-                try:
-                    lost = await self.client.store_tails(batch)
-                except Exception as exc:  # the client logs node failures; a bug guard
-                    log.warning("storing %d tails failed: %r", len(batch), exc)
-                    lost = [t.request_id for t in batch]
-                self.stored += len(batch) - len(lost)
-                if lost:
-                    self._lost(lost)
+    async def _round(self) -> None:
+        """The tails pending now (pieces submitted while the round waited for its interval
+        merged in); what arrives during the round waits for the next (it woke the loop)."""
+        due = set(self.latest)
+        while due & self.latest.keys():
+            batch = self._next_batch(due)
+            try:
+                lost = await self.client.store_tails(batch)
+            except Exception as exc:  # the client logs node failures; a bug guard
+                log.warning("storing %d tails failed: %r", len(batch), exc)
+                lost = [t.request_id for t in batch]
+            self.stored += len(batch) - len(lost)
+            if lost:
+                self._lost(lost)
 
     def _next_batch(self, due: set[str]) -> list[TailBlock]:
         """The oldest pending tails of `due` (taken out of it), up to a put's count and
@@ -120,4 +111,4 @@ class TailUploader:
         return batch
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
+        await self._loop.close()

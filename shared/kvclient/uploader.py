@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from shared.kvclient.client import KVCacheClient
-from shared.tasks import cancel_and_wait
+from shared.tasks import WakeLoop
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.kv_uploader")
@@ -42,10 +42,9 @@ class BlockUploader:
         self.pending_bytes = 0
         self.stored = 0
         self.dropped = 0
-        self._wake = asyncio.Event()
+        self._loop = WakeLoop(self._round)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._task: asyncio.Task[None] | None = None
         # (first, end) positions of a submission's blocks → the requests they belong to: a
         # batch's span links every request with a block in it, however submissions split
         self._links: deque[tuple[int, int, list[SpanContext]]] = deque()
@@ -78,42 +77,36 @@ class BlockUploader:
             self._links.append((first, self._queued_total, valid))
         if accepted:
             self._idle.clear()
-            self._wake.set()
+            self._loop.wake()
         return accepted
 
     def start(self) -> BlockUploader:
-        self._task = asyncio.create_task(self._run())
+        self._loop.start()
         return self
 
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self.queue:
-                batch = [
-                    self.queue.popleft() for _ in range(min(MAX_BLOCKS_PER_PUT, len(self.queue)))
-                ]
-                links = self._batch_links(self._done_total, self._done_total + len(batch))
-                nbytes = sum(len(b) for _, b in batch)
-                with TRACER.start_as_current_span(
-                    "kv.checkpoint",
-                    context=trace.set_span_in_context(trace.INVALID_SPAN),  # a trace of its own
-                    links=links,
-                    attributes={"tandem.blocks": len(batch), "tandem.bytes": nbytes},
-                ) as span:
-                    try:
-                        stored = await self.client.store(
-                            [h for h, _ in batch], [b for _, b in batch]
-                        )
-                        self.stored += stored
-                        span.set_attribute("tandem.stored", stored)
-                    except Exception as exc:  # the client logs node failures; a bug guard
-                        log.warning("storing %d blocks failed: %r", len(batch), exc)
-                        span.record_exception(exc)
-                        stored = 0
-                self.pending_bytes -= sum(len(b) for _, b in batch)
-                self._batch_done(len(batch), stored == len(batch))
-            self._idle.set()
+    async def _round(self) -> None:
+        """Everything queued, a put at a time."""
+        while self.queue:
+            batch = [self.queue.popleft() for _ in range(min(MAX_BLOCKS_PER_PUT, len(self.queue)))]
+            links = self._batch_links(self._done_total, self._done_total + len(batch))
+            nbytes = sum(len(b) for _, b in batch)
+            with TRACER.start_as_current_span(
+                "kv.checkpoint",
+                context=trace.set_span_in_context(trace.INVALID_SPAN),  # a trace of its own
+                links=links,
+                attributes={"tandem.blocks": len(batch), "tandem.bytes": nbytes},
+            ) as span:
+                try:
+                    stored = await self.client.store([h for h, _ in batch], [b for _, b in batch])
+                    self.stored += stored
+                    span.set_attribute("tandem.stored", stored)
+                except Exception as exc:  # the client logs node failures; a bug guard
+                    log.warning("storing %d blocks failed: %r", len(batch), exc)
+                    span.record_exception(exc)
+                    stored = 0
+            self.pending_bytes -= sum(len(b) for _, b in batch)
+            self._batch_done(len(batch), stored == len(batch))
+        self._idle.set()
 
     def _batch_links(self, start: int, end: int) -> list[Link]:
         """Links to the requests with a block in positions [start, end), at most MAX_LINKS."""
@@ -147,4 +140,4 @@ class BlockUploader:
             return False
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
+        await self._loop.close()

@@ -152,7 +152,8 @@ def _max_tokens(
 ) -> int:
     """Tokens to generate at most: as asked, within limits and the model's context (a chat
     that asks nothing gets the room left, a completion OpenAI's default)."""
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    # OpenAI's newer name, taken on both endpoints (vLLM does too)
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _int(body, key, None if chat else limits.default_max_tokens)
     room = tok.max_model_len - prompt_tokens
     if max_tokens is None:
@@ -168,7 +169,64 @@ def _max_tokens(
     return max_tokens
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, limits: Limits) -> SamplingParams:
+MAX_BIASED_TOKENS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_USER_LEN = 256
+
+
+def _token_ids(value: Any, param: str, vocab: int, limit: int) -> list[int]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise _bad(f"'{param}' must be a list of at most {limit} token ids", param)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value):
+        raise _bad(f"'{param}' must hold token ids in [0, {vocab})", param)
+    return value
+
+
+def _logit_bias(body: dict[str, Any], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"<token id>": bias}`; ids as strings (JSON keys) or ints."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_BIASED_TOKENS:
+        raise _bad(
+            f"'logit_bias' must map at most {MAX_BIASED_TOKENS} token ids to biases", "logit_bias"
+        )
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError) as exc:
+            raise _bad("'logit_bias' keys must be token ids", "logit_bias") from exc
+        if not 0 <= token < vocab:
+            raise _bad(f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise _bad("'logit_bias' values must be numbers", "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
+def _processing(body: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """Penalties, logit bias, min_tokens and stop_token_ids (ranges checked by
+    SamplingParams.validate); `user` is checked and otherwise ignored."""
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_LEN):
+        raise _bad(f"'user' must be a string of at most {MAX_USER_LEN} characters", "user")
+    stop_ids = body.get("stop_token_ids")
+    return {
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "logit_bias": _logit_bias(body, vocab),
+        "min_tokens": _int(body, "min_tokens", 0) or 0,
+        "stop_token_ids": tuple(
+            _token_ids(stop_ids, "stop_token_ids", vocab, MAX_STOP_TOKEN_IDS)
+            if stop_ids is not None
+            else ()
+        ),
+    }
+
+
+def _sampling(body: dict[str, Any], max_tokens: int, limits: Limits, vocab: int) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise _bad("'temperature' must be between 0 and 2", "temperature")
@@ -181,7 +239,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, limits: Limits) -> Sampling
     seed = _int(body, "seed", None)
     if seed is not None and not 0 <= seed < 2**63:
         raise _bad("'seed' must be a non-negative 63-bit integer", "seed")
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -189,7 +247,10 @@ def _sampling(body: dict[str, Any], max_tokens: int, limits: Limits) -> Sampling
         seed=seed,
         stop=_stop(body, limits),
         ignore_eos=_bool(body, "ignore_eos", False),
+        **_processing(body, vocab),
     )
+    params.validate()  # the ranges every node checks too
+    return params
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -211,6 +272,17 @@ def tokenize_body(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
     return tok.encode(prompt, add_special_tokens=_bool(body, "add_special_tokens", True))
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Parameters a client relies on that Tandem does not implement yet: a clear 400, not
+    a response that silently lacks what was asked for."""
+    for key in ("logprobs", "top_logprobs", "echo"):
+        if body.get(key) not in (None, False, 0):
+            raise _bad(f"'{key}' is not supported yet", key)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _bad("'response_format' other than text is not supported yet", "response_format")
+
+
 def parse_request(
     body: Any, chat: bool, tok: TokenizerInfo, served: set[str], limits: Limits
 ) -> ParsedRequest:
@@ -219,8 +291,9 @@ def parse_request(
     model = _model(body, served)
     if _int(body, "n", 1) != 1:
         raise _bad("only n=1 is supported", "n")
+    _refuse_unsupported(body)
     prompt_ids = _prompt_ids(body, chat, tok, limits)
     max_tokens = _max_tokens(body, chat, len(prompt_ids), tok, limits)
-    params = _sampling(body, max_tokens, limits)
+    params = _sampling(body, max_tokens, limits, tok.vocab_size)
     stream = _bool(body, "stream", False)
     return ParsedRequest(chat, model, prompt_ids, params, stream, _include_usage(body))

@@ -26,10 +26,29 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Logits processing (shared/engine/logits.py); a resumed sequence recomputes what these
+    # depend on from its prompt and output, so they survive a failover unchanged.
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often it was generated
+    repetition_penalty: float = 1.0  # transformers': scores of prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # no EOS or stop token before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # generating one of these ends the request
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits need more than temperature, top-k and top-p (the slow path)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self, request_id: str | None = None) -> None:
         """Raise InvalidRequestError naming the bad parameter."""
@@ -49,6 +68,19 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad("seed", "seed must be an integer in [0, 2**64)")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2 <= value <= 2:
+                raise bad(name, f"{name} must be between -2 and 2, got {value}")
+        rp = self.repetition_penalty
+        if not math.isfinite(rp) or not 0 < rp <= 10:
+            raise bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {rp}")
+        if any(not math.isfinite(b) or not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise bad("logit_bias", "logit_bias values must be between -100 and 100")
+        if any(t < 0 for t, _ in self.logit_bias) or any(t < 0 for t in self.stop_token_ids):
+            raise bad("logit_bias", "token ids must not be negative")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "min_tokens must be between 0 and max_tokens")
 
 
 def new_seed() -> int:

@@ -20,6 +20,7 @@ from shared.bus.params import SamplingParams, new_seed
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
 from shared.engine.limits import RequestLimits
+from shared.engine.logits import process_batch
 from shared.engine.outputs import EngineStats, StepOutput
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -301,6 +302,7 @@ class Engine:
         return self._after_forward(batch, logits)
 
     def _after_forward(self, batch: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        process_batch(logits, batch, self.model.eos_token_ids)
         positions = [s.num_tokens for s in batch]
         tokens = sample(logits, [s.params for s in batch], [s.seed for s in batch], positions)
         outputs = []
@@ -315,6 +317,8 @@ class Engine:
         reason: str | None = None
         if tok in self.model.eos_token_ids and not seq.params.ignore_eos:
             reason = "stop"
+        elif tok in seq.params.stop_token_ids:
+            reason = "stop"  # its text is not part of the output, as EOS's is not
         elif seq.detok is not None:
             seq.detok.add(tok)
             if seq.detok.stopped:

@@ -64,5 +64,12 @@ class RequestLimits:
                 "generated output contains token ids outside the vocabulary",
                 request_id=request_id,
             )
+        ids = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if ids and max(ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                "logit_bias or stop_token_ids name tokens outside the vocabulary",
+                request_id=request_id,
+                param="logit_bias" if params.logit_bias else "stop_token_ids",
+            )
         if request_id in known:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)

@@ -312,6 +312,24 @@ BAD = [
     ),
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
     (b'{"model": "x", "prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+    *[
+        (json.dumps({"model": MODEL, "prompt": "hi", key: value}).encode(), 400, key)
+        for key, value in [
+            ("presence_penalty", 3),
+            ("frequency_penalty", "a lot"),
+            ("repetition_penalty", 0),
+            ("logit_bias", {"12": 500}),
+            ("logit_bias", {"not-a-token": 1}),
+            ("logit_bias", {"999999": 1}),
+            ("min_tokens", 17),  # above the completions default max_tokens of 16
+            ("stop_token_ids", [1, "x"]),
+            ("stop_token_ids", [10**7]),
+            ("user", 5),
+            ("logprobs", 2),  # not supported yet: refused, not silently ignored
+            ("echo", True),
+            ("response_format", {"type": "json_object"}),
+        ]
+    ],
 ]
 
 
@@ -343,6 +361,49 @@ async def test_bad_input_gets_openai_errors_while_good_request_completes(stack: 
     finally:
         await c.close()
     assert done.usage is not None and done.usage.completion_tokens == 40
+
+
+def test_penalties_bias_min_tokens_and_stop_ids_through_the_stack(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """The OpenAI parameters that change tokens, sent by the SDK, give what the engine
+    alone gives (tests/unit/test_logits.py holds the engine to transformers)."""
+    from shared.bus.params import SamplingParams
+    from shared.engine.engine import Engine, EngineConfig
+
+    prompt = "List the colours of the rainbow, again and again:"
+    ids = real_model.encode(prompt)
+    engine = Engine(real_model, EngineConfig(num_blocks=256))
+    eos = min(real_model.eos_token_ids)
+    cases = [
+        {"repetition_penalty": 1.3, "presence_penalty": 0.6, "frequency_penalty": 0.8},
+        {"logit_bias": {str(eos): 100}, "min_tokens": 4},  # EOS held back, then at once
+    ]
+    with client(stack) as c:
+        for extra in cases:
+            resp = c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, user="u-1",
+                extra_body=extra,
+            )  # fmt: skip
+            bias = tuple((int(k), float(v)) for k, v in extra.get("logit_bias", {}).items())
+            params = SamplingParams(
+                max_tokens=24, temperature=0, logit_bias=bias,
+                **{k: v for k, v in extra.items() if k != "logit_bias"},
+            )  # fmt: skip
+            want = engine.generate([ids], params)[0]
+            assert resp.choices[0].text == text_of(real_model, want), extra
+            assert resp.usage is not None and resp.usage.completion_tokens == len(want)
+        plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        free = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0]
+        assert plain.choices[0].text == text_of(real_model, free)
+        stop = free[3]
+        cut = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+            extra_body={"stop_token_ids": [stop]},
+        )  # fmt: skip
+        assert cut.choices[0].finish_reason == "stop"
+        assert plain.choices[0].text.startswith(cut.choices[0].text)
+        assert len(cut.choices[0].text) < len(plain.choices[0].text)
 
 
 def test_every_node_serves_metrics_that_move(stack: Stack) -> None:

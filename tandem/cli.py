@@ -12,6 +12,7 @@ from services.router import main as router_main
 from tandem import __version__, generate, up
 from tandem.autoscale import command as autoscale_command
 from tandem.bench import cli as bench_cli
+from tandem.plan import cli as plan_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode_main.add_parser(sub)
     kvcache_main.add_parser(sub)
     bench_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     autoscale_command.add_parser(sub)
     return parser
 

@@ -1,0 +1,244 @@
+"""`tandem plan profile`: measure, with the real engine and data plane, what a deployment's
+time is made of on this machine, and write it as a versioned JSON profile (document.py).
+
+- prefill: seconds for a prompt of N tokens, alone and batched (the prefill node's work);
+- decode: seconds for one engine step at batch B over contexts of C tokens;
+- transfer: seconds to move S bytes over the TCP data plane between two endpoints.
+
+Every point is the median of `--repeats` runs after a warm-up run. The default grid takes
+about ten minutes on 2 cores; `--quick` a reduced grid in a few. Not yet measured (the
+planner issue lists them): UCX between processes, checkpoint and prefix-load cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from shared.errors import TandemError
+from shared.runtime.options import add_model_options, add_option
+from tandem.plan.document import (
+    PROFILE_VERSION,
+    DecodePoint,
+    Machine,
+    PrefillPoint,
+    Profile,
+    TransferPoint,
+)
+
+
+@dataclass(frozen=True)
+class Grid:
+    prefill_tokens: tuple[int, ...]
+    prefill_batches: tuple[int, ...]  # at the grid's middle prompt length
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    transfer_bytes: tuple[int, ...]
+
+
+FULL = Grid(
+    prefill_tokens=(64, 128, 256, 512, 1024, 2048),
+    prefill_batches=(2, 4, 8),
+    decode_batches=(1, 2, 4, 8, 16, 32),
+    decode_contexts=(128, 512, 2048),
+    transfer_bytes=(1 << 16, 1 << 20, 1 << 24, 1 << 26),
+)
+QUICK = Grid(
+    prefill_tokens=(64, 256, 1024),
+    prefill_batches=(4,),
+    decode_batches=(1, 8, 16),
+    decode_contexts=(128, 1024),
+    transfer_bytes=(1 << 16, 1 << 22),
+)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("profile", help="measure this machine's costs into a JSON profile")
+    add_option(p, "--output", default="profile.json", help="where the profile goes")
+    add_model_options(p)
+    add_option(p, "--quick", action="store_true", help="a reduced grid, for smoke runs")
+    add_option(p, "--repeats", type=int, default=3, help="runs per point (the median is kept)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        profile = measure(args, QUICK if args.quick else FULL)
+    except TandemError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    Path(args.output).write_bytes(msgspec.json.format(msgspec.json.encode(profile)))
+    print(f"profile written to {args.output}")
+    return 0
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: allocator, threads, caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(args: argparse.Namespace, grid: Grid) -> Profile:
+    # torch and the engine load only when this runs (the console script serves the router)
+    import torch
+    from tqdm import tqdm
+
+    from shared.model.loader import load_model
+    from shared.runtime.engine import configure_threads
+
+    threads = configure_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    total = (
+        len(grid.prefill_tokens)
+        + len(grid.prefill_batches)
+        + len(grid.decode_batches) * len(grid.decode_contexts)
+        + len(grid.transfer_bytes)
+    )
+    with tqdm(total=total, desc="profile", unit="point", file=sys.stderr) as bar:
+        prefill = _prefill_points(model, grid, args.repeats, bar)
+        decode = _decode_points(model, grid, args.repeats, bar)
+        transfer = _transfer_points(grid, args.repeats, bar)
+    from shared.model.runner import kv_layout
+
+    layout = kv_layout(model, 16)
+    return Profile(
+        version=PROFILE_VERSION,
+        machine=_machine(str(model.device)),
+        model=model.served_name,
+        dtype=args.dtype,
+        threads=threads,
+        torch=str(torch.__version__),
+        kv_bytes_per_token=layout.bytes_per_block // layout.block_size,
+        prefill=prefill,
+        decode=decode,
+        transfer=transfer,
+        created=time.time(),
+    )
+
+
+def _prompt(n: int, rng: random.Random, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _prefill_points(model: object, grid: Grid, repeats: int, bar: object) -> list[PrefillPoint]:
+    from shared.bus.params import SamplingParams
+    from shared.engine.engine import Engine, EngineConfig
+
+    rng = random.Random(1)
+    vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    most = max(max(grid.prefill_tokens), max(grid.prefill_batches) * max(grid.prefill_tokens))
+    # one engine for every point: a prefill hands its KV out and frees its blocks
+    config = EngineConfig(num_blocks=most // 16 + 16, enable_prefix_caching=False)
+    engine = Engine(model, config)  # type: ignore[arg-type]
+    ids = iter(range(1 << 62))
+    points = []
+
+    def prefill(tokens: int, batch: int) -> float:
+        prompts = [_prompt(tokens, rng, vocab) for _ in range(batch)]
+
+        def once() -> None:
+            engine.prefill_and_export([(f"p{next(ids)}", p, params) for p in prompts])
+
+        return median_seconds(once, repeats)
+
+    for tokens in grid.prefill_tokens:
+        points.append(PrefillPoint(tokens=tokens, batch=1, seconds=prefill(tokens, 1)))
+        bar.update()  # type: ignore[attr-defined]
+    middle = grid.prefill_tokens[len(grid.prefill_tokens) // 2]
+    for batch in grid.prefill_batches:
+        points.append(PrefillPoint(tokens=middle, batch=batch, seconds=prefill(middle, batch)))
+        bar.update()  # type: ignore[attr-defined]
+    return points
+
+
+def _decode_points(model: object, grid: Grid, repeats: int, bar: object) -> list[DecodePoint]:
+    from shared.bus.params import SamplingParams
+    from shared.engine.engine import Engine, EngineConfig
+
+    rng = random.Random(2)
+    vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
+    points = []
+    for context in grid.decode_contexts:
+        for batch in grid.decode_batches:
+            params = SamplingParams(max_tokens=repeats + 2, temperature=0, ignore_eos=True)
+            blocks = batch * ((context + repeats + 2) // 16 + 2)
+            config = EngineConfig(num_blocks=blocks, enable_prefix_caching=False)
+            engine = Engine(model, config)  # type: ignore[arg-type]
+            for _ in range(batch):
+                engine.add_request(_prompt(context, rng, vocab), params)
+            while engine.stats.decode_steps == 0 and engine.has_unfinished():
+                engine.step()  # prefill everything first: the points are decode steps
+            seconds = median_seconds(engine.step, repeats)
+            points.append(DecodePoint(batch=batch, context=context, seconds=seconds))
+            bar.update()  # type: ignore[attr-defined]
+    return points
+
+
+def _transfer_points(grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
+    return asyncio.run(_transfers(grid, repeats, bar))
+
+
+async def _transfers(grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
+    from shared.transport.base import BufferHandler
+    from shared.transport.frames import make_header
+    from shared.transport.tcp import TcpTransport
+
+    receiver, sender = TcpTransport(), TcpTransport()
+    await receiver.start(BufferHandler())
+    await sender.start(BufferHandler())
+    points = []
+    try:
+        for size in grid.transfer_bytes:
+            payload = memoryview(os.urandom(size))
+            times = []
+            for i in range(repeats + 1):
+                header = make_header("profile", uuid.uuid4().hex, payload)
+                start = time.perf_counter()
+                await sender.send(receiver.address, header, payload, timeout=60)
+                if i:  # the first one warms the connection
+                    times.append(time.perf_counter() - start)
+            points.append(
+                TransferPoint(transport="tcp", bytes=size, seconds=statistics.median(times))
+            )
+            bar.update()  # type: ignore[attr-defined]
+    finally:
+        await sender.close()
+        await receiver.close()
+    return points
+
+
+def _machine(device: str) -> Machine:
+    cpu, flags = platform.processor() or "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("unknown", ""):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = sorted(
+                    f
+                    for f in line.split(":", 1)[1].split()
+                    if f == "avx2" or f.startswith(("avx512", "amx"))
+                )
+    except OSError:  # not Linux: the CPU's name from platform is all there is
+        pass
+    return Machine(cpu=cpu, cpu_flags=flags, cores=len(os.sched_getaffinity(0)), device=device)

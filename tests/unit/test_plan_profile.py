@@ -1,0 +1,60 @@
+"""`tandem plan profile`: the document it writes (a tiny grid on the tiny model), and the
+checks on reading one back."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from tandem.cli import main
+from tandem.plan.document import PROFILE_VERSION, load_profile
+from tandem.plan.profile import Grid, measure
+
+pytestmark = pytest.mark.unit
+
+TINY = Grid(
+    prefill_tokens=(16, 48),
+    prefill_batches=(3,),
+    decode_batches=(1, 4),
+    decode_contexts=(32,),
+    transfer_bytes=(1 << 12, 1 << 16),
+)
+
+
+def test_a_tiny_grid_gives_a_complete_document(tiny_model_dir: Path) -> None:
+    args = argparse.Namespace(
+        model=str(tiny_model_dir), dtype="float32", device="cpu", threads=1, repeats=1
+    )
+    threads = torch.get_num_threads()
+    try:
+        profile = measure(args, TINY)
+    finally:
+        torch.set_num_threads(threads)  # the command sets it for its process
+    again = load_profile(msgspec.json.encode(profile))
+    assert again == profile and again.version == PROFILE_VERSION
+    assert [(p.tokens, p.batch) for p in profile.prefill] == [(16, 1), (48, 1), (48, 3)]
+    assert [(p.batch, p.context) for p in profile.decode] == [(1, 32), (4, 32)]
+    assert [(p.transport, p.bytes) for p in profile.transfer] == [("tcp", 4096), ("tcp", 65536)]
+    every = [*profile.prefill, *profile.decode, *profile.transfer]
+    assert all(p.seconds > 0 for p in every)
+    # 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes
+    assert profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert profile.threads == 1 and profile.machine.cores >= 1 and profile.torch
+
+
+def test_reading_refuses_what_is_not_a_profile_of_this_version() -> None:
+    with pytest.raises(ValueError, match="version"):
+        load_profile(b'{"version": 99}')
+    with pytest.raises(ValueError, match="not JSON"):
+        load_profile(b"{nope")
+    with pytest.raises(ValueError, match="not a Tandem profile"):
+        load_profile(b'{"version": 1, "model": "x"}')
+
+
+def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "profile", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from services.router.failover import Failover
+from services.router.nodes import NodeTable
 from services.router.parts import RouterParts
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter, RoutePlan
@@ -88,12 +89,18 @@ class Plan:
 
 
 def plan(
-    parts: RouterParts, routing: PrefixRouter | None, parsed: ParsedRequest, span: trace.Span
+    nodes: NodeTable,
+    routing: PrefixRouter | None,
+    prompt_ids: list[int],
+    max_tokens: int,
+    span: trace.Span = trace.INVALID_SPAN,
 ) -> Plan:
-    blocks = parts.nodes.blocks_needed(len(parsed.prompt_ids), parsed.params.max_tokens)
-    prefix = routing.plan(parsed.prompt_ids, blocks) if routing else None
+    """Where a request runs first. A function of the router's view of the cluster only, so
+    `tandem plan simulate` routes its simulated requests with this same code."""
+    blocks = nodes.blocks_needed(len(prompt_ids), max_tokens)
+    prefix = routing.plan(prompt_ids, blocks) if routing else None
     local_node = prefix.local_node if prefix is not None else None
-    decode_node = local_node or parts.nodes.pick_decode(blocks)
+    decode_node = local_node or nodes.pick_decode(blocks)
     if prefix is not None:
         span.set_attribute("tandem.decode_cached_tokens", prefix.decode_cached_tokens)
         span.set_attribute("tandem.kvcache_cached_tokens", prefix.kvcache_cached_tokens)
@@ -174,7 +181,7 @@ async def start(
     bind(request_id=rid)
     shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
     start_t = time.monotonic()
-    where = plan(parts, routing, parsed, span)
+    where = plan(parts.nodes, routing, parsed.prompt_ids, parsed.params.max_tokens, span)
     stream = await RequestStream(parts.bus, rid).open()
     parts.inflight.claim(rid)  # from its first journal write on, the janitor leaves it alone
     try:

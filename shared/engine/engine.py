@@ -237,57 +237,32 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[StepOutput]:
-        """One step: a prefill batch or a decode step (the classic schedule), or, with
-        chunked prefill and sequences running, a decode step and a chunk of one prompt."""
-        if self.scheduler.chunking:
-            return self._chunked_step()
-        batch = self.scheduler.schedule_prefill()
-        if not batch:
-            decodes = self.scheduler.schedule_decode()
-            return self._decode(decodes) if decodes else []
-        for seq in batch:
-            if seq.tail is not None:
-                self.tails.place(seq)
-        logits = self.runner.forward_packed(
-            [PackedItem(s.pending_ids, s.num_computed, s.block_ids) for s in batch]
-        )
-        self.stats.prefill_steps += 1
-        self.stats.prefill_tokens += sum(len(s.pending_ids) for s in batch)
-        for seq in batch:
-            self.scheduler.add_running(seq)
-        self.stats.steps += 1
-        self.stats.last_batch_size = len(batch)
-        return self._after_forward(batch, logits)
-
-    def _chunked_step(self) -> list[StepOutput]:
-        """Every running sequence decodes one token, and the prompt being prefilled advances
-        by a chunk within the step's token budget; a chunk that ends its prompt samples the
-        first token (a long prompt no longer stalls the running streams for its whole
-        prefill). Greedy output is unchanged: a chunk attends over the KV of the chunks
-        before it exactly as a prompt attends over a cached prefix."""
-        decodes = self.scheduler.schedule_decode()
-        outputs = self._decode(decodes) if decodes else []
-        chunks = self.scheduler.schedule_chunks(self.scheduler.chunk_size(len(decodes)))
-        if not chunks:
+        """One step as the scheduler plans it (`Scheduler.plan_step`): a prefill batch or a
+        decode step (the classic schedule), or, with chunked prefill and sequences running,
+        a decode step and chunks of prompts. A chunk that ends its prompt samples the first
+        token, so a long prompt no longer stalls the running streams for its whole prefill;
+        greedy output is unchanged: a chunk attends over the KV of the chunks before it
+        exactly as a prompt attends over a cached prefix."""
+        plan = self.scheduler.plan_step()
+        outputs = self._decode(plan.decodes) if plan.decodes else []
+        if not plan.prefills:
             return outputs
-        for seq, _ in chunks:
+        for seq, _ in plan.prefills:
             if seq.tail is not None:  # a resume's stored tail, placed once at admission
                 self.tails.place(seq)
-        items = [PackedItem(s.pending_ids[:n], s.num_computed, s.block_ids) for s, n in chunks]
+        items = [
+            PackedItem(s.pending_ids[:n], s.num_computed, s.block_ids) for s, n in plan.prefills
+        ]
         logits = self.runner.forward_packed(items)
         self.stats.prefill_steps += 1
-        self.stats.prefill_tokens += sum(n for _, n in chunks)
-        done: list[int] = []
-        for i, (seq, n) in enumerate(chunks):
-            if n < len(seq.pending_ids):  # more to come: no token yet
-                seq.num_computed += n
-                self.scheduler.commit_full_blocks(seq)
-            else:
-                self.scheduler.prefilled(seq)
-                done.append(i)
+        self.stats.prefill_tokens += plan.prefill_tokens
+        if not plan.chunked:
+            self.stats.steps += 1
+            self.stats.last_batch_size = len(plan.prefills)
+        done = self.scheduler.prefill_done(plan)
         if not done:
             return outputs
-        return outputs + self._after_forward([chunks[i][0] for i in done], logits[done])
+        return outputs + self._after_forward([plan.prefills[i][0] for i in done], logits[done])
 
     def _decode(self, batch: list[Sequence]) -> list[StepOutput]:
         logits = self.runner.forward_decode(

@@ -30,6 +30,20 @@ class SchedulerConfig:
     prefill_chunk_tokens: int = 512  # at most this many prompt tokens per step when chunking
 
 
+@dataclass
+class StepPlan:
+    """One engine step: sequences that decode a token, prompts that compute (a chunk of)
+    their pending tokens (sequence, tokens this step)."""
+
+    decodes: list[Sequence]
+    prefills: list[tuple[Sequence, int]]
+    chunked: bool
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+
 class Scheduler:
     """Owns the waiting queue, the running batch and block allocation for both."""
 
@@ -164,6 +178,39 @@ class Scheduler:
         """Its last chunk is computed: it decodes from the next step on."""
         self.prefilling.remove(seq)
         self.running.append(seq)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def plan_step(self) -> StepPlan:
+        """What the next engine step computes. Classic schedule: a prefill batch if one can
+        be admitted, else a decode step. Chunked (a budget set, sequences running): a decode
+        step for every running sequence and, within the budget, chunks of prompts. The
+        engine runs the plan on the model; `tandem plan simulate` runs it on a profile."""
+        if self.chunking:
+            decodes = self.schedule_decode()
+            chunks = self.schedule_chunks(self.chunk_size(len(decodes)))
+            return StepPlan(decodes, chunks, chunked=True)
+        batch = self.schedule_prefill()
+        if batch:
+            return StepPlan([], [(s, len(s.pending_ids)) for s in batch], chunked=False)
+        return StepPlan(self.schedule_decode(), [], chunked=False)
+
+    def prefill_done(self, plan: StepPlan) -> list[int]:
+        """After the plan's prefill forward: the indices of `plan.prefills` whose prompt is
+        now computed (they sample their first token; they decode from the next step), the
+        others advanced by their chunk."""
+        done: list[int] = []
+        for i, (seq, n) in enumerate(plan.prefills):
+            if not plan.chunked:
+                self.add_running(seq)
+                done.append(i)
+            elif n < len(seq.pending_ids):  # more to come: no token yet
+                seq.num_computed += n
+                self.commit_full_blocks(seq)
+            else:
+                self.prefilled(seq)
+                done.append(i)
+        return done
 
     def schedule_decode(self) -> list[Sequence]:
         """Every running sequence, each with a slot for its next token (preempting if needed)."""

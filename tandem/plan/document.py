@@ -2,6 +2,10 @@
 
 Times are seconds, medians of repeated measurements. A reader checks `version` first: a
 document of another version is refused, not guessed at.
+
+`tandem plan project` writes the same document for hardware that is not here, from roofline
+formulas; its `projection` says so and what it assumed. A measured profile has none (and a
+document written before the field existed still reads: it is optional, at the end).
 """
 
 from __future__ import annotations
@@ -36,6 +40,25 @@ class TransferPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seconds: float
 
 
+class Projection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a projected profile assumed: its times are estimates, not measurements."""
+
+    hardware: str  # the description's name, e.g. "NVIDIA H100 SXM 80GB"
+    gpus: int  # accelerators one instance spans (tensor-parallel, ideal scaling)
+    peak_flops: float  # per GPU, dense bf16 FLOP/s
+    memory_bandwidth: float  # per GPU, bytes/s
+    memory_bytes: float  # per GPU
+    interconnect_bandwidth: float  # node to node, bytes/s (the KV transfer's link)
+    compute_efficiency: float  # fraction of peak_flops reached (prefill, decode compute)
+    bandwidth_efficiency: float  # fraction of memory_bandwidth reached (decode)
+    network_efficiency: float  # fraction of interconnect_bandwidth reached
+    network_latency: float  # seconds added to every transfer
+    step_overhead: float  # seconds added to every forward (launches, scheduling)
+    model_config: str  # the config.json it read: a path or a shipped name
+    parameters: int
+    note: str  # "projection: roofline estimate, not a measurement"
+
+
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     machine: Machine
@@ -48,6 +71,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode: list[DecodePoint]
     transfer: list[TransferPoint]
     created: float  # unix seconds
+    projection: Projection | None = None  # set only by `tandem plan project`
 
 
 def load_profile(data: bytes) -> Profile:

@@ -115,16 +115,25 @@ class Workload:
 
     def requests(self, n: int, seed: int | str) -> list[RequestSpec]:
         """n requests; the same (workload, seed) gives the same requests in every run."""
-        rng = random.Random(seed)
+        words = random.Random(f"{seed}/words")
         out = []
-        for _ in range(n):
-            length = self.prompt_lengths.sample(rng)
-            picks = [rng.randrange(len(self.vocab_ids)) for _ in range(length)]
+        for length, max_tokens in sample_lengths(self.prompt_lengths, self.output_lengths, n, seed):
+            picks = [words.randrange(len(self.vocab_ids)) for _ in range(length)]
             out.append(
                 RequestSpec(
                     prompt_ids=[self.vocab_ids[k] for k in picks],
                     prompt_text="".join(self.vocab_text[k] for k in picks),
-                    max_tokens=self.output_lengths.sample(rng),
+                    max_tokens=max_tokens,
                 )
             )
         return out
+
+
+def sample_lengths(
+    prompt: LengthDist, output: LengthDist, n: int, seed: int | str
+) -> list[tuple[int, int]]:
+    """(prompt tokens, max_tokens) of n requests. Drawn apart from the prompts' words, so
+    `tandem plan simulate` gets the very lengths `tandem bench serve` sends for a seed
+    without the tokenizer's vocabulary."""
+    rng = random.Random(seed)
+    return [(prompt.sample(rng), output.sample(rng)) for _ in range(n)]

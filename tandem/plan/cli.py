@@ -1,13 +1,15 @@
-"""`tandem plan ...`: its subcommands (more come with the planner issue)."""
+"""`tandem plan ...`: measure a machine, simulate a deployment, project to other hardware."""
 
 from __future__ import annotations
 
 import argparse
 
-from tandem.plan import profile
+from tandem.plan import profile, project, simulate
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("plan", help="profile this machine (and, to come, plan a deployment)")
+    p = sub.add_parser("plan", help="profile this machine, simulate and plan a deployment")
     plan_sub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND")
     profile.add_parser(plan_sub)
+    simulate.add_parser(plan_sub)
+    project.add_parser(plan_sub)

@@ -1,0 +1,116 @@
+"""A node's engine in the simulator: the engine's own scheduler and block pool
+(shared/engine/scheduler.py, shared/kv/block_pool.py) deciding every step, exactly as on a
+node, with the model's forward replaced by the profile's time for it (costs.py).
+
+A step is split in two around its duration, as on a node: `begin` plans it (admissions,
+chunks, block allocations, preemptions happen now) and says how long it takes; `end`
+applies what the forward produced (a token for every decoding sequence and every prompt
+whose last chunk was computed; finished sequences free their blocks). Requests arriving
+meanwhile wait for the next step, as they do behind a node's engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from shared.bus.params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from shared.engine.sequence import Sequence, SequenceStatus
+from shared.kv.block_pool import BlockPool
+from tandem.plan.costs import CostModel
+
+SIM_TOKEN = 7  # every simulated output token: its value never matters, its count does
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine options a node runs with (the same names as the node's CLI options)."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 4096
+    step_token_budget: int = 0
+    prefill_chunk_tokens: int = 512
+    prefix_caching: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_batched_tokens,
+            enable_prefix_caching=self.prefix_caching,
+            step_token_budget=self.step_token_budget,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+        )
+
+
+class SimEngine:
+    def __init__(self, shape: EngineShape, costs: CostModel) -> None:
+        self.shape = shape
+        self.costs = costs
+        self.scheduler = Scheduler(shape.scheduler_config(), BlockPool(shape.num_blocks), b"sim")
+        self._ids = itertools.count()
+
+    def new_sequence(self, prompt_ids: list[int], max_tokens: int) -> Sequence:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return Sequence(f"s{next(self._ids)}", prompt_ids, params, seed=0, arrival=0.0)
+
+    def add(self, seq: Sequence) -> None:
+        """A request to prefill here (colocated, or a local prefill)."""
+        self.scheduler.add(seq)
+
+    def add_prefilled(self, seq: Sequence) -> bool:
+        """A sequence whose prompt KV arrived from a prefill node (`Engine.add_snapshot`):
+        False, and nothing changed, when its blocks do not fit now (the node refuses)."""
+        need = self.scheduler.blocks_for(seq.num_computed)
+        if not self.scheduler.pool.can_allocate(need):
+            return False
+        seq.block_ids = self.scheduler.pool.allocate(need)
+        self.scheduler.name_blocks(seq)
+        self.scheduler.add_running(seq)
+        return True
+
+    @property
+    def busy(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or s.prefilling)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.prefilling)
+
+    def begin(self) -> tuple[StepPlan, float]:
+        """Plan the next step; its duration from the profile."""
+        plan = self.scheduler.plan_step()
+        seconds = 0.0
+        if plan.decodes:
+            context = sum(s.num_tokens for s in plan.decodes) / len(plan.decodes)
+            seconds += self.costs.decode(len(plan.decodes), context)
+        if plan.prefills:
+            seconds += self.costs.prefill(plan.prefill_tokens)
+        return plan, seconds
+
+    def end(self, plan: StepPlan) -> list[Sequence]:
+        """The step's forward is done: the sequences that got a token (finished ones have
+        status FINISHED and their blocks freed)."""
+        emitted = list(plan.decodes)
+        if plan.prefills:
+            emitted += [plan.prefills[i][0] for i in self.scheduler.prefill_done(plan)]
+        out = []
+        for seq in emitted:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # removed meanwhile (the simulator does not abort, but be exact)
+            seq.num_computed = seq.num_tokens
+            self.scheduler.commit_full_blocks(seq)
+            seq.output_ids.append(SIM_TOKEN)
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+            out.append(seq)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        """Its KV left for a decode node (prefill node): blocks freed, cached ones kept."""
+        self.scheduler.remove(seq)

@@ -1,0 +1,308 @@
+"""A discrete-event simulation of a Tandem deployment, deciding as the real one decides.
+
+Time comes from a profile (costs.py); every decision is the real code's:
+- the router plans each request with `services.router.admission.plan` over a
+  `NodeTable` fed by simulated heartbeats (every `heartbeat` seconds per node, staggered,
+  counting what was sent since as the router does) and the `PrefixRouter`;
+- each node's engine is the real `Scheduler` (simengine.py), continuous batching and
+  chunked prefill included;
+- a prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
+  FIFO, as JetStream's pull consumer serves it), prefills them in one engine run,
+  publishes their first tokens, then ships each one's KV to its decode node; it takes
+  its next jobs once every hand-off is done, retrying (with the node's backoff) a decode
+  node that has no room, then any other, as `services/prefill/handoff.py` does.
+
+Output: the `RequestRecord`s `tandem bench serve` would have measured (send, every token's
+arrival, end), so the same metrics code summarises both.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from services.router.admission import plan as route
+from services.router.nodes import NodeTable
+from services.router.routing import PrefixRouter
+from shared.bus.kv_events import KVIndex
+from shared.bus.messages import NodeInfo
+from shared.engine.sequence import Sequence, SequenceStatus
+from shared.errors import CapacityError
+from tandem.bench.metrics import RequestRecord
+from tandem.plan.costs import CostModel
+from tandem.plan.simengine import EngineShape, SimEngine
+
+HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What is deployed. `colocated` > 0: that many decode nodes prefilling everything
+    themselves (`tandem router --colocated`); else `prefill` + `decode` nodes."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+    decode_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
+    prefill_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
+    prefill_max_batch: int = 8  # `tandem prefill --max-batch`
+    local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
+    heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
+
+    def check(self) -> str | None:
+        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
+            return "node counts cannot be negative"
+        if self.colocated and (self.prefill or self.decode):
+            return "either colocated nodes or prefill and decode nodes, not both"
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            return "a split deployment needs at least one prefill and one decode node"
+        return None
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds from the start
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class _Job:
+    seq: Sequence
+    record: RequestRecord
+    decode_node: str
+
+
+class _Decode:
+    def __init__(self, node_id: str, engine: SimEngine) -> None:
+        self.node_id = node_id
+        self.engine = engine
+        self.stepping = False
+        self.records: dict[str, RequestRecord] = {}
+
+
+class _Prefill:
+    def __init__(self, node_id: str, engine: SimEngine) -> None:
+        self.node_id = node_id
+        self.engine = engine
+        self.holding = 0  # jobs taken and not yet handed off
+
+
+class Simulation:
+    def __init__(
+        self, topology: Topology, decode_costs: CostModel, prefill_costs: CostModel | None = None
+    ) -> None:
+        if (problem := topology.check()) is not None:
+            raise ValueError(problem)
+        self.topology = topology
+        self.transfer_costs = prefill_costs or decode_costs
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        colocated = topology.colocated > 0
+        count = topology.colocated or topology.decode
+        self.decoders = {
+            f"decode-{i}": _Decode(f"decode-{i}", SimEngine(topology.decode_engine, decode_costs))
+            for i in range(count)
+        }
+        self.prefillers = [
+            _Prefill(f"prefill-{i}", SimEngine(topology.prefill_engine, self.transfer_costs))
+            for i in range(topology.prefill)
+        ]
+        self.queue: deque[_Job] = deque()
+        # The router's own parts: a node table the heartbeats below fill in, no registry.
+        self.nodes = NodeTable(cast(Any, None), colocated=colocated)
+        self.routing = PrefixRouter(
+            self.nodes, KVIndex(), topology.local_max_tokens, colocated=colocated
+        )
+        self._beat_all()
+        every = [*self.decoders, *(p.node_id for p in self.prefillers)]
+        for i, node_id in enumerate(every):  # staggered, as independent nodes are
+            self.at(topology.heartbeat * (i + 1) / len(every), self._heartbeat, node_id)
+        self.records: list[RequestRecord] = []
+        self._pending: deque[Arrival] = deque()
+        self._in_flight = 0
+        self._concurrency: int | None = None
+        self._first_token_order = itertools.count()
+
+    # ---- the event loop ---------------------------------------------------------------------
+
+    def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (when, next(self._order), fn, args))
+
+    def run(self, arrivals: list[Arrival], concurrency: int | None = None) -> list[RequestRecord]:
+        """Simulate until every request has ended; their records, in send order."""
+        self._concurrency = concurrency
+        self._pending = deque(sorted(arrivals, key=lambda a: a.at))
+        self._release_arrivals()
+        while self._events and (self._in_flight or self._pending):
+            when, _, fn, args = heapq.heappop(self._events)
+            self.now = when
+            fn(*args)
+        return self.records
+
+    def _release_arrivals(self) -> None:
+        """Schedule the next arrivals the concurrency cap allows (open loop: all of them)."""
+        while self._pending and (self._concurrency is None or self._in_flight < self._concurrency):
+            arrival = self._pending.popleft()
+            self._in_flight += 1
+            self.at(max(arrival.at, self.now), self._arrive, arrival)
+
+    # ---- the router ---------------------------------------------------------------------------
+
+    def _beat_all(self) -> None:
+        for node_id in [*self.decoders, *(p.node_id for p in self.prefillers)]:
+            self._set_info(node_id)
+
+    def _heartbeat(self, node_id: str) -> None:
+        self._set_info(node_id)
+        self.at(self.now + self.topology.heartbeat, self._heartbeat, node_id)
+
+    def _set_info(self, node_id: str) -> None:
+        self.nodes.nodes[node_id] = self._info(node_id)
+        self.nodes.inflight[node_id] = 0  # as NodeTable._watch does on each entry
+
+    def _info(self, node_id: str) -> NodeInfo:
+        if node_id in self.decoders:
+            engine = self.decoders[node_id].engine
+            pool, shape = engine.scheduler.pool, engine.shape
+            return NodeInfo(
+                node_id=node_id,
+                role="decode",
+                load=engine.num_running + len(engine.scheduler.waiting),
+                running=engine.num_running,
+                free_kv_blocks=pool.num_free,
+                total_kv_blocks=pool.num_blocks,
+                hash_key="sim",
+                block_size=shape.block_size,
+                timestamp=self.now,
+            )
+        node = next(p for p in self.prefillers if p.node_id == node_id)
+        return NodeInfo(
+            node_id=node_id,
+            role="prefill",
+            load=node.holding,
+            free_kv_blocks=node.engine.scheduler.pool.num_free,
+            total_kv_blocks=node.engine.scheduler.pool.num_blocks,
+            hash_key="sim",
+            block_size=node.engine.shape.block_size,
+            timestamp=self.now,
+        )
+
+    def _arrive(self, arrival: Arrival) -> None:
+        record = RequestRecord(arrival.prompt_tokens, arrival.max_tokens, sent=self.now)
+        self.records.append(record)
+        # distinct first tokens: no two simulated prompts share a prefix, as in the bench
+        prompt = [next(self._first_token_order) + 1000] + [11] * (arrival.prompt_tokens - 1)
+        try:
+            where = route(self.nodes, self.routing, prompt, arrival.max_tokens)
+        except CapacityError as exc:
+            self._fail(record, str(exc))
+            return
+        decoder = self.decoders[where.decode_node.node_id]
+        seq = decoder.engine.new_sequence(prompt, arrival.max_tokens)
+        if where.local or self.topology.colocated:
+            decoder.records[seq.request_id] = record
+            decoder.engine.add(seq)
+            self._kick(decoder)
+            return
+        self.queue.append(_Job(seq, record, decoder.node_id))
+        for node in self.prefillers:
+            self._take_jobs(node)
+
+    def _fail(self, record: RequestRecord, error: str) -> None:
+        record.error, record.done = error, self.now
+        self._ended()
+
+    def _ended(self) -> None:
+        self._in_flight -= 1
+        self._release_arrivals()
+
+    # ---- decode nodes -------------------------------------------------------------------------
+
+    def _kick(self, node: _Decode) -> None:
+        if node.stepping or not node.engine.busy:
+            return
+        plan, seconds = node.engine.begin()
+        if not plan.decodes and not plan.prefills:
+            return  # nothing fits now; the next arrival or hand-off kicks again
+        node.stepping = True
+        self.at(self.now + seconds, self._step_done, node, plan)
+
+    def _step_done(self, node: _Decode, plan: Any) -> None:
+        node.stepping = False
+        for seq in node.engine.end(plan):
+            record = node.records[seq.request_id]
+            record.chunks.append(self.now)
+            if seq.status is SequenceStatus.FINISHED:
+                del node.records[seq.request_id]
+                record.done, record.output_tokens = self.now, len(seq.output_ids)
+                self._ended()
+        self._kick(node)
+
+    # ---- prefill nodes ------------------------------------------------------------------------
+
+    def _take_jobs(self, node: _Prefill) -> None:
+        if node.holding or not self.queue:
+            return
+        jobs = [
+            self.queue.popleft()
+            for _ in range(min(self.topology.prefill_max_batch, len(self.queue)))
+        ]
+        node.holding = len(jobs)
+        engine = node.engine
+        for job in jobs:
+            engine.add(job.seq)
+        seconds, emitted = 0.0, set[int]()
+        while engine.scheduler.waiting:  # `Engine.prefill_and_export`: step until all are in
+            plan, step = engine.begin()
+            if not plan.prefills:
+                break
+            seconds += step
+            emitted.update(id(seq) for seq in engine.end(plan))
+        done = self.now + seconds
+        for job in jobs:
+            if id(job.seq) not in emitted:  # never admitted: more KV than this node's pool
+                engine.scheduler.remove(job.seq)
+                self.at(done, self._job_failed, node, job, "KV blocks exhausted during prefill")
+                continue
+            self.at(done, self._first_token, job)
+            if job.seq.status is SequenceStatus.FINISHED:  # its first token was its last
+                self.at(done, self._handed_off, node)
+                continue
+            engine.release(job.seq)
+        ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is SequenceStatus.RUNNING]
+        # the hand-offs run together on one link: all of them land when the bytes are through
+        arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
+        for job in ship:
+            self.at(arrive, self._hand_off, node, job, HANDOFF_FIRST_DELAY)
+
+    def _first_token(self, job: _Job) -> None:
+        job.record.chunks.append(self.now)
+        if job.seq.status is SequenceStatus.FINISHED:
+            job.record.done, job.record.output_tokens = self.now, 1
+            self._ended()
+
+    def _job_failed(self, node: _Prefill, job: _Job, error: str) -> None:
+        self._fail(job.record, error)
+        self._handed_off(node)
+
+    def _hand_off(self, node: _Prefill, job: _Job, delay: float) -> None:
+        """The preferred decode node if it has room, else any other; else retry later."""
+        order = sorted(self.decoders.values(), key=lambda d: d.node_id != job.decode_node)
+        for decoder in order:
+            if decoder.engine.add_prefilled(job.seq):
+                decoder.records[job.seq.request_id] = job.record
+                self._kick(decoder)
+                self._handed_off(node)
+                return
+        self.at(self.now + delay, self._hand_off, node, job, min(HANDOFF_MAX_DELAY, delay * 2))
+
+    def _handed_off(self, node: _Prefill) -> None:
+        node.holding -= 1
+        if not node.holding:
+            self._take_jobs(node)

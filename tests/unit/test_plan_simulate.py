@@ -1,0 +1,207 @@
+"""`tandem plan simulate`: the simulator against cases whose answer is known in closed form,
+and its command against `tandem bench serve`'s document."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+import msgspec
+import pytest
+
+from tandem.bench.loadgen import arrival_times
+from tandem.plan import simulate
+from tandem.plan.costs import CostModel, interpolate
+from tandem.plan.document import (
+    PROFILE_VERSION,
+    DecodePoint,
+    Machine,
+    PrefillPoint,
+    Profile,
+    TransferPoint,
+)
+from tandem.plan.simengine import EngineShape
+from tandem.plan.simulator import Arrival, Simulation, Topology
+
+PREFILL_PER_TOKEN = 0.001  # s: a 500-token prompt prefills in 0.5 s
+DECODE_STEP = 0.05  # s, at any batch and context
+LINK = 1e9  # bytes/s
+KV_PER_TOKEN = 1000  # bytes
+
+
+def profile(decode_grows: bool = False) -> Profile:
+    def step(batch: int, context: int) -> float:
+        return DECODE_STEP + (0.001 * batch + 1e-5 * context if decode_grows else 0.0)
+
+    return Profile(
+        version=PROFILE_VERSION,
+        machine=Machine(cpu="test", cpu_flags=[], cores=1, device="cpu"),
+        model="test",
+        dtype="float32",
+        threads=1,
+        torch="test",
+        kv_bytes_per_token=KV_PER_TOKEN,
+        prefill=[
+            PrefillPoint(tokens=t, batch=1, seconds=t * PREFILL_PER_TOKEN) for t in (64, 4096)
+        ],
+        decode=[
+            DecodePoint(batch=b, context=c, seconds=step(b, c))
+            for b in (1, 64)
+            for c in (128, 4096)
+        ],
+        transfer=[TransferPoint(transport="tcp", bytes=n, seconds=n / LINK) for n in (1, 1 << 30)],
+        created=0.0,
+    )
+
+
+def shape(budget: int = 0) -> EngineShape:
+    return EngineShape(num_blocks=4096, step_token_budget=budget)
+
+
+def split(prefill_max_batch: int = 8) -> Topology:
+    return Topology(
+        prefill=1,
+        decode=1,
+        decode_engine=shape(),
+        prefill_engine=shape(),
+        prefill_max_batch=prefill_max_batch,
+    )
+
+
+def test_interpolation_is_linear_inside_and_extends_outside() -> None:
+    assert interpolate([0, 10], [0, 1], 5) == pytest.approx(0.5)
+    assert interpolate([0, 10, 20], [0, 1, 3], 30) == pytest.approx(5.0)
+    assert interpolate([10, 20], [1, 2], 0) == pytest.approx(0.0)  # never negative
+    costs = CostModel(profile(decode_grows=True))
+    assert costs.decode(32, 1000) == pytest.approx(DECODE_STEP + 0.032 + 0.01, rel=0.02)
+    assert costs.prefill(500) == pytest.approx(0.5)
+    assert costs.kv_transfer(1000) == pytest.approx(1000 * KV_PER_TOKEN / LINK)
+
+
+def test_one_request_colocated() -> None:
+    sim = Simulation(Topology(colocated=1, decode_engine=shape(256)), CostModel(profile()))
+    (rec,) = sim.run([Arrival(0.0, 500, 10)])
+    assert rec.ok and rec.output_tokens == 10
+    assert rec.chunks[0] == pytest.approx(0.5)  # alone: its prompt prefills whole
+    assert rec.done == pytest.approx(0.5 + 9 * DECODE_STEP)
+    assert [b - a for a, b in zip(rec.chunks, rec.chunks[1:], strict=False)] == pytest.approx(
+        [DECODE_STEP] * 9
+    )
+
+
+def test_one_request_split_pays_the_transfer() -> None:
+    sim = Simulation(split(), CostModel(profile()))
+    (rec,) = sim.run([Arrival(0.0, 500, 10)])
+    transfer = 500 * KV_PER_TOKEN / LINK
+    assert rec.chunks[0] == pytest.approx(0.5)  # the prefill node publishes it
+    assert rec.chunks[1] == pytest.approx(0.5 + transfer + DECODE_STEP)
+    assert rec.done == pytest.approx(0.5 + transfer + 9 * DECODE_STEP)
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
+    """A 2,000-token prompt arriving beside a running stream: with a 256-token budget, the
+    stream's gaps grow by a chunk's time per step instead of by the whole prefill."""
+    costs = CostModel(profile())
+
+    def worst_gap(budget: int) -> float:
+        sim = Simulation(Topology(colocated=1, decode_engine=shape(budget)), costs)
+        first, _ = sim.run([Arrival(0.0, 100, 60), Arrival(0.3, 2000, 2)])
+        return max(b - a for a, b in zip(first.chunks, first.chunks[1:], strict=False))
+
+    assert worst_gap(0) == pytest.approx(2.0 + DECODE_STEP, rel=0.01)
+    assert worst_gap(256) == pytest.approx(255 * PREFILL_PER_TOKEN + DECODE_STEP, rel=0.01)
+
+
+def test_deterministic_queue_waits_grow_by_the_service_gap() -> None:
+    """D/D/1: one prefill node serving one 500-token job at a time (0.5 s), a job every
+    0.4 s: the k-th waits k x 0.1 s longer than the first."""
+    sim = Simulation(split(prefill_max_batch=1), CostModel(profile()))
+    records = sim.run([Arrival(0.4 * k, 500, 1) for k in range(10)])
+    ttfts = [r.chunks[0] - r.sent for r in records]
+    assert ttfts == pytest.approx([0.5 + 0.1 * k for k in range(10)])
+
+
+def test_md1_mean_wait_matches_its_formula() -> None:
+    """M/D/1: Poisson arrivals at rate λ, deterministic service S, one server:
+    mean wait in queue = λ S² / (2 (1 − ρ)), ρ = λ S (Pollaczek–Khinchine)."""
+    service, lam, n = 0.5, 1.4, 20000  # ρ = 0.7
+    rng = random.Random(5)
+    offsets = arrival_times(n, lam, "poisson", rng)
+    sim = Simulation(split(prefill_max_batch=1), CostModel(profile()))
+    records = sim.run([Arrival(at, 500, 1) for at in offsets])
+    waits = [r.chunks[0] - r.sent - service for r in records[n // 10 :]]  # past the warm-up
+    rho = lam * service
+    expected = lam * service**2 / (2 * (1 - rho))
+    assert statistics.mean(waits) == pytest.approx(expected, rel=0.08)
+
+
+def test_decode_node_without_room_makes_the_hand_off_wait() -> None:
+    """A decode pool that holds one sequence: the second request's KV waits on the prefill
+    node (retried with backoff) until the first finishes; nothing is lost."""
+    tight = Topology(
+        prefill=1,
+        decode=1,
+        decode_engine=EngineShape(num_blocks=40),  # 40 x 16 tokens: one 500 + 100 request
+        prefill_engine=shape(),
+    )
+    sim = Simulation(tight, CostModel(profile()))
+    a, b = sim.run([Arrival(0.0, 500, 100), Arrival(0.0, 500, 100)])
+    assert a.ok and b.ok and a.output_tokens == b.output_tokens == 100
+    assert b.chunks[1] >= a.done  # its decoding began only once the first freed its blocks
+
+
+def test_topology_is_checked() -> None:
+    with pytest.raises(ValueError, match="either colocated"):
+        Simulation(Topology(colocated=1, prefill=1, decode=1), CostModel(profile()))
+    with pytest.raises(ValueError, match="at least one prefill"):
+        Simulation(Topology(prefill=1), CostModel(profile()))
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    simulate.add_parser(parser.add_subparsers())
+    return parser.parse_args(["simulate", *argv])
+
+
+def test_command_writes_bench_serves_document(tmp_path: pytest.TempPathFactory) -> None:
+    prof = tmp_path / "p.json"  # type: ignore[operator]
+    prof.write_bytes(msgspec.json.encode(profile()))
+    out = tmp_path / "sim.json"  # type: ignore[operator]
+    args = _args(
+        "--profile", str(prof), "--prefill", "1", "--decode", "1",
+        "--prompt-len", "mix:100:1500:0.2",
+        "--output-len", "20", "--num-requests", "12", "--request-rate", "0.5,1", "--output",
+        str(out), "--quiet",
+    )  # fmt: skip
+    assert simulate.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "tandem plan simulate" and doc["simulated"] is True
+    (sweep,) = doc["sweeps"]
+    assert [p["request_rate"] for p in sweep["points"]] == [0.5, 1]
+    for point in sweep["points"]:
+        assert point["metrics"]["completed"] == 12
+        assert {"ttft", "tpot", "itl", "e2e", "slo_attainment"} <= point["metrics"].keys()
+        lengths = sorted({r["prompt_tokens"] for r in point["requests"]})
+        assert set(lengths) <= {100, 1500}
+    # replayed: the same requests at the same send times give the same result
+    again = tmp_path / "again.json"  # type: ignore[operator]
+    replay = _args("--profile", str(prof), "--prefill", "1", "--decode", "1", "--trace", str(out),
+                   "--output", str(again), "--quiet")  # fmt: skip
+    assert simulate.run(replay) == 0
+    first, second = (json.loads(p.read_text())["sweeps"][0]["points"] for p in (out, again))
+    for a, b in zip(first, second, strict=True):  # (send times are stored to the microsecond)
+        assert a["metrics"]["ttft"]["p90"] == pytest.approx(b["metrics"]["ttft"]["p90"], abs=1e-5)
+        assert a["metrics"]["tpot"]["p50"] == pytest.approx(b["metrics"]["tpot"]["p50"], abs=1e-5)
+
+
+def test_command_refuses_bad_input(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.json"  # type: ignore[operator]
+    bad.write_text('{"version": 99}')
+    assert simulate.run(_args("--profile", str(bad), "--colocated", "1", "--quiet")) == 2
+    assert "profile version 99" in capsys.readouterr().err
+    assert simulate.run(_args("--profile", str(bad), "--quiet")) == 2  # no deployment
+    assert "at least one prefill" in capsys.readouterr().err

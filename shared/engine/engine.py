@@ -245,6 +245,7 @@ class Engine:
         exactly as a prompt attends over a cached prefix."""
         plan = self.scheduler.plan_step()
         outputs = self._decode(plan.decodes) if plan.decodes else []
+        self.scheduler.plan_chunks(plan)
         if not plan.prefills:
             return outputs
         for seq, _ in plan.prefills:

@@ -182,18 +182,23 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def plan_step(self) -> StepPlan:
-        """What the next engine step computes. Classic schedule: a prefill batch if one can
-        be admitted, else a decode step. Chunked (a budget set, sequences running): a decode
-        step for every running sequence and, within the budget, chunks of prompts. The
-        engine runs the plan on the model; `tandem plan simulate` runs it on a profile."""
+        """What the next engine step computes, in two parts. Classic schedule: a prefill
+        batch if one can be admitted, else a decode step. Chunked (a budget set, sequences
+        running): a decode step for every running sequence now, and, once its tokens are
+        appended (finished sequences free their blocks and seats), chunks of prompts within
+        the budget (`plan_chunks`). The engine runs the plan on the model; `tandem plan
+        simulate` runs it on a profile."""
         if self.chunking:
-            decodes = self.schedule_decode()
-            chunks = self.schedule_chunks(self.chunk_size(len(decodes)))
-            return StepPlan(decodes, chunks, chunked=True)
+            return StepPlan(self.schedule_decode(), [], chunked=True)
         batch = self.schedule_prefill()
         if batch:
             return StepPlan([], [(s, len(s.pending_ids)) for s in batch], chunked=False)
         return StepPlan(self.schedule_decode(), [], chunked=False)
+
+    def plan_chunks(self, plan: StepPlan) -> None:
+        """A chunked step's prompt chunks, after its decodes (see `plan_step`)."""
+        if plan.chunked:
+            plan.prefills = self.schedule_chunks(self.chunk_size(len(plan.decodes)))
 
     def prefill_done(self, plan: StepPlan) -> list[int]:
         """After the plan's prefill forward: the indices of `plan.prefills` whose prompt is

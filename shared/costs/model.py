@@ -1,4 +1,4 @@
-"""Times read off a profile (document.py): what one engine step, one prefill batch and one
+"""Times read off a profile (profile.py): what one engine step, one prefill batch and one
 KV transfer take, by interpolating the measured (or projected) points.
 
 - prefill: seconds against the tokens one forward computes (summed over the sequences
@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from tandem.plan.document import Profile
+from shared.costs.profile import Profile
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

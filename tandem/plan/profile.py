@@ -1,5 +1,5 @@
 """`tandem plan profile`: measure, with the real engine and data plane, what a deployment's
-time is made of on this machine, and write it as a versioned JSON profile (document.py).
+time is made of on this machine, and write it as a versioned JSON profile (shared/costs/profile.py).
 
 - prefill: seconds for a prompt of N tokens, alone and batched (the prefill node's work);
 - decode: seconds for one engine step at batch B over contexts of C tokens;
@@ -27,9 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.errors import TandemError
-from shared.runtime.options import add_model_options, add_option
-from tandem.plan.document import (
+from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
     Machine,
@@ -37,6 +35,8 @@ from tandem.plan.document import (
     Profile,
     TransferPoint,
 )
+from shared.errors import TandemError
+from shared.runtime.options import add_model_options, add_option
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`tandem plan project`: a profile (document.py) for hardware that is not here, from a
+"""`tandem plan project`: a profile (shared/costs/profile.py) for hardware that is not here, from a
 hardware description and a model's config.json, by roofline formulas. Every figure is an
 estimate; the document's `projection` says so and what was assumed.
 
@@ -32,8 +32,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from shared.runtime.options import add_option
-from tandem.plan.document import (
+from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
     Machine,
@@ -42,6 +41,7 @@ from tandem.plan.document import (
     Projection,
     TransferPoint,
 )
+from shared.runtime.options import add_option
 
 NOTE = "projection: roofline estimate, not a measurement"
 DTYPE, DTYPE_BYTES = "bfloat16", 2

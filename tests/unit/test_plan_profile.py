@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
+from shared.costs.profile import PROFILE_VERSION, load_profile
 from tandem.cli import main
-from tandem.plan.document import PROFILE_VERSION, load_profile
 from tandem.plan.profile import Grid, measure
 
 pytestmark = pytest.mark.unit

@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shared.costs.profile import load_profile
 from tandem.plan import project
-from tandem.plan.document import load_profile
 from tandem.plan.project import (
     Roofline,
     kv_transfer_example,

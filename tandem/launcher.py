@@ -174,6 +174,8 @@ class Stack:
                     str(a.heartbeat_ttl),
                     *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
                     *(["--colocated"] if prefill == 0 else []),
+                    *(["--conditional"] if a.conditional and prefill else []),
+                    *(["--profile", a.profile] if a.profile else []),
                 ],
             )
         )

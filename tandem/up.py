@@ -26,6 +26,16 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefill node: each decode node prefills its own requests (the baseline)",
     )
+    add_option(
+        p,
+        "--conditional",
+        action="store_true",
+        help="the router prefills each request on its decode node or on the prefill pool, "
+        "whichever gives the first token sooner (conditional disaggregation)",
+    )
+    add_option(
+        p, "--profile", default=None, help="costs for --conditional (a tandem plan profile JSON)"
+    )
     add_option(p, "--pin-cores", action="store_true", help="pin each model node to its own core")
     add_option(p, "--decode", type=int, default=1, help="decode nodes")
     add_option(p, "--kvcache", type=int, default=1, help="KV-cache nodes")

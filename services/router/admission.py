@@ -22,7 +22,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from services.router.failover import Failover
-from services.router.nodes import NodeTable
+from services.router.nodes import PREFILL_POOL, NodeTable
 from services.router.parts import RouterParts
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter, RoutePlan
@@ -100,6 +100,8 @@ def plan(
     blocks = nodes.blocks_needed(len(prompt_ids), max_tokens)
     prefix = routing.plan(prompt_ids, blocks) if routing else None
     local_node = prefix.local_node if prefix is not None else None
+    if local_node is not None:  # counted as sent, as pick_decode counts its choice
+        nodes.inflight[local_node.node_id] = nodes.inflight.get(local_node.node_id, 0) + 1
     decode_node = local_node or nodes.pick_decode(blocks)
     if prefix is not None:
         span.set_attribute("tandem.decode_cached_tokens", prefix.decode_cached_tokens)
@@ -164,7 +166,7 @@ async def submit(
         span.set_attribute("tandem.prefill_node", steered)
         span.set_attribute("tandem.prefill_cached_tokens", plan.prefix.prefill_cached_tokens)
     await parts.dispatch.submit(job, prefill_node=steered)  # carries the span's trace context
-    return job, "disaggregated", steered
+    return job, "remote", steered
 
 
 async def start(
@@ -197,8 +199,11 @@ async def start(
         await parts.dispatch.cancel(rid, attempt_id(rid), "not admitted")
         raise
     log_route(parsed, where, job, route, steered)
+    track_backlog(parts.nodes, rid, where, route, len(parsed.prompt_ids))
     parts.metrics.routes.labels(route).inc()
     span.set_attribute("tandem.route", route)
+    if where.prefix is not None and where.prefix.reason:
+        span.set_attribute("tandem.route_reason", where.prefix.reason)
     span.set_attribute("tandem.decode_node", job.decode_node)
     failover = Failover(parts.dispatch, parts.metrics, job, stream, where.blocks, steered)
     return ServedRequest(
@@ -214,6 +219,18 @@ async def start(
     )
 
 
+def track_backlog(nodes: NodeTable, rid: RequestId, where: Plan, route: str, prompt: int) -> None:
+    """Count its prompt (what will be computed of it) as queued for a prefill where it
+    went, until its first token (relay.py) or its end."""
+    prefix = where.prefix
+    if route == "local":
+        cached = prefix.decode_cached_tokens if prefix is not None and prefix.local_node else 0
+        nodes.prefill_sent(rid, where.decode_node.node_id, prompt - cached)
+    else:
+        held = max(prefix.kvcache_cached_tokens, prefix.prefill_cached_tokens) if prefix else 0
+        nodes.prefill_sent(rid, PREFILL_POOL, prompt - held)
+
+
 def log_route(
     parsed: ParsedRequest, where: Plan, job: PrefillJob, route: str, steered: str
 ) -> None:
@@ -223,6 +240,8 @@ def log_route(
         if steered and prefix
         else ""
     )
+    if prefix is not None and prefix.reason:
+        log.debug("route %s: %s", route, prefix.reason)
     log.info(
         "routed %s to %s%s: %d prompt tokens, %d cached on a decode node, %d in kvcache",
         route,

@@ -54,7 +54,7 @@ class Dispatch:
         if other is not None:  # not the node that refused or timed out (see send_local)
             job = msgspec.structs.replace(job, decode_node=other.node_id)
         await self.submit(job)
-        return "disaggregated"
+        return "remote"
 
     async def send_local(self, node: NodeInfo, job: PrefillJob, count: bool = True) -> bool:
         """Ask a decode node holding the prompt's prefix to prefill the rest itself."""

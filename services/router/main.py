@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 from aiohttp import web
 
 from services.router.app import Router
 from services.router.auth import ApiKeys, read_keys
+from services.router.conditional import PrefillPathChooser
 from services.router.config import RouterConfig
 from services.router.http_app import build_app
 from services.router.janitor import Janitor
@@ -24,9 +26,11 @@ from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry, node_info
+from shared.costs.model import CostModel
+from shared.costs.profile import load_profile
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime.node import connect_bus, make_node_id, setup_logging, stop_on_signals
-from shared.runtime.options import add_node_options, add_option
+from shared.runtime.options import add_chunking_options, add_node_options, add_option
 from shared.runtime.service import run_service
 from shared.telemetry.tracing import setup_tracing
 
@@ -115,6 +119,21 @@ def add_routing_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefill nodes: every request is prefilled on a decode node (the baseline)",
     )
+    add_option(
+        p,
+        "--conditional",
+        action="store_true",
+        help="per request, prefill on the decode node or on the prefill pool, whichever the "
+        "costs say gives the first token sooner (see --profile)",
+    )
+    add_option(
+        p,
+        "--profile",
+        default=None,
+        help="a `tandem plan profile` JSON the conditional choice takes its costs from "
+        "(without one: a fixed rule on the prefill pool's backlog)",
+    )
+    add_chunking_options(p)  # the decode nodes' own: the conditional choice models them
 
 
 def config_of(args: argparse.Namespace, node_id: str) -> RouterConfig:
@@ -163,7 +182,30 @@ async def kv_routing(args: argparse.Namespace, bus: Bus, nodes: NodeTable) -> Pr
         loop.call_later(INDEX_GRACE, forget, node_id)
 
     nodes.on_leave.append(forget_later)
-    return PrefixRouter(nodes, index, args.local_prefill_max_tokens, colocated=args.colocated)
+    chooser = path_chooser(args) if args.conditional and not args.colocated else None
+    return PrefixRouter(
+        nodes, index, args.local_prefill_max_tokens, colocated=args.colocated, chooser=chooser
+    )
+
+
+def path_chooser(args: argparse.Namespace) -> PrefillPathChooser:
+    """Conditional disaggregation's chooser, with the profile's costs if one is given."""
+    costs = None
+    if args.profile:
+        try:
+            costs = CostModel(load_profile(Path(args.profile).read_bytes()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: --profile {args.profile}: {exc}") from exc
+    log.info(
+        "conditional disaggregation, %s",
+        "with costs from " + args.profile if costs else "fallback rule (no profile)",
+    )
+    return PrefillPathChooser(
+        costs,
+        args.local_prefill_max_tokens,
+        step_budget=args.step_token_budget,
+        chunk_tokens=args.prefill_chunk_tokens,
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -36,9 +36,9 @@ class RouterMetrics:
         )
         self.routes = Counter(
             "tandem_router_routes_total",
-            "Requests by path: local (prefilled on the decode node holding the prefix) "
-            "or disaggregated",
-            ["path"],
+            "Requests by route: local (prefilled on their decode node) or remote (on the "
+            "prefill pool)",
+            ["route"],
             registry=r,
         )
         self.steered = Counter(

@@ -13,6 +13,7 @@ from shared.kv.block_hash import DEFAULT_BLOCK_SIZE
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.router.nodes")
+PREFILL_POOL = "prefill-pool"  # where a job waits for any prefill node (backlog key)
 REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
 
 
@@ -28,6 +29,11 @@ class NodeTable:
         self.on_leave: list[Callable[[str], None]] = []
         self.left_at: dict[str, float] = {}  # departed node → its last heartbeat (unix time)
         self.heard_at: dict[str, float] = {}  # node → when its latest entry arrived (monotonic)
+        # Prompt tokens sent to be prefilled and not yet answered by a first token, by where
+        # (PREFILL_POOL or a decode node): what is queued ahead of the next prefill there,
+        # fresher than any heartbeat (conditional.py weighs it). One entry per request.
+        self.prefill_backlog: dict[str, tuple[str, int]] = {}
+        self._backlog_tokens: dict[str, int] = {}
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
@@ -122,10 +128,13 @@ class NodeTable:
             return None
         for node in self.by_role("decode"):
             if node.node_id == node_id:
-                sent = self.inflight.get(node_id, 0)
-                free = node.free_kv_blocks - sent * blocks_needed
-                return node if free >= blocks_needed else None
+                return node if self.room(node, blocks_needed) >= blocks_needed else None
         return None
+
+    def room(self, node: NodeInfo, blocks_needed: int) -> int:
+        """Free blocks a node has by its last heartbeat, less what was sent to it since
+        (each request sent counted at this one's size)."""
+        return node.free_kv_blocks - self.inflight.get(node.node_id, 0) * blocks_needed
 
     def best_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
         """The decode node with the most free blocks per running sequence.
@@ -147,6 +156,26 @@ class NodeTable:
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node
         return choice
+
+    def prefill_sent(self, rid: str, where: str, tokens: int) -> None:
+        """A request's prompt (its uncached tokens) went to be prefilled at `where`."""
+        self.prefill_done(rid)
+        self.prefill_backlog[rid] = (where, tokens)
+        self._backlog_tokens[where] = self._backlog_tokens.get(where, 0) + tokens
+
+    def prefill_done(self, rid: str) -> None:
+        """Its first token came (or it ended): no longer queued for a prefill anywhere."""
+        entry = self.prefill_backlog.pop(rid, None)
+        if entry is not None:
+            where, tokens = entry
+            left = self._backlog_tokens[where] - tokens
+            if left:
+                self._backlog_tokens[where] = left
+            else:
+                del self._backlog_tokens[where]
+
+    def backlog_tokens(self, where: str) -> int:
+        return self._backlog_tokens.get(where, 0)
 
     def suspect(self, node_id: str) -> None:
         """Stop choosing a node declared dead by a probe; its next heartbeat (if it is alive

@@ -128,10 +128,11 @@ def observe(
     metrics = parts.metrics
     now = time.monotonic()
     if first:
+        parts.nodes.prefill_done(served.rid)  # no longer queued for a prefill anywhere
         metrics.ttft.observe(now - served.start)
         span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
         progress.stream_span = TRACER.start_span("router.stream")
-        if served.route == "disaggregated":  # else the decode node made it
+        if served.route == "remote":  # else the decode node made it
             metrics.node_requests.labels("prefill", delta.node_id).inc()
     else:
         metrics.itl.observe(now - progress.last_t)
@@ -228,6 +229,7 @@ async def fail(
 async def release(parts: RouterParts, served: ServedRequest, finished: bool) -> None:
     """The request leaves this router; one that did not finish leaves every node too."""
     parts.inflight.release(served.rid)
+    parts.nodes.prefill_done(served.rid)  # ended before its first token: queued no more
     await served.stream.close()
     if not finished:
         # client gone, error or timeout: every node drops the request, blocks freed. The

@@ -15,6 +15,10 @@ come from the decode nodes' registry entries) and looks them up in the KV-event 
   the shared queue's first free node by STEER_MARGIN, the job is steered to it (its own
   queue); otherwise it goes to the shared queue, where the first free node takes it.
 
+With conditional disaggregation (`tandem router --conditional`, conditional.py), a request
+the rule above would send to the prefill pool may still be prefilled on a decode node
+(chunked beside its streams) when the costs say its first token comes sooner there.
+
 In colocated mode (`tandem router --colocated`, no prefill nodes) every request takes the
 local path: to the decode node holding the most of its prompt, else to the least loaded
 one, which prefills the whole prompt itself, in the same engine as its running decodes.
@@ -27,7 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.router.nodes import NodeTable
+from services.router.conditional import Backlog, PrefillPathChooser
+from services.router.nodes import PREFILL_POOL, NodeTable
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
 from shared.kv.block_hash import block_hashes
@@ -47,16 +52,23 @@ class RoutePlan:
     prompt_tokens: int
     prefill_node: NodeInfo | None = None  # steer the job here (its pool holds the prefix)
     prefill_cached_tokens: int = 0  # what that node's pool holds of the prompt
+    reason: str = ""  # why this path (logged at debug level, on the request's span)
 
 
 class PrefixRouter:
     def __init__(
-        self, nodes: NodeTable, index: KVIndex, local_max_tokens: int = 96, colocated: bool = False
+        self,
+        nodes: NodeTable,
+        index: KVIndex,
+        local_max_tokens: int = 96,
+        colocated: bool = False,
+        chooser: PrefillPathChooser | None = None,
     ) -> None:
         self.nodes = nodes
         self.index = index
         self.local_max_tokens = local_max_tokens
         self.colocated = colocated
+        self.chooser = chooser  # conditional disaggregation, when set
 
     def plan(self, prompt_ids: list[int], blocks_needed: int) -> RoutePlan:
         decoders = self.nodes.by_role("decode")
@@ -98,10 +110,38 @@ class PrefixRouter:
         if self.colocated:  # there is no other path: any uncached tail is prefilled locally
             if plan.local_node is None:
                 plan.local_node = self.nodes.best_decode(blocks_needed)
+            plan.reason = "colocated"
         elif best is None or best[0] > self.local_max_tokens:
-            plan.local_node = None
-            self._steer(plan, hashes_for)
+            holder, plan.local_node = plan.local_node, None
+            if self.chooser is not None:
+                self._conditional(plan, blocks_needed, holder)
+            if plan.local_node is None:
+                self._steer(plan, hashes_for)
+        else:
+            plan.reason = f"{best[0]} tokens uncached on {best[2]}"
         return plan
+
+    def _conditional(self, plan: RoutePlan, blocks_needed: int, holder: NodeInfo | None) -> None:
+        """Prefill locally after all, if the costs say so (conditional.py): on the decode
+        node holding the longest prefix, else on the one with the most room."""
+        assert self.chooser is not None
+        node = holder or self.nodes.best_decode(blocks_needed)
+        if node is None or self.nodes.room(node, blocks_needed) < blocks_needed:
+            plan.reason = "no decode node has room to prefill locally"
+            return
+        cached = plan.decode_cached_tokens if holder is not None else 0
+        remote = plan.prompt_tokens - plan.kvcache_cached_tokens
+        backlog = Backlog(
+            pool_tokens=self.nodes.backlog_tokens(PREFILL_POOL),
+            prefill_nodes=len(self.nodes.by_role("prefill")),
+            local_tokens=self.nodes.backlog_tokens(node.node_id),
+        )
+        choice = self.chooser.choose(
+            plan.prompt_tokens - cached, remote, plan.prompt_tokens, node, backlog
+        )
+        plan.reason = choice.reason
+        if choice.local:
+            plan.local_node, plan.decode_cached_tokens = node, cached
 
     def _steer(self, plan: RoutePlan, hashes_for: Callable[[NodeInfo], list[bytes] | None]) -> None:
         """Pick the prefill node whose pool makes the job cheapest, if that beats the shared

@@ -88,12 +88,11 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
 
 
 STEP_TOKEN_BUDGET = 256  # measured: docs/benchmarks.md, "Chunked prefill"
+PREFILL_CHUNK_TOKENS = 512
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
-    add_option(p, "--max-num-seqs", type=int, default=64)
-    add_option(p, "--max-batched-tokens", type=int, default=4096)
+def add_chunking_options(p: argparse.ArgumentParser) -> None:
+    """The decode nodes' chunked prefill (the router's conditional choice reads the same)."""
     add_option(
         p,
         "--step-token-budget",
@@ -106,9 +105,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         p,
         "--prefill-chunk-tokens",
         type=int,
-        default=512,
+        default=PREFILL_CHUNK_TOKENS,
         help="chunked prefill: prompt tokens one step computes at most",
     )
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
+    add_option(p, "--max-num-seqs", type=int, default=64)
+    add_option(p, "--max-batched-tokens", type=int, default=4096)
+    add_chunking_options(p)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     add_option(
         p,

@@ -72,7 +72,7 @@ def router_counter(stack: Stack, name: str, **labels: str) -> float:
 
 
 def routes(stack: Stack, path: str) -> float:
-    return router_counter(stack, "tandem_router_routes_total", path=path)
+    return router_counter(stack, "tandem_router_routes_total", route=path)
 
 
 def chat_turns(
@@ -125,12 +125,12 @@ def test_long_turns_load_history_from_the_kvcache_service(
     """Long turns take the disaggregated path: prefill loads the history from kvcache."""
     loaded_before = scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks")
     kv_hits_before = scrape(stack, "kvcache", "tandem_kvcache_hit_blocks")
-    remote_before = routes(stack, "disaggregated")
+    remote_before = routes(stack, "remote")
     steered_before = router_counter(stack, "tandem_router_prefill_steered_total")
     with client(stack) as c:
         turns = chat_turns(c, stack, real_model, LONG_QUESTIONS)
     check_hits(turns)
-    assert routes(stack, "disaggregated") - remote_before == len(LONG_QUESTIONS)
+    assert routes(stack, "remote") - remote_before == len(LONG_QUESTIONS)
     # Turns 3-4 went to the prefill node that holds most of their history (600+ tokens in
     # its pool: it loads only the answer's blocks from kvcache), not to the shared queue.
     assert router_counter(stack, "tandem_router_prefill_steered_total") - steered_before >= 1

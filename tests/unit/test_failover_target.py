@@ -58,7 +58,7 @@ class RouterStandIn:
 
     async def resubmit(self, node: NodeInfo, job: PrefillJob, blocks: int) -> str:
         self.sent.append((node.node_id, job))
-        return "disaggregated"
+        return "remote"
 
     async def cancel_on(self, node: str, request_id: str, reason: str) -> None:
         self.cancels.append((node, request_id))

@@ -1,0 +1,113 @@
+"""Conditional disaggregation: per request, prefill on its decode node (local: chunked into
+that node's steps, beside its running streams) or on the prefill pool (remote: a prefill
+node computes it, then its KV moves to the decode node), whichever gives the request its
+first token sooner, from measured costs and the live state.
+
+With a profile (`tandem plan profile`, `--profile`), both paths are estimated in seconds:
+- remote: the pool's backlog (prompt tokens sent to it and not yet answered by a first
+  token, spread over its nodes) plus this prompt's prefill, plus the KV transfer that must
+  land before the second token;
+- local: the decode node's own backlog plus this prompt, prefilled in chunks of
+  min(chunk, budget − running) tokens, one chunk per step; each step also runs the node's
+  decode batch (running sequences at their mean context, from its block count). An idle
+  node prefills the prompt whole in one step, and so does a node without chunking (after
+  its current step). The budget and chunk are the decode nodes' options (the router takes
+  the same `--step-token-budget` and `--prefill-chunk-tokens`, so one TANDEM_* variable
+  sets both).
+Local wins ties: it moves no KV and leaves the pool to prompts that need it. A prompt
+with at most `local_max_tokens` uncached goes local whatever the costs (a few tokens of
+prefill barely delay a node's streams), and so does every prompt when no prefill node is
+up.
+
+Without a profile, the fallback rule: local when at most `local_max_tokens` are uncached
+(as before), or when the pool has more than FALLBACK_POOL_TOKENS queued per prefill node
+while the decode node has no local prefill queued; remote otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shared.bus.messages import NodeInfo
+from shared.costs.model import CostModel
+from shared.runtime.options import PREFILL_CHUNK_TOKENS, STEP_TOKEN_BUDGET
+
+FALLBACK_POOL_TOKENS = 2048  # about a long prompt's wait per prefill node: worth going local
+
+
+@dataclass(frozen=True)
+class Choice:
+    local: bool
+    reason: str  # logged at debug level and set on the request's span
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What is queued ahead of this prompt on each path (NodeTable.backlog_tokens)."""
+
+    pool_tokens: int
+    prefill_nodes: int
+    local_tokens: int  # queued for a local prefill on the candidate decode node
+
+
+class PrefillPathChooser:
+    def __init__(
+        self,
+        costs: CostModel | None,
+        local_max_tokens: int = 96,
+        step_budget: int = STEP_TOKEN_BUDGET,
+        chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        prefill_costs: CostModel | None = None,
+    ) -> None:
+        self.costs = costs  # the decode nodes' (and, without prefill_costs, the pool's)
+        self.prefill_costs = prefill_costs or costs
+        self.local_max_tokens = local_max_tokens
+        self.step_budget = step_budget
+        self.chunk_tokens = chunk_tokens
+
+    def choose(
+        self,
+        local_uncached: int,
+        remote_uncached: int,
+        prompt: int,
+        node: NodeInfo,
+        backlog: Backlog,
+    ) -> Choice:
+        """Prefill locally on `node` (computing `local_uncached` of the `prompt` tokens), or
+        remotely (computing `remote_uncached`, the rest loaded from the kvcache service)?"""
+        if backlog.prefill_nodes == 0:
+            return Choice(True, "no prefill node")
+        if local_uncached <= self.local_max_tokens:
+            return Choice(True, f"{local_uncached} uncached tokens <= {self.local_max_tokens}")
+        if self.costs is None:
+            return self._fallback(backlog)
+        local = self.local_seconds(local_uncached, node, backlog.local_tokens)
+        remote = self.remote_seconds(remote_uncached, prompt, backlog)
+        verdict = "<=" if local <= remote else ">"
+        return Choice(local <= remote, f"local {local:.3f}s {verdict} remote {remote:.3f}s")
+
+    def _fallback(self, backlog: Backlog) -> Choice:
+        per_node = backlog.pool_tokens / backlog.prefill_nodes
+        if per_node > FALLBACK_POOL_TOKENS and backlog.local_tokens == 0:
+            return Choice(True, f"pool backlog {per_node:.0f} tokens/node (no profile)")
+        return Choice(False, f"pool backlog {per_node:.0f} tokens/node (no profile)")
+
+    def remote_seconds(self, uncached: int, prompt: int, backlog: Backlog) -> float:
+        costs = self.prefill_costs
+        assert costs is not None
+        wait = costs.prefill(backlog.pool_tokens) / backlog.prefill_nodes
+        return wait + costs.prefill(uncached) + costs.kv_transfer(prompt)
+
+    def local_seconds(self, uncached: int, node: NodeInfo, queued: int) -> float:
+        assert self.costs is not None
+        tokens = queued + uncached
+        running = node.running
+        if running == 0:
+            return self.costs.prefill(tokens)
+        used = max(0, node.total_kv_blocks - node.free_kv_blocks) * max(1, node.block_size)
+        step = self.costs.decode(running, used / running)
+        if self.step_budget <= 0:  # no chunking: prefilled whole after the current step
+            return step + self.costs.prefill(tokens)
+        chunk = max(node.block_size, min(self.chunk_tokens, self.step_budget - running))
+        return math.ceil(tokens / chunk) * step + self.costs.prefill(tokens)

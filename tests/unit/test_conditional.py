@@ -1,0 +1,79 @@
+"""Conditional disaggregation: the per-request choice between prefilling on the decode node
+and on the prefill pool, from a profile's costs and the router's backlog counts, and its
+fallback rule without a profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.conditional import Backlog, PrefillPathChooser
+from services.router.nodes import PREFILL_POOL, NodeTable
+from services.router.routing import PrefixRouter
+from shared.bus.kv_events import KVIndex
+from shared.bus.messages import NodeInfo
+from shared.costs.model import CostModel
+from tests.unit.test_plan_simulate import DECODE_STEP, PREFILL_PER_TOKEN, profile
+
+pytestmark = pytest.mark.unit
+
+
+def decode(running: int = 0, free: int = 900) -> NodeInfo:
+    return NodeInfo(
+        node_id="d1", role="decode", running=running, free_kv_blocks=free,
+        total_kv_blocks=1000, hash_key="k", block_size=16,
+    )  # fmt: skip
+
+
+def chooser(costs: bool = True) -> PrefillPathChooser:
+    return PrefillPathChooser(CostModel(profile()) if costs else None, local_max_tokens=96)
+
+
+def test_an_idle_decode_node_prefills_locally_a_busy_one_sends_it_to_an_idle_pool() -> None:
+    idle_pool = Backlog(pool_tokens=0, prefill_nodes=1, local_tokens=0)
+    choice = chooser().choose(1000, 1000, 1000, decode(running=0), idle_pool)
+    assert choice.local and "local" in choice.reason  # same prefill, no transfer
+    busy = chooser().choose(1000, 1000, 1000, decode(running=8), idle_pool)
+    # 8 decoding: 1,000 tokens in chunks of 248, 5 steps of 50 ms on top of the prefill
+    assert not busy.local and "remote" in busy.reason
+
+
+def test_a_backlogged_pool_sends_the_prompt_local() -> None:
+    c = chooser()
+    node = decode(running=8)
+    queued = Backlog(pool_tokens=3000, prefill_nodes=1, local_tokens=0)  # 3 s queued
+    local = c.local_seconds(1000, node, 0)
+    assert local == pytest.approx(5 * DECODE_STEP + 1000 * PREFILL_PER_TOKEN, rel=0.05)
+    assert c.remote_seconds(1000, 1000, queued) > local
+    assert c.choose(1000, 1000, 1000, node, queued).local
+    # ... unless that node's own local queue is longer still
+    assert not c.choose(1000, 1000, 1000, node, Backlog(3000, 1, local_tokens=6000)).local
+
+
+def test_short_tails_and_pool_less_clusters_stay_local() -> None:
+    idle = Backlog(0, 1, 0)
+    assert chooser().choose(50, 1000, 1000, decode(running=30), idle).local
+    assert chooser().choose(4000, 4000, 4000, decode(running=30), Backlog(0, 0, 0)).local
+
+
+def test_fallback_rule_without_a_profile() -> None:
+    c = chooser(costs=False)
+    assert not c.choose(1000, 1000, 1000, decode(), Backlog(1000, 1, 0)).local
+    assert c.choose(1000, 1000, 1000, decode(), Backlog(5000, 2, 0)).local  # 2,500 a node queued
+    assert not c.choose(1000, 1000, 1000, decode(), Backlog(5000, 2, 500)).local
+
+
+def test_router_applies_the_choice_and_counts_the_backlog() -> None:
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+    prefill = NodeInfo(node_id="p1", role="prefill", hash_key="k", block_size=16)
+    table.nodes = {"d1": decode(running=8), "p1": prefill}
+    router = PrefixRouter(table, KVIndex(), 96, chooser=chooser())
+    prompt = list(range(1000, 2000))
+    plan = router.plan(prompt, 70)
+    assert plan.local_node is None and plan.reason.startswith("local")  # remote: idle pool
+    table.prefill_sent("r1", PREFILL_POOL, 3000)
+    plan = router.plan(prompt, 70)
+    assert plan.local_node is not None and plan.local_node.node_id == "d1"
+    assert table.backlog_tokens(PREFILL_POOL) == 3000
+    table.prefill_done("r1")
+    table.prefill_done("r1")  # idempotent: the first token and the end both say it
+    assert table.backlog_tokens(PREFILL_POOL) == 0 and not table.prefill_backlog

@@ -136,9 +136,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_common_options(c, COMPARE)
     add_option(
-        c, "--sides", default="colocated,disaggregated", help="which stacks to run, in order"
+        c,
+        "--sides",
+        default="colocated,disaggregated",
+        help="which stacks to run, in order: colocated (chunked prefill), colocated-unchunked, "
+        "disaggregated (a fixed 1:1 split), conditional (per-request choice)",
     )
     add_option(c, "--transport", default="ucx", choices=["ucx", "tcp"])
+    add_option(
+        c, "--profile", default=None, help="costs for the conditional side (tandem plan profile)"
+    )
+    add_option(
+        c,
+        "--colocated-url",
+        default=None,
+        help="measure the colocated side against this server (e.g. vLLM) instead of a stack",
+    )
+    add_option(c, "--colocated-model", default=None, help="model name that server serves")
     add_option(c, "--kv-cache-mb", type=int, default=1024, help="KV pool per model node")
     add_option(c, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_option(c, "--log-dir", default=None, help="the stacks' logs (default: beside --output)")

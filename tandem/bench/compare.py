@@ -1,12 +1,18 @@
-"""`tandem bench compare`: one workload, two stacks on the same cores, side by side.
+"""`tandem bench compare`: one workload against several stacks on the same cores, side by side.
 
 - colocated: one decode node doing both phases in one engine, torch threads on every core
-  (`tandem up --colocated`); a long prompt's prefill runs between its decode steps, so
-  every running stream stalls for it — the interference disaggregation removes.
+  (`tandem up --colocated`), with chunked prefill (its default): a long prompt is
+  prefilled a chunk per step beside the running decodes, as vLLM's engine does. With
+  `--colocated-url` this side is an outside server instead (e.g. vLLM itself).
+- colocated-unchunked: the same with chunked prefill off: a long prompt's prefill runs
+  whole between two decode steps, so every running stream stalls for it — the
+  interference disaggregation removes.
 - disaggregated: one prefill and one decode node, each pinned to a core of its own with
   one thread (`tandem up --pin-cores`): the same hardware in total, split by phase.
+- conditional: the same two nodes, the router choosing per request where to prefill
+  (`tandem up --conditional`, costs from `--profile` when given).
 
-Both run through the same router and API, without a kvcache node (random prompts share no
+All run through the same router and API, without a kvcache node (random prompts share no
 prefix to reuse; its uploads would only spend the cores being compared), with the router's
 first-token and stall timeouts raised to the client's and its liveness probe off, so a slow
 request is measured as slow rather than cut off by failover (colocated mode has no
@@ -32,17 +38,32 @@ from tandem.bench.serve import check, slo_of, sweep_config, workload_of, write_o
 from tandem.bench.sweep import Sweep, run_sweep
 from tandem.launcher import Stack
 
-SIDES = ("colocated", "disaggregated")
+SIDES = ("colocated", "colocated-unchunked", "disaggregated", "conditional")
 
 
-def up_argv(side: str, args: argparse.Namespace, port: int) -> list[str]:
-    """`tandem up` options of one side."""
-    argv = ["up", "--port", str(port), "--kvcache", "0", "--decode", "1"]
-    argv += ["--model", args.model, "--dtype", args.dtype, "--transport", args.transport]
-    argv += ["--kv-cache-mb", str(args.kv_cache_mb)]
-    if side == "colocated":
-        return [*argv, "--colocated"]  # threads: every core of this process
-    return [*argv, "--prefill", "1", "--pin-cores"]  # a core and a thread each
+def side_options(side: str, args: argparse.Namespace) -> list[str]:
+    """`tandem up` options of one side (all but the port)."""
+    options = ["--kvcache", "0", "--decode", "1", *model_options(args)]
+    if side.startswith("colocated"):
+        return [*options, "--colocated"]  # threads: every core of this process
+    options += ["--prefill", "1", "--pin-cores"]  # a core and a thread each
+    if side == "conditional":
+        options += ["--conditional", *(["--profile", args.profile] if args.profile else [])]
+    return options
+
+
+def side_env(side: str) -> dict[str, str]:
+    """What one side sets beyond `stack_env`: the unchunked baseline turns chunked prefill
+    off on its decode node (a long prompt is prefilled whole between decode steps)."""
+    return {"TANDEM_STEP_TOKEN_BUDGET": "0"} if side == "colocated-unchunked" else {}
+
+
+def model_options(args: argparse.Namespace) -> list[str]:
+    """The model, dtype, data plane and KV pool every side's nodes run with."""
+    return [
+        *("--model", args.model, "--dtype", args.dtype, "--transport", args.transport),
+        *("--kv-cache-mb", str(args.kv_cache_mb)),
+    ]
 
 
 def stack_env(args: argparse.Namespace) -> dict[str, str]:
@@ -53,14 +74,18 @@ def stack_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_FIRST_TOKEN_TIMEOUT": timeout,
         "TANDEM_STALL_TIMEOUT": timeout,
         "TANDEM_PROBE_AFTER": "0",  # no liveness pings: nothing here fails, and they cost
+        "TANDEM_CONDITIONAL": "0",  # only the conditional side's `--conditional` turns it on
     }
 
 
-def start_stack(side: str, args: argparse.Namespace, log: Path) -> Stack:
+def start_stack(
+    options: list[str], args: argparse.Namespace, log: Path, env: dict[str, str] | None = None
+) -> Stack:
+    """`tandem up` with these options (and environment) on a free port, ready to serve."""
     parser = argparse.ArgumentParser(prog="tandem")
     up.add_parser(parser.add_subparsers(dest="command"))
-    stack = Stack(parser.parse_args(up_argv(side, args, free_port())))
-    stack.env = stack_env(args)
+    stack = Stack(parser.parse_args(["up", "--port", str(free_port()), *options]))
+    stack.env = {**stack_env(args), **(env or {})}
     stack.out = log.open("w")
     try:
         stack.start()
@@ -84,20 +109,22 @@ def machine() -> dict[str, Any]:
     return {"cpus": sorted(os.sched_getaffinity(0)), "cpu_model": model}
 
 
-def measure(side: str, args: argparse.Namespace, log: Path, served: str, workload: Any) -> Sweep:
+def measure(
+    side: str,
+    options: list[str],
+    args: argparse.Namespace,
+    log: Path,
+    served: str,
+    workload: Any,
+    env: dict[str, str] | None = None,
+) -> Sweep:
+    """The sweep of `args` against a fresh `tandem up` stack with these options."""
     started = time.monotonic()
     print(f"[{side}] starting the stack (log: {log})", flush=True)
-    stack = start_stack(side, args, log)
+    stack = start_stack(options, args, log, env)
     try:
         print(f"[{side}] ready in {time.monotonic() - started:.0f}s at {stack.url}", flush=True)
-        target = Target(
-            url=stack.url,
-            model=served,
-            prompt_format=args.prompt_format,
-            ignore_eos=not args.no_ignore_eos,
-            timeout=args.timeout,
-        )
-        sweep = asyncio.run(run_sweep(target, workload, sweep_config(args), slo_of(args), side))
+        sweep = measure_url(side, stack.url, args, served, workload)
         for child in stack.dead_children():  # a crash during the run invalidates the side
             raise TandemError(f"{side}: {child.name} died during the run (see {log})")
         return sweep
@@ -105,6 +132,30 @@ def measure(side: str, args: argparse.Namespace, log: Path, served: str, workloa
         stack.stop()
         stack.out.close()
         print(f"[{side}] done in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def measure_url(side: str, url: str, args: argparse.Namespace, served: str, workload: Any) -> Sweep:
+    """The sweep of `args` against a server already running at `url`."""
+    target = Target(
+        url=url,
+        model=served,
+        prompt_format=args.prompt_format,
+        ignore_eos=not args.no_ignore_eos,
+        api_key=args.api_key,
+        timeout=args.timeout,
+    )
+    return asyncio.run(run_sweep(target, workload, sweep_config(args), slo_of(args), side))
+
+
+def measure_side(
+    side: str, args: argparse.Namespace, log_dir: Path, served: str, workload: Any
+) -> Sweep:
+    if side == "colocated" and args.colocated_url:  # the best colocated engine at hand
+        served = args.colocated_model or served
+        print(f"[{side}] against {args.colocated_url} ({served})", flush=True)
+        return measure_url(side, args.colocated_url, args, served, workload)
+    log = log_dir / f"{Path(args.output).stem}-{side}.log"
+    return measure(side, side_options(side, args), args, log, served, workload, side_env(side))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,16 +176,15 @@ def run(args: argparse.Namespace) -> int:
 
         served_name = resolve_model(args.model).served_name
         workload = workload_of(args)
-        sweeps = [
-            measure(side, args, log_dir / f"{out.stem}-{side}.log", served_name, workload)
-            for side in sides
-        ]
+        sweeps = [measure_side(side, args, log_dir, served_name, workload) for side in sides]
     except (TandemError, RuntimeError) as exc:  # RuntimeError: a stack that did not start
         print(f"error: {exc}", file=sys.stderr)
         return 1
     extra = {
         "machine": machine(),
-        "sides": {s: up_argv(s, args, 0)[3:] for s in sides},  # `tandem up` options
+        "sides": {s: side_options(s, args) for s in sides},  # `tandem up` options
+        "side_env": {s: side_env(s) for s in sides if side_env(s)},
+        "colocated_url": args.colocated_url,
         "stack_env": stack_env(args),
     }
     write_outputs("tandem bench compare", args, sweeps, extra)

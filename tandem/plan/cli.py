@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.plan import profile, project, simulate
+from tandem.plan import profile, project, search, simulate, validate
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -12,4 +12,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     plan_sub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND")
     profile.add_parser(plan_sub)
     simulate.add_parser(plan_sub)
+    validate.add_parser(plan_sub)
+    search.add_parser(plan_sub)
     project.add_parser(plan_sub)

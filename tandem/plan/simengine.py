@@ -1,24 +1,24 @@
 """A node's engine in the simulator: the engine's own scheduler and block pool
 (shared/engine/scheduler.py, shared/kv/block_pool.py) deciding every step, exactly as on a
-node, with the model's forward replaced by the profile's time for it (costs.py).
+node, with the model's forward replaced by the profile's time for it (shared/costs/model.py).
 
-A step is split in two around its duration, as on a node: `begin` plans it (admissions,
-chunks, block allocations, preemptions happen now) and says how long it takes; `end`
-applies what the forward produced (a token for every decoding sequence and every prompt
-whose last chunk was computed; finished sequences free their blocks). Requests arriving
-meanwhile wait for the next step, as they do behind a node's engine thread.
+A step is split in two around its duration, as on a node: `begin` plans it and applies
+what happens inside it before its prompt forward (admissions, block allocations,
+preemptions, the decodes' tokens) and says how long it takes; `end` applies the prompt
+forward (first tokens of prompts whose last chunk was computed). The simulator makes all
+of the step's tokens public at its end, as a node publishes a step's outputs. Requests
+arriving meanwhile wait for the next step, as they do behind a node's engine thread.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 from shared.bus.params import SamplingParams
+from shared.costs.model import CostModel
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.kv.block_pool import BlockPool
-from tandem.plan.costs import CostModel
 
 SIM_TOKEN = 7  # every simulated output token: its value never matters, its count does
 
@@ -51,11 +51,11 @@ class SimEngine:
         self.shape = shape
         self.costs = costs
         self.scheduler = Scheduler(shape.scheduler_config(), BlockPool(shape.num_blocks), b"sim")
-        self._ids = itertools.count()
 
-    def new_sequence(self, prompt_ids: list[int], max_tokens: int) -> Sequence:
+    @staticmethod
+    def new_sequence(request_id: str, prompt_ids: list[int], max_tokens: int) -> Sequence:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return Sequence(f"s{next(self._ids)}", prompt_ids, params, seed=0, arrival=0.0)
+        return Sequence(request_id, prompt_ids, params, seed=0, arrival=0.0)
 
     def add(self, seq: Sequence) -> None:
         """A request to prefill here (colocated, or a local prefill)."""
@@ -81,27 +81,34 @@ class SimEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.prefilling)
 
-    def begin(self) -> tuple[StepPlan, float]:
-        """Plan the next step; its duration from the profile."""
+    def begin(self) -> tuple[StepPlan, float, list[Sequence]]:
+        """Plan the next step and say how long it takes. As in `Engine.step`, the decodes'
+        tokens are appended before the step's prompt chunks are chosen (finished sequences
+        free their blocks first); they are returned here and made public at the step's end."""
         plan = self.scheduler.plan_step()
         seconds = 0.0
+        decoded: list[Sequence] = []
         if plan.decodes:
             context = sum(s.num_tokens for s in plan.decodes) / len(plan.decodes)
             seconds += self.costs.decode(len(plan.decodes), context)
+            decoded = self._tokens(plan.decodes)
+        self.scheduler.plan_chunks(plan)
         if plan.prefills:
             seconds += self.costs.prefill(plan.prefill_tokens)
-        return plan, seconds
+        return plan, seconds, decoded
 
     def end(self, plan: StepPlan) -> list[Sequence]:
-        """The step's forward is done: the sequences that got a token (finished ones have
-        status FINISHED and their blocks freed)."""
-        emitted = list(plan.decodes)
-        if plan.prefills:
-            emitted += [plan.prefills[i][0] for i in self.scheduler.prefill_done(plan)]
+        """The step's prefill forward is done: the prompts that got their first token."""
+        if not plan.prefills:
+            return []
+        return self._tokens([plan.prefills[i][0] for i in self.scheduler.prefill_done(plan)])
+
+    def _tokens(self, seqs: list[Sequence]) -> list[Sequence]:
+        """A token each (`Engine._after_forward`); finished ones leave the scheduler."""
         out = []
-        for seq in emitted:
+        for seq in seqs:
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # removed meanwhile (the simulator does not abort, but be exact)
+                continue  # preempted meanwhile
             seq.num_computed = seq.num_tokens
             self.scheduler.commit_full_blocks(seq)
             seq.output_ids.append(SIM_TOKEN)

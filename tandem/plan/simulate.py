@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared.costs.model import CostModel
+from shared.costs.profile import Profile, load_profile
 from shared.runtime.options import STEP_TOKEN_BUDGET, add_option
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
@@ -24,8 +26,6 @@ from tandem.bench.metrics import run_metrics
 from tandem.bench.serve import check, slo_of, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.bench.workload import sample_lengths
-from tandem.plan.costs import CostModel
-from tandem.plan.document import Profile, load_profile
 from tandem.plan.simengine import EngineShape
 from tandem.plan.simulator import Arrival, Simulation, Topology
 
@@ -38,7 +38,8 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     add_option(
         p, "--prefill-profile", default=None, help="profile of the prefill nodes (default: same)"
     )
-    add_option(p, "--colocated", type=int, default=0, help="N decode nodes prefilling everything")
+    # Not read from TANDEM_COLOCATED, which is the router's on/off switch of the same name.
+    p.add_argument("--colocated", type=int, default=0, help="N decode nodes prefilling everything")
     add_option(p, "--prefill", type=int, default=0, help="prefill nodes")
     add_option(p, "--decode", type=int, default=0, help="decode nodes")
     add_option(p, "--kvcache", type=int, default=0, help="kvcache nodes (random prompts: unused)")
@@ -51,6 +52,12 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--prefill-max-batch", type=int, default=8, help="jobs a prefill node takes")
     add_option(p, "--local-prefill-max-tokens", type=int, default=96)
     add_option(p, "--heartbeat", type=float, default=2.0, help="registry period, seconds")
+    add_option(
+        p,
+        "--conditional",
+        action="store_true",
+        help="per-request choice of prefill path (`tandem up --conditional`)",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,6 +100,7 @@ def topology_of(args: argparse.Namespace, decode: Profile, prefill: Profile) -> 
         prefill_max_batch=args.prefill_max_batch,
         local_max_tokens=args.local_prefill_max_tokens,
         heartbeat=args.heartbeat,
+        conditional=args.conditional,
     )
 
 
@@ -141,7 +149,7 @@ def simulate(args: argparse.Namespace) -> Sweep:
     sweep = Sweep(label(args), slo_of(args))
     for rate, arrivals in points:
         sim = Simulation(topology, decode_costs, prefill_costs)
-        records = sim.run(arrivals, None if args.trace else args.concurrency)
+        records = sim.run(arrivals, None if args.trace else args.concurrency, args.timeout)
         m = run_metrics(records, sweep.slo)
         sweep.points.append(Point(rate, args.concurrency, m, records))
         if not args.quiet:
@@ -156,14 +164,20 @@ def simulate(args: argparse.Namespace) -> Sweep:
 def label(args: argparse.Namespace) -> str:
     if args.colocated:
         return f"simulated colocated x{args.colocated}"
-    return f"simulated {args.prefill}P:{args.decode}D"
+    kind = "conditional " if args.conditional else ""
+    return f"simulated {kind}{args.prefill}P:{args.decode}D"
 
 
-def deployment_problem(args: argparse.Namespace) -> str | None:
+def deployment_problem(args: argparse.Namespace, nodes_given: bool = True) -> str | None:
+    """What is wrong with the deployment options (`nodes_given`: the node counts too)."""
     if args.kv_cache_mb < 1 or args.max_num_seqs < 1 or args.prefill_max_batch < 1:
         return "--kv-cache-mb, --max-num-seqs and --prefill-max-batch must be at least 1"
     if args.step_token_budget < 0 or args.heartbeat <= 0:
         return "--step-token-budget cannot be negative, --heartbeat must be positive"
+    if args.prefill_chunk_tokens < 1 or args.max_batched_tokens < 1:
+        return "--prefill-chunk-tokens and --max-batched-tokens must be at least 1"
+    if not nodes_given:
+        return None
     probe = Topology(colocated=args.colocated, prefill=args.prefill, decode=args.decode)
     return probe.check()
 

@@ -1,9 +1,11 @@
 """A discrete-event simulation of a Tandem deployment, deciding as the real one decides.
 
-Time comes from a profile (costs.py); every decision is the real code's:
+Time comes from a profile (shared/costs/model.py); every decision is the real code's:
 - the router plans each request with `services.router.admission.plan` over a
   `NodeTable` fed by simulated heartbeats (every `heartbeat` seconds per node, staggered,
-  counting what was sent since as the router does) and the `PrefixRouter`;
+  counting what was sent since as the router does) and the `PrefixRouter` (with
+  conditional disaggregation's chooser, costed by the decode profile, when asked), and
+  counts prefill backlogs as the router does (`admission.track_backlog`);
 - each node's engine is the real `Scheduler` (simengine.py), continuous batching and
   chunked prefill included;
 - a prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
@@ -25,18 +27,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from services.router.admission import plan as route
+from services.router.admission import plan as plan_route
+from services.router.admission import track_backlog
+from services.router.conditional import PrefillPathChooser
 from services.router.nodes import NodeTable
 from services.router.routing import PrefixRouter
+from shared.bus.ids import RequestId
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
+from shared.costs.model import CostModel
+from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
 from tandem.bench.metrics import RequestRecord
-from tandem.plan.costs import CostModel
 from tandem.plan.simengine import EngineShape, SimEngine
 
 HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
+DEFAULT_TIMEOUT = 300.0  # a request's client gives up after this (bench serve's --timeout)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Topology:
     prefill_max_batch: int = 8  # `tandem prefill --max-batch`
     local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
     heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
+    conditional: bool = False  # `tandem router --conditional`, with the decode profile's costs
 
     def check(self) -> str | None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -116,8 +124,18 @@ class Simulation:
         self.queue: deque[_Job] = deque()
         # The router's own parts: a node table the heartbeats below fill in, no registry.
         self.nodes = NodeTable(cast(Any, None), colocated=colocated)
+        chooser = None
+        if topology.conditional and not colocated:
+            shape = topology.decode_engine
+            chooser = PrefillPathChooser(
+                decode_costs,
+                topology.local_max_tokens,
+                step_budget=shape.step_token_budget,
+                chunk_tokens=shape.prefill_chunk_tokens,
+                prefill_costs=self.transfer_costs,
+            )
         self.routing = PrefixRouter(
-            self.nodes, KVIndex(), topology.local_max_tokens, colocated=colocated
+            self.nodes, KVIndex(), topology.local_max_tokens, colocated=colocated, chooser=chooser
         )
         self._beat_all()
         every = [*self.decoders, *(p.node_id for p in self.prefillers)]
@@ -127,16 +145,24 @@ class Simulation:
         self._pending: deque[Arrival] = deque()
         self._in_flight = 0
         self._concurrency: int | None = None
-        self._first_token_order = itertools.count()
+        self._timeout = DEFAULT_TIMEOUT
+        self._open: set[int] = set()  # id() of the records of requests not yet ended
+        self._request_ids = itertools.count()  # distinct across nodes, as attempt ids are
 
     # ---- the event loop ---------------------------------------------------------------------
 
     def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._events, (when, next(self._order), fn, args))
 
-    def run(self, arrivals: list[Arrival], concurrency: int | None = None) -> list[RequestRecord]:
-        """Simulate until every request has ended; their records, in send order."""
-        self._concurrency = concurrency
+    def run(
+        self,
+        arrivals: list[Arrival],
+        concurrency: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> list[RequestRecord]:
+        """Simulate until every request has ended (finished, failed, or past `timeout`
+        seconds after it was sent, as the client gives up); their records, in send order."""
+        self._concurrency, self._timeout = concurrency, timeout
         self._pending = deque(sorted(arrivals, key=lambda a: a.at))
         self._release_arrivals()
         while self._events and (self._in_flight or self._pending):
@@ -196,16 +222,21 @@ class Simulation:
     def _arrive(self, arrival: Arrival) -> None:
         record = RequestRecord(arrival.prompt_tokens, arrival.max_tokens, sent=self.now)
         self.records.append(record)
+        self._open.add(id(record))
+        self.at(self.now + self._timeout, self._expire, record)
+        n = next(self._request_ids)
         # distinct first tokens: no two simulated prompts share a prefix, as in the bench
-        prompt = [next(self._first_token_order) + 1000] + [11] * (arrival.prompt_tokens - 1)
+        prompt = [n + 1000] + [11] * (arrival.prompt_tokens - 1)
         try:
-            where = route(self.nodes, self.routing, prompt, arrival.max_tokens)
+            where = plan_route(self.nodes, self.routing, prompt, arrival.max_tokens)
         except CapacityError as exc:
             self._fail(record, str(exc))
             return
         decoder = self.decoders[where.decode_node.node_id]
-        seq = decoder.engine.new_sequence(prompt, arrival.max_tokens)
-        if where.local or self.topology.colocated:
+        seq = SimEngine.new_sequence(f"r{n}", prompt, arrival.max_tokens)
+        route = "local" if where.local else "remote"
+        track_backlog(self.nodes, cast(RequestId, seq.request_id), where, route, len(prompt))
+        if where.local:
             decoder.records[seq.request_id] = record
             decoder.engine.add(seq)
             self._kick(decoder)
@@ -214,11 +245,27 @@ class Simulation:
         for node in self.prefillers:
             self._take_jobs(node)
 
-    def _fail(self, record: RequestRecord, error: str) -> None:
-        record.error, record.done = error, self.now
-        self._ended()
+    def _token(self, record: RequestRecord, rid: str, last: bool) -> None:
+        """One token reaches the client (its first: no longer queued for a prefill)."""
+        if id(record) not in self._open:
+            return  # the client gave up on it
+        if not record.chunks:
+            self.nodes.prefill_done(rid)
+        record.chunks.append(self.now)
+        if last:
+            record.done, record.output_tokens = self.now, len(record.chunks)
+            self._ended(record)
 
-    def _ended(self) -> None:
+    def _fail(self, record: RequestRecord, error: str) -> None:
+        if id(record) in self._open:
+            record.error, record.done = error, self.now
+            self._ended(record)
+
+    def _expire(self, record: RequestRecord) -> None:
+        self._fail(record, f"no answer within {self._timeout:g}s")
+
+    def _ended(self, record: RequestRecord) -> None:
+        self._open.discard(id(record))
         self._in_flight -= 1
         self._release_arrivals()
 
@@ -227,21 +274,18 @@ class Simulation:
     def _kick(self, node: _Decode) -> None:
         if node.stepping or not node.engine.busy:
             return
-        plan, seconds = node.engine.begin()
+        plan, seconds, decoded = node.engine.begin()
         if not plan.decodes and not plan.prefills:
             return  # nothing fits now; the next arrival or hand-off kicks again
         node.stepping = True
-        self.at(self.now + seconds, self._step_done, node, plan)
+        self.at(self.now + seconds, self._step_done, node, plan, decoded)
 
-    def _step_done(self, node: _Decode, plan: Any) -> None:
+    def _step_done(self, node: _Decode, plan: StepPlan, decoded: list[Sequence]) -> None:
         node.stepping = False
-        for seq in node.engine.end(plan):
-            record = node.records[seq.request_id]
-            record.chunks.append(self.now)
-            if seq.status is SequenceStatus.FINISHED:
-                del node.records[seq.request_id]
-                record.done, record.output_tokens = self.now, len(seq.output_ids)
-                self._ended()
+        for seq in decoded + node.engine.end(plan):
+            last = seq.status is SequenceStatus.FINISHED
+            record = node.records.pop(seq.request_id) if last else node.records[seq.request_id]
+            self._token(record, seq.request_id, last)
         self._kick(node)
 
     # ---- prefill nodes ------------------------------------------------------------------------
@@ -249,45 +293,47 @@ class Simulation:
     def _take_jobs(self, node: _Prefill) -> None:
         if node.holding or not self.queue:
             return
-        jobs = [
-            self.queue.popleft()
-            for _ in range(min(self.topology.prefill_max_batch, len(self.queue)))
-        ]
+        count = min(self.topology.prefill_max_batch, len(self.queue))
+        jobs = [self.queue.popleft() for _ in range(count)]
         node.holding = len(jobs)
-        engine = node.engine
-        for job in jobs:
-            engine.add(job.seq)
-        seconds, emitted = 0.0, set[int]()
-        while engine.scheduler.waiting:  # `Engine.prefill_and_export`: step until all are in
-            plan, step = engine.begin()
-            if not plan.prefills:
-                break
-            seconds += step
-            emitted.update(id(seq) for seq in engine.end(plan))
+        seconds, emitted = self._prefill(node.engine, [job.seq for job in jobs])
         done = self.now + seconds
+        ship = []
         for job in jobs:
             if id(job.seq) not in emitted:  # never admitted: more KV than this node's pool
-                engine.scheduler.remove(job.seq)
+                node.engine.scheduler.remove(job.seq)
                 self.at(done, self._job_failed, node, job, "KV blocks exhausted during prefill")
-                continue
-            self.at(done, self._first_token, job)
-            if job.seq.status is SequenceStatus.FINISHED:  # its first token was its last
+            elif job.seq.status is SequenceStatus.FINISHED:  # its first token was its last
+                self.at(done, self._token, job.record, job.seq.request_id, True)
                 self.at(done, self._handed_off, node)
-                continue
-            engine.release(job.seq)
-        ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is SequenceStatus.RUNNING]
+            else:
+                self.at(done, self._token, job.record, job.seq.request_id, False)
+                ship.append(job)
         # the hand-offs run together on one link: all of them land when the bytes are through
         arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
         for job in ship:
             self.at(arrive, self._hand_off, node, job, HANDOFF_FIRST_DELAY)
 
-    def _first_token(self, job: _Job) -> None:
-        job.record.chunks.append(self.now)
-        if job.seq.status is SequenceStatus.FINISHED:
-            job.record.done, job.record.output_tokens = self.now, 1
-            self._ended()
+    @staticmethod
+    def _prefill(engine: SimEngine, seqs: list[Sequence]) -> tuple[float, set[int]]:
+        """`Engine.prefill_and_export`: step until every prompt has its first token, each
+        one's blocks freed as soon as it has (its KV is exported); (seconds, id()s done)."""
+        for seq in seqs:
+            engine.add(seq)
+        seconds, emitted = 0.0, set[int]()
+        while engine.scheduler.waiting:
+            plan, step, _ = engine.begin()
+            if not plan.prefills:
+                break
+            seconds += step
+            for seq in engine.end(plan):
+                emitted.add(id(seq))
+                if seq.status is not SequenceStatus.FINISHED:
+                    engine.release(seq)
+        return seconds, emitted
 
     def _job_failed(self, node: _Prefill, job: _Job, error: str) -> None:
+        self.nodes.prefill_done(job.seq.request_id)
         self._fail(job.record, error)
         self._handed_off(node)
 

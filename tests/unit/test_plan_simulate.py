@@ -11,10 +11,8 @@ import statistics
 import msgspec
 import pytest
 
-from tandem.bench.loadgen import arrival_times
-from tandem.plan import simulate
-from tandem.plan.costs import CostModel, interpolate
-from tandem.plan.document import (
+from shared.costs.model import CostModel, interpolate
+from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
     Machine,
@@ -22,6 +20,8 @@ from tandem.plan.document import (
     Profile,
     TransferPoint,
 )
+from tandem.bench.loadgen import arrival_times
+from tandem.plan import simulate
 from tandem.plan.simengine import EngineShape
 from tandem.plan.simulator import Arrival, Simulation, Topology
 
@@ -205,3 +205,40 @@ def test_command_refuses_bad_input(
     assert "profile version 99" in capsys.readouterr().err
     assert simulate.run(_args("--profile", str(bad), "--quiet")) == 2  # no deployment
     assert "at least one prefill" in capsys.readouterr().err
+
+
+def test_a_prefill_batch_larger_than_the_prefill_pool_still_goes_through() -> None:
+    """8 jobs of 500 tokens on a prefill node whose pool holds ~1 of them: each prompt's
+    blocks are freed as soon as its KV is out (as `prefill_and_export` does), so every one
+    is prefilled in turn; nothing fails, nothing hangs."""
+    topo = Topology(
+        prefill=1,
+        decode=1,
+        decode_engine=shape(),
+        prefill_engine=EngineShape(num_blocks=40),
+    )
+    records = Simulation(topo, CostModel(profile())).run([Arrival(0.0, 500, 4)] * 8)
+    assert all(r.ok and r.output_tokens == 4 for r in records)
+    # one after another (the first alone, then the 7 queued meanwhile), plus a hand-off
+    assert max(r.chunks[0] for r in records) == pytest.approx(8 * 0.5, abs=0.01)
+
+
+def test_hand_offs_to_another_decode_node_keep_each_stream_its_own() -> None:
+    """Two decode nodes that hold one request each: hand-offs fall back to the other node,
+    and request ids stay distinct across nodes, so every record gets exactly its tokens."""
+    topo = Topology(
+        prefill=1, decode=2, decode_engine=EngineShape(num_blocks=40), prefill_engine=shape()
+    )
+    records = Simulation(topo, CostModel(profile())).run(
+        [Arrival(0.01 * i, 500, 30) for i in range(6)]
+    )
+    assert [r.output_tokens for r in records] == [30] * 6
+    assert all(r.ok and len(r.chunks) == 30 for r in records)
+
+
+def test_a_request_that_cannot_finish_times_out() -> None:
+    topo = Topology(colocated=1, decode_engine=EngineShape(num_blocks=4096, max_num_seqs=1))
+    long, short = Arrival(0.0, 100, 4000), Arrival(0.0, 100, 5)  # 4,000 x 50 ms > 60 s
+    records = Simulation(topo, CostModel(profile())).run([long, short], timeout=60)
+    assert records[0].error is not None and "60" in records[0].error
+    assert records[1].error is not None  # waited behind it for a seat, past its timeout

@@ -54,6 +54,13 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--heartbeat", type=float, default=2.0, help="registry period, seconds")
     add_option(
         p,
+        "--admission-latency",
+        type=float,
+        default=0.05,
+        help="seconds from a request's send until a node has it (router, journal, NATS)",
+    )
+    add_option(
+        p,
         "--conditional",
         action="store_true",
         help="per-request choice of prefill path (`tandem up --conditional`)",
@@ -101,6 +108,7 @@ def topology_of(args: argparse.Namespace, decode: Profile, prefill: Profile) -> 
         local_max_tokens=args.local_prefill_max_tokens,
         heartbeat=args.heartbeat,
         conditional=args.conditional,
+        admission_latency=args.admission_latency,
     )
 
 
@@ -172,8 +180,11 @@ def deployment_problem(args: argparse.Namespace, nodes_given: bool = True) -> st
     """What is wrong with the deployment options (`nodes_given`: the node counts too)."""
     if args.kv_cache_mb < 1 or args.max_num_seqs < 1 or args.prefill_max_batch < 1:
         return "--kv-cache-mb, --max-num-seqs and --prefill-max-batch must be at least 1"
-    if args.step_token_budget < 0 or args.heartbeat <= 0:
-        return "--step-token-budget cannot be negative, --heartbeat must be positive"
+    if args.step_token_budget < 0 or args.heartbeat <= 0 or args.admission_latency < 0:
+        return (
+            "--step-token-budget and --admission-latency cannot be negative, "
+            "--heartbeat must be positive"
+        )
     if args.prefill_chunk_tokens < 1 or args.max_batched_tokens < 1:
         return "--prefill-chunk-tokens and --max-batched-tokens must be at least 1"
     if not nodes_given:

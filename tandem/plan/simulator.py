@@ -60,6 +60,11 @@ class Topology:
     local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
     heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
     conditional: bool = False  # `tandem router --conditional`, with the decode profile's costs
+    # From a request's send to its planning by the router and on to a node: HTTP, journal
+    # write, NATS. Software, not hardware: measured 40-60 ms on the 2-core machine by
+    # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks.md),
+    # the commands' default (--admission-latency 0.05); none unless given here.
+    admission_latency: float = 0.0
 
     def check(self) -> str | None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -224,6 +229,12 @@ class Simulation:
         self.records.append(record)
         self._open.add(id(record))
         self.at(self.now + self._timeout, self._expire, record)
+        self.at(self.now + self.topology.admission_latency, self._admit, record, arrival)
+
+    def _admit(self, record: RequestRecord, arrival: Arrival) -> None:
+        """The router has the request and plans it (after the HTTP, journal and NATS hops)."""
+        if id(record) not in self._open:
+            return
         n = next(self._request_ids)
         # distinct first tokens: no two simulated prompts share a prefix, as in the bench
         prompt = [n + 1000] + [11] * (arrival.prompt_tokens - 1)

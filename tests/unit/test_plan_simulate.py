@@ -242,3 +242,10 @@ def test_a_request_that_cannot_finish_times_out() -> None:
     records = Simulation(topo, CostModel(profile())).run([long, short], timeout=60)
     assert records[0].error is not None and "60" in records[0].error
     assert records[1].error is not None  # waited behind it for a seat, past its timeout
+
+
+def test_admission_latency_comes_before_the_node_sees_the_request() -> None:
+    topo = Topology(colocated=1, decode_engine=shape(256), admission_latency=0.05)
+    (rec,) = Simulation(topo, CostModel(profile())).run([Arrival(0.0, 500, 3)])
+    assert rec.chunks[0] == pytest.approx(0.55)
+    assert rec.done == pytest.approx(0.55 + 2 * DECODE_STEP)

@@ -49,7 +49,6 @@ class EngineConfig:
     # Chunked prefill (scheduler.py): 0 prefills a prompt whole before the next decode step
     step_token_budget: int = 0
     prefill_chunk_tokens: int = 512
-    fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (shared/model/fused.py)
 
 
 class Engine:
@@ -65,7 +64,7 @@ class Engine:
         )
         self.pool = BlockPool(num_blocks)
         self.cache = PagedKVCache(self.layout, num_blocks, model.device)
-        self.runner = ModelRunner(model, self.cache, fuse=self.config.fuse_projections)
+        self.runner = ModelRunner(model, self.cache)
         hash_extra = f"{model.served_name}/{self.layout.dtype}".encode()
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from shared.kv.paged_cache import KVLayout, PagedKVCache
-from shared.model.fused import fuse_layer
 from shared.model.loader import LoadedModel
 
 
@@ -65,7 +64,7 @@ def kv_layout(model: LoadedModel, block_size: int) -> KVLayout:
 class ModelRunner:
     """Runs the model's layers against a PagedKVCache; returns last-position logits."""
 
-    def __init__(self, model: LoadedModel, cache: PagedKVCache, fuse: bool = True) -> None:
+    def __init__(self, model: LoadedModel, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
         self.layout = cache.layout
@@ -87,8 +86,6 @@ class ModelRunner:
             and self.device.type == "cpu"
             and not cpu_has_native_bf16()
         )
-        # q/k/v and gate/up as one GEMM each (fused.py); None per layer: the modules' own
-        self.fused = [fuse_layer(layer) if fuse else None for layer in self.layers]
 
     def _linear(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """`module(x)`, computed in float32 for wide bf16 batches on CPUs without bf16 units."""
@@ -97,17 +94,7 @@ class ModelRunner:
         out: torch.Tensor = module(x)
         return out
 
-    def _project(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`x @ weight.T`, in float32 when `_linear` would be."""
-        if self.upcast and x.shape[0] >= UPCAST_MIN_ROWS:
-            return F.linear(x.float(), weight.float()).to(x.dtype)
-        return F.linear(x, weight)
-
-    def _mlp(self, layer_idx: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused[layer_idx]
-        if fused is not None:
-            gate, up = self._project(fused.gate_up, x).split(fused.intermediate, dim=-1)
-            return self._linear(mlp.down_proj, mlp.act_fn(gate).mul_(up))
+    def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         if self.upcast and x.shape[0] >= UPCAST_MIN_ROWS:
             xf = x.float()  # stay in float32 through the MLP: one conversion each way
             hidden = mlp.act_fn(_linear_fp32(mlp.gate_proj, xf)) * _linear_fp32(mlp.up_proj, xf)
@@ -120,18 +107,13 @@ class ModelRunner:
         return [block_ids[p // bs] * bs + p % bs for p in range(start, start + count)]
 
     def _qkv(
-        self, layer_idx: int, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[n, heads, d]`, k and v `[n, kv_heads, d]` for `n` tokens, rotary applied."""
         n = x.shape[0]
-        fused = self.fused[layer_idx]
-        if fused is not None:
-            q, k, v = self._project(fused.qkv, x).split(fused.qkv_sizes, dim=-1)
-        else:
-            q, k, v = (self._linear(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q = self._linear(attn.q_proj, x).view(n, self.num_heads, self.head_dim)
+        k = self._linear(attn.k_proj, x).view(n, self.num_kv_heads, self.head_dim)
+        v = self._linear(attn.v_proj, x).view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
@@ -157,11 +139,11 @@ class ModelRunner:
             residual = h
             x = layer.input_layernorm(h)
             attn = layer.self_attn
-            q, k, v = self._qkv(layer_idx, attn, x, cos, sin)
+            q, k, v = self._qkv(attn, x, cos, sin)
             self.cache.write(layer_idx, slots, k, v)
             o = attend(layer_idx, q, k, v)
             h = residual + self._linear(attn.o_proj, o.reshape(len(token_ids), -1))
-            h = h + self._mlp(layer_idx, layer.mlp, layer.post_attention_layernorm(h))
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
         return h
 
     @torch.inference_mode()

@@ -4,6 +4,10 @@ output tokens/s) and their median.
 
     .venv/bin/python benchmarks/plan_accuracy.py --profile-2t full-t2.json \\
         --profile-1t full-t1.json [--cells colocated1:short,split:mixed,...] [--out DIR]
+        [--replay]
+
+`--replay` measures nothing: it re-simulates the measured runs already in DIR (their
+requests at their send times) with the simulator as it is now, and prints the errors.
 
 Deployments (the same 2 cores each time):
 - colocated1: one decode node prefilling everything, 2 threads (profile measured with
@@ -65,6 +69,42 @@ def validate(cell: str, args: argparse.Namespace, out: Path) -> dict[str, object
     return {"cell": cell, "seconds": time.monotonic() - started, "errors": doc["errors"]}
 
 
+METRICS = {
+    "TTFT p50": ("ttft", "p50"),
+    "TTFT p90": ("ttft", "p90"),
+    "TPOT p50": ("tpot", "p50"),
+    "out tok/s": ("output_throughput", None),
+}
+
+
+def replay(cell: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
+    """The simulated side again, on the measured requests saved by an earlier run."""
+    deployment, workload = cell.split(":")
+    flags, threads = DEPLOYMENTS[deployment]
+    profile = args.profile_2t if threads == "2t" else args.profile_1t
+    measured_path = out / f"{deployment}-{workload}.json"
+    sim_path = out / f"{deployment}-{workload}-replay.json"
+    argv = [
+        sys.executable, "-m", "tandem.cli", "plan", "simulate", "--profile", profile,
+        *[f for f in flags if f != "--pin-cores"], "--trace", str(measured_path),
+        "--output", str(sim_path), "--quiet",
+    ]  # fmt: skip
+    started = time.monotonic()
+    subprocess.run(argv, capture_output=True, text=True, check=True)
+    measured = json.loads(measured_path.read_text())["sweeps"][0]["points"]
+    simulated = json.loads(sim_path.read_text())["sweeps"][0]["points"]
+    errors = []
+    for m, sim in zip(measured, simulated, strict=True):
+        for name, (key, stat) in METRICS.items():
+            a = m["metrics"][key] if stat is None else m["metrics"][key][stat]
+            b = sim["metrics"][key] if stat is None else sim["metrics"][key][stat]
+            rel = None if not a or b is None else (b - a) / a
+            errors.append(
+                {"request_rate": m["request_rate"], "metric": name, "relative_error": rel}
+            )
+    return {"cell": cell, "seconds": time.monotonic() - started, "errors": errors}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile-2t", required=True)
@@ -74,13 +114,14 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=20)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--out", default="plan-accuracy")
+    p.add_argument("--replay", action="store_true", help="re-simulate the saved measured runs")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"CPU flags: {cpu_flags()}")
     results = []
     for cell in args.cells.split(","):
-        results.append(validate(cell, args, out))
+        results.append(replay(cell, args, out) if args.replay else validate(cell, args, out))
         r = results[-1]
         print(f"[{cell}] {r['seconds']:.0f}s", file=sys.stderr, flush=True)
     print("| cell | rate | TTFT p50 | TTFT p90 | TPOT p50 | out tok/s |")
@@ -104,7 +145,8 @@ def main() -> None:
             f"\nmedian |error| {statistics.median(every):.0%}; "
             f"{within}/{len(every)} figures within 20%"
         )
-    (out / "summary.json").write_text(json.dumps(results, indent=1))
+    name = "summary-replay.json" if args.replay else "summary.json"
+    (out / name).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: a sequence is itself, not its field values. The scheduler's `seq in running`
+# (every finish, abort and preemption) then compares identities instead of every field
+# of every running sequence.
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_ids: list[int]

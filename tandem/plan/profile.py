@@ -3,11 +3,12 @@ time is made of on this machine, and write it as a versioned JSON profile (share
 
 - prefill: seconds for a prompt of N tokens, alone and batched (the prefill node's work);
 - decode: seconds for one engine step at batch B over contexts of C tokens;
-- transfer: seconds to move S bytes over the TCP data plane between two endpoints.
+- transfer: seconds to move S bytes over each data plane (TCP and UCX) from this process
+  to a receiver process (transfer_peer.py).
 
 Every point is the median of `--repeats` runs after a warm-up run. The default grid takes
 about ten minutes on 2 cores; `--quick` a reduced grid in a few. Not yet measured (the
-planner issue lists them): UCX between processes, checkpoint and prefix-load cost.
+planner issue lists them): checkpoint and prefix-load cost.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -37,6 +39,9 @@ from shared.costs.profile import (
 )
 from shared.errors import TandemError
 from shared.runtime.options import add_model_options, add_option
+
+TRANSPORTS = ("tcp", "ucx")  # both data planes, each between two processes
+PEER_TIMEOUT = 60.0  # seconds for the receiver process to listen (ucxx imports slowly)
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ def measure(args: argparse.Namespace, grid: Grid) -> Profile:
         len(grid.prefill_tokens)
         + len(grid.prefill_batches)
         + len(grid.decode_batches) * len(grid.decode_contexts)
-        + len(grid.transfer_bytes)
+        + len(grid.transfer_bytes) * len(TRANSPORTS)
     )
     with tqdm(total=total, desc="profile", unit="point", file=sys.stderr) as bar:
         prefill = _prefill_points(model, grid, args.repeats, bar)
@@ -195,36 +200,68 @@ def _decode_points(model: object, grid: Grid, repeats: int, bar: object) -> list
 
 
 def _transfer_points(grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
-    return asyncio.run(_transfers(grid, repeats, bar))
+    points = []
+    for kind in TRANSPORTS:
+        points += asyncio.run(_transfers(kind, grid, repeats, bar))
+    return points
 
 
-async def _transfers(grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
-    from shared.transport.base import BufferHandler
+async def _transfers(kind: str, grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
+    """Sends of each size from this process to a receiver process (transfer_peer.py)."""
+    from shared.transport.factory import make_transport
     from shared.transport.frames import make_header
-    from shared.transport.tcp import TcpTransport
 
-    receiver, sender = TcpTransport(), TcpTransport()
-    await receiver.start(BufferHandler())
-    await sender.start(BufferHandler())
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "tandem.plan.transfer_peer", kind],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    sender = make_transport(kind)
     points = []
     try:
+        address = await asyncio.wait_for(asyncio.to_thread(_first_line, peer), PEER_TIMEOUT)
+        await sender.start(_NoReceive())
         for size in grid.transfer_bytes:
             payload = memoryview(os.urandom(size))
             times = []
             for i in range(repeats + 1):
                 header = make_header("profile", uuid.uuid4().hex, payload)
                 start = time.perf_counter()
-                await sender.send(receiver.address, header, payload, timeout=60)
+                await sender.send(address, header, payload, timeout=60)
                 if i:  # the first one warms the connection
                     times.append(time.perf_counter() - start)
             points.append(
-                TransferPoint(transport="tcp", bytes=size, seconds=statistics.median(times))
+                TransferPoint(transport=kind, bytes=size, seconds=statistics.median(times))
             )
             bar.update()  # type: ignore[attr-defined]
+    except TimeoutError as exc:
+        raise TandemError(f"the {kind} receiver did not start within {PEER_TIMEOUT:g}s") from exc
     finally:
         await sender.close()
-        await receiver.close()
+        peer.kill()
+        peer.wait()
     return points
+
+
+def _first_line(peer: subprocess.Popen[str]) -> str:
+    assert peer.stdout is not None
+    line = peer.stdout.readline().strip()
+    if not line:
+        raise TandemError(f"the transfer receiver exited ({peer.wait()}) before listening")
+    return line
+
+
+class _NoReceive:
+    """The sender's own listener takes nothing (the profile only sends)."""
+
+    def allocate(self, header: object) -> memoryview:
+        raise TandemError("the profiling sender receives nothing")
+
+    async def complete(self, header: object, payload: memoryview) -> None:
+        return None
+
+    def failed(self, header: object, reason: str) -> None:
+        return None
 
 
 def _machine(device: str) -> Machine:

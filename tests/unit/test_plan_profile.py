@@ -38,7 +38,13 @@ def test_a_tiny_grid_gives_a_complete_document(tiny_model_dir: Path) -> None:
     assert again == profile and again.version == PROFILE_VERSION
     assert [(p.tokens, p.batch) for p in profile.prefill] == [(16, 1), (48, 1), (48, 3)]
     assert [(p.batch, p.context) for p in profile.decode] == [(1, 32), (4, 32)]
-    assert [(p.transport, p.bytes) for p in profile.transfer] == [("tcp", 4096), ("tcp", 65536)]
+    # both data planes, each from this process to a receiver process
+    assert [(p.transport, p.bytes) for p in profile.transfer] == [
+        ("tcp", 4096),
+        ("tcp", 65536),
+        ("ucx", 4096),
+        ("ucx", 65536),
+    ]
     every = [*profile.prefill, *profile.decode, *profile.transfer]
     assert all(p.seconds > 0 for p in every)
     # 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes

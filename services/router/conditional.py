@@ -14,6 +14,12 @@ With a profile (`tandem plan profile`, `--profile`), both paths are estimated in
   its current step). The budget and chunk are the decode nodes' options (the router takes
   the same `--step-token-budget` and `--prefill-chunk-tokens`, so one TANDEM_* variable
   sets both).
+Local also costs the node's running streams: each waits, over the chunks, for the whole
+prefill, so the local side is charged its first token plus running x prefill seconds (the
+latency it adds to everyone), the remote side its first token. A short prompt goes local
+when the pool is busy, a long one only when the pool's backlog outweighs what it would cost
+the streams (measured: charging only the request's own first token sent long prompts to
+busy decode nodes and broke the TPOT target on a long-prompt workload; docs/benchmarks.md).
 Local wins ties: it moves no KV and leaves the pool to prompts that need it. A prompt
 with at most `local_max_tokens` uncached goes local whatever the costs (a few tokens of
 prefill barely delay a node's streams), and so does every prompt when no prefill node is
@@ -83,9 +89,14 @@ class PrefillPathChooser:
         if self.costs is None:
             return self._fallback(backlog)
         local = self.local_seconds(local_uncached, node, backlog.local_tokens)
+        stall = node.running * self.costs.prefill(local_uncached)
         remote = self.remote_seconds(remote_uncached, prompt, backlog)
-        verdict = "<=" if local <= remote else ">"
-        return Choice(local <= remote, f"local {local:.3f}s {verdict} remote {remote:.3f}s")
+        verdict = "<=" if local + stall <= remote else ">"
+        return Choice(
+            local + stall <= remote,
+            f"local {local:.3f}s + {node.running} streams' stall {stall:.3f}s "
+            f"{verdict} remote {remote:.3f}s",
+        )
 
     def _fallback(self, backlog: Backlog) -> Choice:
         per_node = backlog.pool_tokens / backlog.prefill_nodes

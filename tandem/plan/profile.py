@@ -240,6 +240,8 @@ async def _transfers(kind: str, grid: Grid, repeats: int, bar: object) -> list[T
         await sender.close()
         peer.kill()
         peer.wait()
+        if peer.stdout is not None:
+            peer.stdout.close()
     return points
 
 

@@ -41,12 +41,19 @@ def test_a_backlogged_pool_sends_the_prompt_local() -> None:
     c = chooser()
     node = decode(running=8)
     queued = Backlog(pool_tokens=3000, prefill_nodes=1, local_tokens=0)  # 3 s queued
-    local = c.local_seconds(1000, node, 0)
-    assert local == pytest.approx(5 * DECODE_STEP + 1000 * PREFILL_PER_TOKEN, rel=0.05)
-    assert c.remote_seconds(1000, 1000, queued) > local
-    assert c.choose(1000, 1000, 1000, node, queued).local
+    local = c.local_seconds(200, node, 0)
+    assert local == pytest.approx(DECODE_STEP + 200 * PREFILL_PER_TOKEN, rel=0.05)  # one chunk
+    # 0.25 s + 8 streams x 0.2 s of stall, against 3 s of queue + 0.2 s: local
+    assert c.choose(200, 200, 200, node, queued).local
     # ... unless that node's own local queue is longer still
-    assert not c.choose(1000, 1000, 1000, node, Backlog(3000, 1, local_tokens=6000)).local
+    assert not c.choose(200, 200, 200, node, Backlog(3000, 1, local_tokens=6000)).local
+
+
+def test_a_long_prompt_stays_off_a_busy_decode_node_unless_the_pool_is_far_behind() -> None:
+    """1,000 tokens beside 8 streams stall each for 1 s: 8 s of added latency in all."""
+    c, node = chooser(), decode(running=8)
+    assert not c.choose(1000, 1000, 1000, node, Backlog(3000, 1, 0)).local
+    assert c.choose(1000, 1000, 1000, node, Backlog(12000, 1, 0)).local
 
 
 def test_short_tails_and_pool_less_clusters_stay_local() -> None:
@@ -70,10 +77,10 @@ def test_router_applies_the_choice_and_counts_the_backlog() -> None:
     prompt = list(range(1000, 2000))
     plan = router.plan(prompt, 70)
     assert plan.local_node is None and plan.reason.startswith("local")  # remote: idle pool
-    table.prefill_sent("r1", PREFILL_POOL, 3000)
+    table.prefill_sent("r1", PREFILL_POOL, 12000)  # 12 s queued: worth 8 s of stall
     plan = router.plan(prompt, 70)
     assert plan.local_node is not None and plan.local_node.node_id == "d1"
-    assert table.backlog_tokens(PREFILL_POOL) == 3000
+    assert table.backlog_tokens(PREFILL_POOL) == 12000
     table.prefill_done("r1")
     table.prefill_done("r1")  # idempotent: the first token and the end both say it
     assert table.backlog_tokens(PREFILL_POOL) == 0 and not table.prefill_backlog

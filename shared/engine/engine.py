@@ -225,12 +225,11 @@ class Engine:
     # ---- execution -------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        sched = self.scheduler
-        return bool(sched.waiting or sched.running or sched.prefilling)
+        return self.scheduler.has_unfinished()
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.prefilling)
+        return self.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:

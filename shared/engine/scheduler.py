@@ -59,6 +59,14 @@ class Scheduler:
         # Told of blocks this node filled itself (hashes, block ids), to store them elsewhere.
         self.on_commit: Callable[[Sequence, int, list[BlockHash], list[int]], None] | None = None
 
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding blocks and a seat: decoding, or prefilling chunk by chunk."""
+        return len(self.running) + len(self.prefilling)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 

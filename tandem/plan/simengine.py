@@ -23,34 +23,18 @@ from shared.kv.block_pool import BlockPool
 SIM_TOKEN = 7  # every simulated output token: its value never matters, its count does
 
 
-@dataclass(frozen=True)
-class EngineShape:
-    """The engine options a node runs with (the same names as the node's CLI options)."""
+@dataclass
+class EngineShape(SchedulerConfig):
+    """The engine options a node runs with: its scheduler's, and its pool's size in blocks."""
 
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 4096
-    step_token_budget: int = 0
-    prefill_chunk_tokens: int = 512
-    prefix_caching: bool = True
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_batched_tokens,
-            enable_prefix_caching=self.prefix_caching,
-            step_token_budget=self.step_token_budget,
-            prefill_chunk_tokens=self.prefill_chunk_tokens,
-        )
+    num_blocks: int = 4096
 
 
 class SimEngine:
     def __init__(self, shape: EngineShape, costs: CostModel) -> None:
         self.shape = shape
         self.costs = costs
-        self.scheduler = Scheduler(shape.scheduler_config(), BlockPool(shape.num_blocks), b"sim")
+        self.scheduler = Scheduler(shape, BlockPool(shape.num_blocks), b"sim")
 
     @staticmethod
     def new_sequence(request_id: str, prompt_ids: list[int], max_tokens: int) -> Sequence:
@@ -71,15 +55,6 @@ class SimEngine:
         self.scheduler.name_blocks(seq)
         self.scheduler.add_running(seq)
         return True
-
-    @property
-    def busy(self) -> bool:
-        s = self.scheduler
-        return bool(s.waiting or s.running or s.prefilling)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.prefilling)
 
     def begin(self) -> tuple[StepPlan, float, list[Sequence]]:
         """Plan the next step and say how long it takes. As in `Engine.step`, the decodes'

@@ -91,12 +91,12 @@ def engine_shape(args: argparse.Namespace, profile: Profile, prefill: bool) -> E
         num_blocks=blocks,
         block_size=block,
         max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
+        max_num_batched_tokens=args.max_batched_tokens,
         step_token_budget=0 if prefill else args.step_token_budget,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         # The simulated prompts share no prefix (as the bench's do not), so naming blocks
         # by hash would find nothing and cost a third of the simulation's time.
-        prefix_caching=False,
+        enable_prefix_caching=False,
     )
 
 

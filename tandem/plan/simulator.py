@@ -34,7 +34,7 @@ from services.router.nodes import NodeTable
 from services.router.routing import PrefixRouter
 from shared.bus.ids import RequestId
 from shared.bus.kv_events import KVIndex
-from shared.bus.messages import NodeInfo
+from shared.bus.messages import NodeInfo, NodeRole
 from shared.costs.model import CostModel
 from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -122,10 +122,12 @@ class Simulation:
             f"decode-{i}": _Decode(f"decode-{i}", SimEngine(topology.decode_engine, decode_costs))
             for i in range(count)
         }
-        self.prefillers = [
-            _Prefill(f"prefill-{i}", SimEngine(topology.prefill_engine, self.transfer_costs))
+        self.prefillers = {
+            f"prefill-{i}": _Prefill(
+                f"prefill-{i}", SimEngine(topology.prefill_engine, self.transfer_costs)
+            )
             for i in range(topology.prefill)
-        ]
+        }
         self.queue: deque[_Job] = deque()
         # The router's own parts: a node table the heartbeats below fill in, no registry.
         self.nodes = NodeTable(cast(Any, None), colocated=colocated)
@@ -142,16 +144,18 @@ class Simulation:
         self.routing = PrefixRouter(
             self.nodes, KVIndex(), topology.local_max_tokens, colocated=colocated, chooser=chooser
         )
-        self._beat_all()
-        every = [*self.decoders, *(p.node_id for p in self.prefillers)]
+        every = [*self.decoders, *self.prefillers]
         for i, node_id in enumerate(every):  # staggered, as independent nodes are
+            self._set_info(node_id)
             self.at(topology.heartbeat * (i + 1) / len(every), self._heartbeat, node_id)
         self.records: list[RequestRecord] = []
         self._pending: deque[Arrival] = deque()
         self._in_flight = 0
         self._concurrency: int | None = None
         self._timeout = DEFAULT_TIMEOUT
-        self._open: set[int] = set()  # id() of the records of requests not yet ended
+        # id() of the record of each request not yet ended -> its request id ("" until the
+        # router has planned it): its end drops its prefill backlog, as relay.release does
+        self._open: dict[int, str] = {}
         self._request_ids = itertools.count()  # distinct across nodes, as attempt ids are
 
     # ---- the event loop ---------------------------------------------------------------------
@@ -185,10 +189,6 @@ class Simulation:
 
     # ---- the router ---------------------------------------------------------------------------
 
-    def _beat_all(self) -> None:
-        for node_id in [*self.decoders, *(p.node_id for p in self.prefillers)]:
-            self._set_info(node_id)
-
     def _heartbeat(self, node_id: str) -> None:
         self._set_info(node_id)
         self.at(self.now + self.topology.heartbeat, self._heartbeat, node_id)
@@ -198,36 +198,31 @@ class Simulation:
         self.nodes.inflight[node_id] = 0  # as NodeTable._watch does on each entry
 
     def _info(self, node_id: str) -> NodeInfo:
+        """Its registry entry, with the fields the decode and prefill workers fill in."""
+        role: NodeRole
         if node_id in self.decoders:
-            engine = self.decoders[node_id].engine
-            pool, shape = engine.scheduler.pool, engine.shape
-            return NodeInfo(
-                node_id=node_id,
-                role="decode",
-                load=engine.num_running + len(engine.scheduler.waiting),
-                running=engine.num_running,
-                free_kv_blocks=pool.num_free,
-                total_kv_blocks=pool.num_blocks,
-                hash_key="sim",
-                block_size=shape.block_size,
-                timestamp=self.now,
-            )
-        node = next(p for p in self.prefillers if p.node_id == node_id)
+            role, sched = "decode", self.decoders[node_id].engine.scheduler
+            running = sched.num_running
+            load = running + len(sched.waiting)
+        else:
+            role, node = "prefill", self.prefillers[node_id]
+            sched, running, load = node.engine.scheduler, 0, node.holding
         return NodeInfo(
             node_id=node_id,
-            role="prefill",
-            load=node.holding,
-            free_kv_blocks=node.engine.scheduler.pool.num_free,
-            total_kv_blocks=node.engine.scheduler.pool.num_blocks,
+            role=role,
+            load=load,
+            running=running,
+            free_kv_blocks=sched.pool.num_free,
+            total_kv_blocks=sched.pool.num_blocks,
             hash_key="sim",
-            block_size=node.engine.shape.block_size,
+            block_size=sched.config.block_size,
             timestamp=self.now,
         )
 
     def _arrive(self, arrival: Arrival) -> None:
         record = RequestRecord(arrival.prompt_tokens, arrival.max_tokens, sent=self.now)
         self.records.append(record)
-        self._open.add(id(record))
+        self._open[id(record)] = ""
         self.at(self.now + self._timeout, self._expire, record)
         self.at(self.now + self.topology.admission_latency, self._admit, record, arrival)
 
@@ -245,6 +240,7 @@ class Simulation:
             return
         decoder = self.decoders[where.decode_node.node_id]
         seq = SimEngine.new_sequence(f"r{n}", prompt, arrival.max_tokens)
+        self._open[id(record)] = seq.request_id
         route = "local" if where.local else "remote"
         track_backlog(self.nodes, cast(RequestId, seq.request_id), where, route, len(prompt))
         if where.local:
@@ -253,12 +249,13 @@ class Simulation:
             self._kick(decoder)
             return
         self.queue.append(_Job(seq, record, decoder.node_id))
-        for node in self.prefillers:
+        for node in self.prefillers.values():
             self._take_jobs(node)
 
-    def _token(self, record: RequestRecord, rid: str, last: bool) -> None:
+    def _token(self, record: RequestRecord, last: bool) -> None:
         """One token reaches the client (its first: no longer queued for a prefill)."""
-        if id(record) not in self._open:
+        rid = self._open.get(id(record))
+        if rid is None:
             return  # the client gave up on it
         if not record.chunks:
             self.nodes.prefill_done(rid)
@@ -276,14 +273,14 @@ class Simulation:
         self._fail(record, f"no answer within {self._timeout:g}s")
 
     def _ended(self, record: RequestRecord) -> None:
-        self._open.discard(id(record))
+        self.nodes.prefill_done(self._open.pop(id(record)))  # ended before a first token
         self._in_flight -= 1
         self._release_arrivals()
 
     # ---- decode nodes -------------------------------------------------------------------------
 
     def _kick(self, node: _Decode) -> None:
-        if node.stepping or not node.engine.busy:
+        if node.stepping or not node.engine.scheduler.has_unfinished():
             return
         plan, seconds, decoded = node.engine.begin()
         if not plan.decodes and not plan.prefills:
@@ -296,7 +293,7 @@ class Simulation:
         for seq in decoded + node.engine.end(plan):
             last = seq.status is SequenceStatus.FINISHED
             record = node.records.pop(seq.request_id) if last else node.records[seq.request_id]
-            self._token(record, seq.request_id, last)
+            self._token(record, last)
         self._kick(node)
 
     # ---- prefill nodes ------------------------------------------------------------------------
@@ -315,10 +312,10 @@ class Simulation:
                 node.engine.scheduler.remove(job.seq)
                 self.at(done, self._job_failed, node, job, "KV blocks exhausted during prefill")
             elif job.seq.status is SequenceStatus.FINISHED:  # its first token was its last
-                self.at(done, self._token, job.record, job.seq.request_id, True)
+                self.at(done, self._token, job.record, True)
                 self.at(done, self._handed_off, node)
             else:
-                self.at(done, self._token, job.record, job.seq.request_id, False)
+                self.at(done, self._token, job.record, False)
                 ship.append(job)
         # the hand-offs run together on one link: all of them land when the bytes are through
         arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
@@ -344,7 +341,6 @@ class Simulation:
         return seconds, emitted
 
     def _job_failed(self, node: _Prefill, job: _Job, error: str) -> None:
-        self.nodes.prefill_done(job.seq.request_id)
         self._fail(job.record, error)
         self._handed_off(node)
 

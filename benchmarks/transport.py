@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from shared.bus.server import NatsServer, free_port
-from shared.transport.base import BufferHandler, ReceiveHandler
+from shared.transport.base import BufferHandler, ReceiveHandler, ReusedBuffers
 from shared.transport.factory import TRANSPORTS, make_transport
-from shared.transport.frames import TransferHeader, make_header
+from shared.transport.frames import make_header
 
 MiB = 1 << 20
 WINDOW = 16  # chunks in flight before the NATS baseline waits for its receiver
@@ -105,25 +105,9 @@ def memcpy(nbytes: int) -> float:
     return 5 * nbytes / (time.perf_counter() - t) / 1e9
 
 
-class NullHandler(BufferHandler):
-    """Receives into one reused buffer per size (as a service receives into its pool)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.buffers: dict[int, memoryview] = {}
-
-    def allocate(self, header: TransferHeader) -> memoryview:
-        if header.nbytes not in self.buffers:
-            self.buffers[header.nbytes] = memoryview(bytearray(header.nbytes))
-        return self.buffers[header.nbytes]
-
-    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
-        return None
-
-
 async def serve(kind: str) -> None:
     transport = make_transport(kind)
-    handler: ReceiveHandler = NullHandler()
+    handler: ReceiveHandler = ReusedBuffers()
     await transport.start(handler)
     print(json.dumps({"address": transport.address}), flush=True)
     await asyncio.Event().wait()

@@ -151,7 +151,7 @@ class NodeTable:
             if node.total_kv_blocks and node.total_kv_blocks < blocks_needed:
                 continue
             sent = self.inflight.get(node.node_id, 0)
-            free = node.free_kv_blocks - sent * blocks_needed
+            free = self.room(node, blocks_needed)
             score = free / max(1, node.total_kv_blocks) - 0.05 * (node.running + sent)
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node

@@ -90,3 +90,22 @@ class BufferHandler:
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures[reason.split(":")[0]] += 1
+
+
+class ReusedBuffers(BufferHandler):
+    """Receives into one reused buffer per size (as a service receives into its pool) and
+    keeps nothing: for measuring the data plane, not for checking what arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[int, memoryview] = {}
+
+    def allocate(self, header: TransferHeader) -> memoryview:
+        if header.nbytes > self.max_bytes:
+            return super().allocate(header)  # refused there, with its reason
+        if header.nbytes not in self.buffers:
+            self.buffers[header.nbytes] = memoryview(bytearray(header.nbytes))
+        return self.buffers[header.nbytes]
+
+    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
+        return None

@@ -23,14 +23,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shared.costs.model import CostModel
 from shared.runtime.options import add_option
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.metrics import RequestRecord, Slo, goodput, run_metrics, tpot, ttft
 from tandem.bench.report import write_json
 from tandem.bench.serve import check, slo_of
 from tandem.plan import simulate
-from tandem.plan.simulator import Arrival, Simulation, Topology
+from tandem.plan.simulator import Arrival
 
 DEFAULTS = Defaults("tandem-plan-search.json", 200, "1", None, 2.0, 0.1)
 SWEEP_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -112,37 +111,25 @@ def rates_of(args: argparse.Namespace) -> tuple[float, list[float]]:
 
 @dataclass
 class Planner:
-    """The costs and the node shapes every candidate is simulated with."""
+    """The deployment options every candidate is simulated with, and what it is judged by."""
 
-    base: Topology
-    costs: CostModel
-    prefill_costs: CostModel | None
+    base: simulate.Deployment
     slo: Slo
     target: float
     concurrency: int | None
 
     @classmethod
     def of(cls, args: argparse.Namespace, target: float) -> Planner:
-        decode = simulate.read_profile(args.profile)
-        prefill = simulate.read_profile(args.prefill_profile) if args.prefill_profile else decode
-        return cls(
-            base=simulate.topology_of(args, decode, prefill),
-            costs=CostModel(decode, args.transport),
-            prefill_costs=CostModel(prefill, args.transport) if args.prefill_profile else None,
-            slo=slo_of(args),
-            target=target,
-            concurrency=args.concurrency,
-        )
+        return cls(simulate.Deployment.of(args), slo_of(args), target, args.concurrency)
 
     def evaluate(self, cand: Candidate, workload: dict[float, list[Arrival]]) -> None:
         """Simulate the candidate at every rate: its goodput, and how it fares at the target."""
         topology = replace(
-            self.base, colocated=cand.colocated, prefill=cand.prefill, decode=cand.decode
+            self.base.topology, colocated=cand.colocated, prefill=cand.prefill, decode=cand.decode
         )
         points = []
         for rate, arrivals in workload.items():
-            sim = Simulation(topology, self.costs, self.prefill_costs)
-            records = sim.run(arrivals, self.concurrency)
+            records = self.base.run(arrivals, self.concurrency, topology=topology)
             m = run_metrics(records, self.slo)
             points.append((rate, m.slo_attainment))
             if rate == self.target:

@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,12 @@ from shared.costs.profile import Profile, load_profile
 from shared.runtime.options import STEP_TOKEN_BUDGET, add_option
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
-from tandem.bench.metrics import run_metrics
+from tandem.bench.metrics import RequestRecord, run_metrics
 from tandem.bench.serve import check, slo_of, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.bench.workload import sample_lengths
 from tandem.plan.simengine import EngineShape
-from tandem.plan.simulator import Arrival, Simulation, Topology
+from tandem.plan.simulator import DEFAULT_TIMEOUT, Arrival, Simulation, Topology
 
 DEFAULTS = Defaults("tandem-plan-simulate.json", 32, "inf", None, 2.0, 0.1)
 
@@ -150,17 +151,45 @@ def trace_points(path: str) -> list[tuple[float | None, list[Arrival]]]:
         raise ValueError(f"{path} is not a tandem bench serve JSON ({exc!r})") from exc
 
 
+@dataclass(frozen=True)
+class Deployment:
+    """What every simulation of a command's options runs with: the topology and the costs
+    of its decode and prefill nodes (the prefill profile, if given, for the prefill nodes
+    and the transfers)."""
+
+    topology: Topology
+    decode_costs: CostModel
+    prefill_costs: CostModel | None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Deployment:
+        decode = read_profile(args.profile)
+        prefill = read_profile(args.prefill_profile) if args.prefill_profile else decode
+        return cls(
+            topology=topology_of(args, decode, prefill),
+            decode_costs=CostModel(decode, args.transport),
+            prefill_costs=CostModel(prefill, args.transport) if args.prefill_profile else None,
+        )
+
+    def run(
+        self,
+        arrivals: list[Arrival],
+        concurrency: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        topology: Topology | None = None,
+    ) -> list[RequestRecord]:
+        """One fresh simulation (of `topology`, default this deployment's) on `arrivals`."""
+        sim = Simulation(topology or self.topology, self.decode_costs, self.prefill_costs)
+        return sim.run(arrivals, concurrency, timeout)
+
+
 def simulate(args: argparse.Namespace) -> Sweep:
-    decode = read_profile(args.profile)
-    prefill = read_profile(args.prefill_profile) if args.prefill_profile else decode
-    topology = topology_of(args, decode, prefill)
-    decode_costs = CostModel(decode, args.transport)
-    prefill_costs = CostModel(prefill, args.transport) if args.prefill_profile else None
+    deployment = Deployment.of(args)
     points = trace_points(args.trace) if args.trace else workload_points(args)
     sweep = Sweep(label(args), slo_of(args))
     for rate, arrivals in points:
-        sim = Simulation(topology, decode_costs, prefill_costs)
-        records = sim.run(arrivals, None if args.trace else args.concurrency, args.timeout)
+        concurrency = None if args.trace else args.concurrency
+        records = deployment.run(arrivals, concurrency, args.timeout)
         m = run_metrics(records, sweep.slo)
         sweep.points.append(Point(rate, args.concurrency, m, records))
         if not args.quiet:

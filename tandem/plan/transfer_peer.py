@@ -12,25 +12,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from shared.transport.base import BufferHandler
+from shared.transport.base import ReusedBuffers
 from shared.transport.factory import make_transport
-from shared.transport.frames import TransferHeader
-
-
-class ReusedBuffers(BufferHandler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.buffers: dict[int, memoryview] = {}
-
-    def allocate(self, header: TransferHeader) -> memoryview:
-        if header.nbytes > self.max_bytes:
-            return super().allocate(header)  # refused there, with its reason
-        if header.nbytes not in self.buffers:
-            self.buffers[header.nbytes] = memoryview(bytearray(header.nbytes))
-        return self.buffers[header.nbytes]
-
-    async def complete(self, header: TransferHeader, payload: memoryview) -> None:
-        return None
 
 
 async def serve(kind: str) -> None:

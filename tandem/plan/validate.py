@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shared.costs.model import CostModel
 from shared.errors import TandemError
 from shared.runtime.options import add_option
 from tandem.bench import compare
@@ -29,7 +28,7 @@ from tandem.bench.metrics import RunMetrics, run_metrics
 from tandem.bench.serve import check, workload_of, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.plan import simulate
-from tandem.plan.simulator import Arrival, Simulation
+from tandem.plan.simulator import Arrival
 
 # what is compared, and how to read it off a point's metrics
 COMPARED: dict[str, Callable[[RunMetrics], float | None]] = {
@@ -77,15 +76,11 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
 
 def replay(args: argparse.Namespace, measured: Sweep) -> Sweep:
     """The simulator on the measured requests, at their send times."""
-    decode = simulate.read_profile(args.profile)
-    prefill = simulate.read_profile(args.prefill_profile) if args.prefill_profile else decode
-    topology = simulate.topology_of(args, decode, prefill)
-    decode_costs = CostModel(decode, args.transport)
-    prefill_costs = CostModel(prefill, args.transport) if args.prefill_profile else None
+    deployment = simulate.Deployment.of(args)
     out = Sweep(simulate.label(args), measured.slo)
     for point in measured.points:
         arrivals = [Arrival(r.sent, r.prompt_tokens, r.max_tokens) for r in point.records]
-        records = Simulation(topology, decode_costs, prefill_costs).run(arrivals)
+        records = deployment.run(arrivals)
         out.points.append(
             Point(point.rate, point.concurrency, run_metrics(records, out.slo), records)
         )

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.plan.validate import error_json, point_errors
+
 DEPLOYMENTS = {
     "colocated1": (["--colocated", "1"], "2t"),
     "split": (["--prefill", "1", "--decode", "1", "--pin-cores"], "1t"),
@@ -69,14 +71,6 @@ def validate(cell: str, args: argparse.Namespace, out: Path) -> dict[str, object
     return {"cell": cell, "seconds": time.monotonic() - started, "errors": doc["errors"]}
 
 
-METRICS = {
-    "TTFT p50": ("ttft", "p50"),
-    "TTFT p90": ("ttft", "p90"),
-    "TPOT p50": ("tpot", "p50"),
-    "out tok/s": ("output_throughput", None),
-}
-
-
 def replay(cell: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
     """The simulated side again, on the measured requests saved by an earlier run."""
     deployment, workload = cell.split(":")
@@ -93,16 +87,10 @@ def replay(cell: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
     subprocess.run(argv, capture_output=True, text=True, check=True)
     measured = json.loads(measured_path.read_text())["sweeps"][0]["points"]
     simulated = json.loads(sim_path.read_text())["sweeps"][0]["points"]
-    errors = []
-    for m, sim in zip(measured, simulated, strict=True):
-        for name, (key, stat) in METRICS.items():
-            a = m["metrics"][key] if stat is None else m["metrics"][key][stat]
-            b = sim["metrics"][key] if stat is None else sim["metrics"][key][stat]
-            rel = None if not a or b is None else (b - a) / a
-            errors.append(
-                {"request_rate": m["request_rate"], "metric": name, "relative_error": rel}
-            )
-    return {"cell": cell, "seconds": time.monotonic() - started, "errors": errors}
+    rows = point_errors(
+        [(p["request_rate"], p["metrics"]) for p in measured], [p["metrics"] for p in simulated]
+    )
+    return {"cell": cell, "seconds": time.monotonic() - started, "errors": error_json(rows)}
 
 
 def main() -> None:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +23,26 @@ from shared.errors import TandemError
 from shared.runtime.options import add_option
 from tandem.bench import compare
 from tandem.bench.cli import COMPARE, add_common_options
-from tandem.bench.metrics import RunMetrics, run_metrics
+from tandem.bench.metrics import run_metrics
 from tandem.bench.serve import check, workload_of, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.plan import simulate
 from tandem.plan.simulator import Arrival
 
-# what is compared, and how to read it off a point's metrics
-COMPARED: dict[str, Callable[[RunMetrics], float | None]] = {
-    "TTFT p50": lambda m: m.ttft.p50,
-    "TTFT p90": lambda m: m.ttft.p90,
-    "TPOT p50": lambda m: m.tpot.p50,
-    "out tok/s": lambda m: m.output_throughput,
+# what is compared: a metric of a point's `metrics` (as in the JSON), and a summary's field
+COMPARED: dict[str, tuple[str, str | None]] = {
+    "TTFT p50": ("ttft", "p50"),
+    "TTFT p90": ("ttft", "p90"),
+    "TPOT p50": ("tpot", "p50"),
+    "out tok/s": ("output_throughput", None),
 }
+
+
+def figure(metrics: dict[str, Any], name: str) -> float | None:
+    """One compared figure of a point's metrics, in their JSON form (`asdict(RunMetrics)`)."""
+    key, field = COMPARED[name]
+    value: float | None = metrics[key] if field is None else metrics[key][field]
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -102,11 +108,21 @@ class Error:
 
 
 def errors(measured: Sweep, simulated: Sweep) -> list[Error]:
-    out = []
-    for m, s in zip(measured.points, simulated.points, strict=True):
-        for name, read in COMPARED.items():
-            out.append(Error(m.rate, name, read(m.metrics), read(s.metrics)))
-    return out
+    return point_errors(
+        [(p.rate, asdict(p.metrics)) for p in measured.points],
+        [asdict(p.metrics) for p in simulated.points],
+    )
+
+
+def point_errors(
+    measured: list[tuple[float | None, dict[str, Any]]], simulated: list[dict[str, Any]]
+) -> list[Error]:
+    """Every compared figure of each (rate, metrics) point against its simulated twin."""
+    return [
+        Error(rate, name, figure(m, name), figure(s, name))
+        for (rate, m), s in zip(measured, simulated, strict=True)
+        for name in COMPARED
+    ]
 
 
 def table(rows: list[Error]) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import time
 
 import torch
@@ -24,15 +23,9 @@ import torch
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import load_model
+from tandem.plan.profile import cpu_flags
 
 BUDGETS = [0, 64, 128, 256, 512]  # 0: classic (prefill whole, then decode)
-
-
-def cpu_flags() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
-    keep = [f for f in flags.split() if f.startswith(("avx512", "amx")) or f == "avx2"]
-    return " ".join(sorted(set(keep)))
 
 
 def one_round(
@@ -95,7 +88,8 @@ def main() -> None:
         for budget in BUDGETS:  # interleaved: each round runs every configuration
             results[budget].append(one_round(model, budget, args.streams, args.long, r))
             print(f"round {r} budget {budget}: {results[budget][-1]}", flush=True)
-    print(f"\nCPU flags: {cpu_flags()}; {args.streams} streams, a {args.long}-token prompt, "
+    flags = " ".join(cpu_flags())
+    print(f"\nCPU flags: {flags}; {args.streams} streams, a {args.long}-token prompt, "
           f"{args.threads} threads, median of {args.rounds} rounds")  # fmt: skip
     print(
         f"{'budget':>8} {'long TTFT s':>12} {'max gap s':>10} {'p50 gap s':>10}"

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.plan.profile import cpu_flags
 from tandem.plan.validate import error_json, point_errors
 
 DEPLOYMENTS = {
@@ -41,13 +42,6 @@ WORKLOADS = {
     "mixed": ("mix:100:1500:0.2", "0.25,0.6"),
     "long": ("mix:100:1500:0.5", "0.15,0.35"),
 }
-
-
-def cpu_flags() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
-    keep = [f for f in flags.split() if f.startswith(("avx512", "amx")) or f == "avx2"]
-    return " ".join(sorted(set(keep)))
 
 
 def validate(cell: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
@@ -106,7 +100,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"CPU flags: {cpu_flags()}")
+    print(f"CPU flags: {' '.join(cpu_flags())}")
     results = []
     for cell in args.cells.split(","):
         results.append(replay(cell, args, out) if args.replay else validate(cell, args, out))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import load_model
+from tandem.plan.profile import cpu_flags
 
 # aten op name → category; first match wins (checked in order)
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
@@ -35,14 +35,6 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("rotary", ("aten::cat", "aten::neg", "aten::slice")),
     ("elementwise", ("aten::mul", "aten::add", "silu", "aten::sub", "aten::div")),
 ]
-
-
-def cpu_flags() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
-    return " ".join(
-        sorted({f for f in flags.split() if f.startswith(("avx512", "amx")) or f == "avx2"})
-    )
 
 
 def category(name: str) -> str:
@@ -87,7 +79,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 49152) for _ in range(args.prompt)] for _ in range(args.batch)]
     params = SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
-    print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}, {args.threads} threads")
+    print(f"CPU flags: {' '.join(cpu_flags())}; torch {torch.__version__}, {args.threads} threads")
 
     engine = Engine(model, EngineConfig(num_blocks=2048, detokenize=True))
     for p in prompts:

@@ -208,6 +208,7 @@ def _transfer_points(grid: Grid, repeats: int, bar: object) -> list[TransferPoin
 
 async def _transfers(kind: str, grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
     """Sends of each size from this process to a receiver process (transfer_peer.py)."""
+    from shared.transport.base import BufferHandler
     from shared.transport.factory import make_transport
     from shared.transport.frames import make_header
 
@@ -220,7 +221,7 @@ async def _transfers(kind: str, grid: Grid, repeats: int, bar: object) -> list[T
     points = []
     try:
         address = await asyncio.wait_for(asyncio.to_thread(_first_line, peer), PEER_TIMEOUT)
-        await sender.start(_NoReceive())
+        await sender.start(BufferHandler(max_bytes=0))  # the profile only sends
         for size in grid.transfer_bytes:
             payload = memoryview(os.urandom(size))
             times = []
@@ -253,31 +254,30 @@ def _first_line(peer: subprocess.Popen[str]) -> str:
     return line
 
 
-class _NoReceive:
-    """The sender's own listener takes nothing (the profile only sends)."""
-
-    def allocate(self, header: object) -> memoryview:
-        raise TandemError("the profiling sender receives nothing")
-
-    async def complete(self, header: object, payload: memoryview) -> None:
-        return None
-
-    def failed(self, header: object, reason: str) -> None:
-        return None
+def cpu_flags() -> list[str]:
+    """The CPU flags that decide a dtype's speed (avx2, avx512*, amx*), sorted; none where
+    /proc/cpuinfo is not (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return sorted(
+        {
+            f
+            for f in line.split(":", 1)[-1].split()
+            if f == "avx2" or f.startswith(("avx512", "amx"))
+        }
+    )
 
 
 def _machine(device: str) -> Machine:
-    cpu, flags = platform.processor() or "unknown", []
+    cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and cpu in ("unknown", ""):
                 cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = sorted(
-                    f
-                    for f in line.split(":", 1)[1].split()
-                    if f == "avx2" or f.startswith(("avx512", "amx"))
-                )
     except OSError:  # not Linux: the CPU's name from platform is all there is
         pass
-    return Machine(cpu=cpu, cpu_flags=flags, cores=len(os.sched_getaffinity(0)), device=device)
+    cores = len(os.sched_getaffinity(0))
+    return Machine(cpu=cpu, cpu_flags=cpu_flags(), cores=cores, device=device)

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 
 from aiohttp import web
 
@@ -27,7 +26,7 @@ from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry, node_info
 from shared.costs.model import CostModel
-from shared.costs.profile import load_profile
+from shared.costs.profile import read_profile
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from shared.runtime.options import add_chunking_options, add_node_options, add_option
@@ -193,9 +192,9 @@ def path_chooser(args: argparse.Namespace) -> PrefillPathChooser:
     costs = None
     if args.profile:
         try:
-            costs = CostModel(load_profile(Path(args.profile).read_bytes()))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"error: --profile {args.profile}: {exc}") from exc
+            costs = CostModel(read_profile(args.profile))
+        except ValueError as exc:
+            raise SystemExit(f"error: --profile: {exc}") from exc
     log.info(
         "conditional disaggregation, %s",
         "with costs from " + args.profile if costs else "fallback rule (no profile)",

@@ -10,6 +10,8 @@ document written before the field existed still reads: it is optional, at the en
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 PROFILE_VERSION = 1
@@ -87,3 +89,13 @@ def load_profile(data: bytes) -> Profile:
         return msgspec.json.decode(data, type=Profile)
     except msgspec.ValidationError as exc:
         raise ValueError(f"not a Tandem profile: {exc}") from exc
+
+
+def read_profile(path: str) -> Profile:
+    """The profile document in a file, checked; ValueError names the file and the fault."""
+    try:
+        return load_profile(Path(path).read_bytes())
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.costs.model import CostModel
-from shared.costs.profile import Profile, load_profile
+from shared.costs.profile import Profile, read_profile
 from shared.runtime.options import STEP_TOKEN_BUDGET, add_option
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
@@ -74,15 +74,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_common_options(p, DEFAULTS)
     add_option(p, "--trace", default=None, help="replay the requests of a bench serve JSON")
     p.set_defaults(func=run)
-
-
-def read_profile(path: str) -> Profile:
-    try:
-        return load_profile(Path(path).read_bytes())
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
 
 
 def engine_shape(args: argparse.Namespace, profile: Profile, prefill: bool) -> EngineShape:

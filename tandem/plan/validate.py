@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shared.costs.profile import read_profile
 from shared.errors import TandemError
 from shared.runtime.options import add_option
 from tandem.bench import compare
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     log = Path(args.log_dir or out.parent) / f"{out.stem}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
-        simulate.read_profile(args.profile)  # a bad profile fails before the long run
+        read_profile(args.profile)  # a bad profile fails before the long run
         from shared.model.source import resolve_model
 
         served = resolve_model(args.model).served_name

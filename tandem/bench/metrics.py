@@ -115,11 +115,19 @@ def itls(r: RequestRecord) -> list[float]:
     return [b - a for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
 
 
-def meets(r: RequestRecord, slo: Slo) -> bool:
-    if not r.ok or ttft(r) > slo.ttft:
-        return False
+def meets_ttft(r: RequestRecord, slo: Slo) -> bool:
+    """A completed request's first token came within the TTFT target."""
+    return ttft(r) <= slo.ttft
+
+
+def meets_tpot(r: RequestRecord, slo: Slo) -> bool:
+    """A completed request's tokens came within the TPOT target (trivially with one token)."""
     per_token = tpot(r)
     return per_token is None or per_token <= slo.tpot
+
+
+def meets(r: RequestRecord, slo: Slo) -> bool:
+    return r.ok and meets_ttft(r, slo) and meets_tpot(r, slo)
 
 
 def run_metrics(records: Sequence[RequestRecord], slo: Slo) -> RunMetrics:

@@ -25,7 +25,14 @@ from typing import Any
 
 from shared.runtime.options import add_option
 from tandem.bench.cli import Defaults, add_common_options
-from tandem.bench.metrics import RequestRecord, Slo, goodput, run_metrics, tpot, ttft
+from tandem.bench.metrics import (
+    RequestRecord,
+    Slo,
+    goodput,
+    meets_tpot,
+    meets_ttft,
+    run_metrics,
+)
 from tandem.bench.report import write_json
 from tandem.bench.serve import check, slo_of
 from tandem.plan import simulate
@@ -94,8 +101,8 @@ def shares(records: list[RequestRecord], slo: Slo) -> tuple[float, float]:
     if not records:
         return 0.0, 0.0
     ok = [r for r in records if r.ok]
-    ttft_ok = sum(1 for r in ok if ttft(r) <= slo.ttft)
-    tpot_ok = sum(1 for r in ok if (t := tpot(r)) is None or t <= slo.tpot)
+    ttft_ok = sum(1 for r in ok if meets_ttft(r, slo))
+    tpot_ok = sum(1 for r in ok if meets_tpot(r, slo))
     return ttft_ok / len(records), tpot_ok / len(records)
 
 

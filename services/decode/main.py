@@ -65,12 +65,12 @@ async def serve(args: argparse.Namespace) -> None:
     from shared.kvclient.prefix_cache import PrefixCache
     from shared.kvclient.tails import TailUploader
     from shared.kvclient.uploader import BlockUploader
-    from shared.runtime.engine import engine_from_args
+    from shared.runtime.engine import start_engine
     from shared.transport.pending import PendingTransfers, SplitHandler
 
     rt = await NodeRuntime.open("decode", args)
     assert rt.bus is not None and rt.transport is not None
-    engine = engine_from_args(args)
+    engine, thread = await start_engine(args)
     if args.checkpoint_every < 0:
         raise SystemExit("--checkpoint-every must be >= 0")
     if not 0 <= args.checkpoint_tail_interval <= 60:
@@ -98,6 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
         uploader=uploader,
         tails=tails,
         journal=journal,
+        thread=thread,
     )
     try:
         await rt.transport.start(SplitHandler(pending, worker.receiver))

@@ -14,7 +14,6 @@ node fills go to the kvcache service (when an uploader is given).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from shared.kvclient.prefix_cache import PrefixCache
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader
 from shared.runtime.cancels import read_cancel
+from shared.runtime.engine_thread import EngineThread
 from shared.telemetry.metrics import NodeMetrics
 from shared.transport.base import Transport
 
@@ -70,13 +70,14 @@ class DecodeWorker:
         uploader: BlockUploader | None = None,
         tails: TailUploader | None = None,
         journal: RequestJournal | None = None,
+        thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
         self.bus = bus
         self.node_id = node_id
         self.transport = transport  # None: no data plane (tests)
         self.presence = Presence(registry, lease, drain_timeout)
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
         self.metrics = NodeMetrics("decode")
@@ -120,7 +121,7 @@ class DecodeWorker:
         return self.presence.draining
 
     async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.loop.run_in_executor(self.thread, fn, *args)
+        return await self.thread.call(fn, *args)
 
     def free_blocks(self) -> int:
         return self.engine.pool.num_free - self.receiver.reserved_blocks()
@@ -272,4 +273,4 @@ class DecodeWorker:
         self.pool_events.publisher.start()
 
     def close(self) -> None:
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        self.thread.close()

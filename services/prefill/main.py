@@ -22,15 +22,17 @@ async def serve(args: argparse.Namespace) -> None:
     # that names this command also runs the router, which must not pay for them.
     from services.prefill.worker import PrefillWorker
     from shared.kvclient.client import KVCacheClient
-    from shared.runtime.engine import engine_from_args
+    from shared.runtime.engine import start_engine
     from shared.transport.pending import PendingTransfers
 
     rt = await NodeRuntime.open("prefill", args)
     assert rt.bus is not None and rt.transport is not None and rt.registry is not None
-    engine = engine_from_args(args)
+    engine, thread = await start_engine(args)
     pending = PendingTransfers()  # a prefill node receives only the kvcache blocks it asked for
     cache = None if args.no_kvcache else KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
-    worker = PrefillWorker(engine, rt.bus, rt.transport, rt.registry, rt.node_id, cache=cache)
+    worker = PrefillWorker(
+        engine, rt.bus, rt.transport, rt.registry, rt.node_id, cache=cache, thread=thread
+    )
     try:
         await rt.transport.start(pending)
         await rt.live(worker.info, worker.metrics)

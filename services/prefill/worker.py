@@ -12,7 +12,6 @@ evicted) as KV events; hand each sequence to a decode node (handoff.py).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 
@@ -37,6 +36,7 @@ from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.prefix_cache import PrefixCache
 from shared.runtime.cancels import read_cancel
+from shared.runtime.engine_thread import EngineThread
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import Transport
@@ -57,6 +57,7 @@ class PrefillWorker:
         node_id: str,
         max_batch: int = 8,
         cache: KVCacheClient | None = None,
+        thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
         self.prefix = PrefixCache(engine, cache)
@@ -65,7 +66,7 @@ class PrefillWorker:
         self.registry = registry
         self.node_id = node_id
         self.max_batch = max_batch
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
         self.cancelled: dict[str, float] = {}  # request id → when (kept a while)
         self.queue_depth = 0
         self.metrics = NodeMetrics("prefill")
@@ -172,9 +173,7 @@ class PrefillWorker:
             )
         )
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self.thread, self._import_and_prefill, prefixes, jobs
-            )
+            results = await self.thread.call(self._import_and_prefill, prefixes, jobs)
         except TandemError as exc:
             self._publish_kv_events()
             await self._batch_failed(jobs, compute, exc)
@@ -312,4 +311,4 @@ class PrefillWorker:
             )
 
     def close(self) -> None:
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        self.thread.close()

@@ -10,6 +10,7 @@ import os
 import torch
 
 from shared.engine.engine import Engine, EngineConfig
+from shared.runtime.engine_thread import EngineThread
 
 
 def configure_threads(threads: int | None) -> int:
@@ -41,3 +42,16 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
             prefill_chunk_tokens=args.prefill_chunk_tokens,
         ),
     )
+
+
+async def start_engine(args: argparse.Namespace) -> tuple[Engine, EngineThread]:
+    """Build the node's engine on the thread that will run it, and return both.
+
+    Built anywhere else, the model load leaves a second OpenMP team behind and every step
+    runs slower (engine_thread.py says why)."""
+    thread = EngineThread()
+    try:
+        return await thread.call(engine_from_args, args), thread
+    except BaseException:
+        thread.close()
+        raise

@@ -88,7 +88,7 @@ async def test_a_cancel_during_admission_leaves_nothing(worker: DecodeWorker) ->
         busy.set()
         release.wait(10)
 
-    blocked = asyncio.get_running_loop().run_in_executor(worker.thread, long_step)
+    blocked = asyncio.get_running_loop().run_in_executor(worker.thread.executor, long_step)
     await asyncio.to_thread(busy.wait, 5)
     answer = asyncio.create_task(ask(worker, "slow", time.time() + 30))
     for _ in range(100):  # until the node is waiting on the engine thread to admit it

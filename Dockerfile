@@ -46,6 +46,14 @@ RUN if ! command -v python3.11 >/dev/null 2>&1; then \
     mkdir -p "$TANDEM_CACHE"; \
     chown tandem:tandem "$TANDEM_CACHE"
 
+# g++ builds the CPU paged-attention kernel for the CPU the container runs on, at first
+# start (shared/model/paged_attention.py; -march=native, so it cannot be built once for
+# every host). Without it the engine falls back to gather + SDPA, slower.
+# hadolint ignore=DL3008
+RUN apt-get update; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++; \
+    rm -rf /var/lib/apt/lists/*
+
 # Large layers that rarely change come first, each in its own layer, so editing Tandem's code
 # rebuilds only the layers from the COPY of the sources on.
 # hadolint ignore=DL3059

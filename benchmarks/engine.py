@@ -1,10 +1,13 @@
-"""Engine benchmark: HF `generate` vs Tandem single stream vs continuous batching, and prefill.
+"""Engine benchmark: HF `generate` vs Tandem single stream vs continuous batching, and prefill;
+and `--decode-steps`: a float32 decode step at batch 1, 16 and 32 with decode attention read
+in place by the CPU kernel (shared/model/paged_attention.py) against gather + SDPA.
 
 Every configuration runs once per round and the order rotates between rounds (A/B
 interleaving), so machine noise spreads over all of them; the table shows medians over rounds
 and ratios to HF `generate` single stream in the same dtype, measured in the same run.
 
     python benchmarks/engine.py [--dtypes float32,bfloat16] [--rounds 3] [--new-tokens 48]
+    python benchmarks/engine.py --decode-steps [--rounds 5] [--context 256]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel, load_model
+from tandem.plan.profile import cpu_flags
 
 PROMPT = (
     "Once upon a time there was a little robot who wanted to learn how to paint. "
@@ -68,6 +72,49 @@ def prefill_rate(model: LoadedModel, engine: Engine, length: int, hf: bool) -> f
     t = time.perf_counter()
     engine.step()
     return length / (time.perf_counter() - t)
+
+
+def decode_step_ms(engine: Engine, batch: int, context: int, steps: int) -> float:
+    """Median decode-step time with `batch` sequences at about `context` tokens."""
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([100 + (i * 7 + j) % 30000 for j in range(context)], params)
+    while engine.scheduler.waiting:
+        engine.step()  # the prefills
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def decode_steps(args: argparse.Namespace) -> None:
+    model = load_model(None, dtype="float32", device="cpu")
+    config = EngineConfig(num_blocks=4096, max_num_seqs=64, detokenize=False)
+    paged, gathered = Engine(model, config), Engine(model, config)
+    if paged.runner.paged_attention is None:
+        raise SystemExit("the paged attention kernel is unavailable here (see the log)")
+    gathered.runner.paged_attention = None
+    engines = {"gather + SDPA": gathered, "paged kernel": paged}
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    cases = [(name, b) for b in args.decode_batches for name in engines]
+    for name, b in cases[:2]:
+        decode_step_ms(engines[name], b, args.context, 4)  # warm-up
+    for r in range(args.rounds):
+        for name, b in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            samples[(name, b)].append(decode_step_ms(engines[name], b, args.context, 8))
+            print(
+                f"  [round {r + 1}] {name}, batch {b}: {samples[(name, b)][-1]:.1f} ms", flush=True
+            )
+    print(f"\nCPU flags: {' '.join(cpu_flags())}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, float32, context ~{args.context}\n")  # fmt: skip
+    print("| batch | gather + SDPA ms | paged kernel ms | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for b in args.decode_batches:
+        g = statistics.median(samples[("gather + SDPA", b)])
+        p = statistics.median(samples[("paged kernel", b)])
+        print(f"| {b} | {g:.1f} | {p:.1f} | {g / p:.2f}x |")
 
 
 def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -120,7 +167,15 @@ def main() -> None:
     parser.add_argument("--prefill-lengths", default="128,512,2048")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--decode-steps", action="store_true", help="the attention A/B only")
+    parser.add_argument("--decode-batches", default="1,16,32")
+    parser.add_argument("--context", type=int, default=256)
     args = parser.parse_args()
+    if args.decode_steps:
+        torch.set_num_threads(args.threads)
+        args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
+        decode_steps(args)
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.prefill_lengths = [int(c) for c in args.prefill_lengths.split(",")]
     torch.set_num_threads(args.threads)

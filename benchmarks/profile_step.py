@@ -27,7 +27,11 @@ from tandem.plan.profile import cpu_flags
 
 # aten op name → category; first match wins (checked in order)
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("attention", ("scaled_dot_product", "_scaled_dot", "flash_attention", "_efficient_attention")),
+    (
+        "attention",
+        ("scaled_dot_product", "_scaled_dot", "flash_attention", "_efficient_attention"),
+    ),
+    ("attention (paged kernel)", ("tandem::paged_decode_attention",)),
     ("KV gather", ("index_select", "gather", "embedding")),
     ("KV write", ("index_copy", "index_put", "scatter")),
     ("GEMM", ("addmm", "aten::mm", "aten::bmm", "matmul", "aten::linear")),
@@ -53,7 +57,7 @@ def profile_calls(fn: Callable[[], object], steps: int) -> tuple[float, dict[str
         wall = (time.perf_counter() - start) * 1000 / steps
     by_cat: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if event.key.startswith("aten::") and event.self_cpu_time_total > 0:
+        if event.key.startswith(("aten::", "tandem::")) and event.self_cpu_time_total > 0:
             by_cat[category(event.key)] += event.self_cpu_time_total / 1000 / steps
     return wall, dict(by_cat)
 

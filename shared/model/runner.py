@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kv.paged_cache import KVLayout, PagedKVCache
+from shared.model import paged_attention
 from shared.model.loader import LoadedModel
 
 
@@ -81,6 +82,8 @@ class ModelRunner:
         self.head_dim = self.layout.head_dim
         self.n_rep = self.num_heads // self.num_kv_heads
         self.scaling = float(self.layers[0].self_attn.scaling)
+        # CPU float32: attention read in place from the paged cache (paged_attention.py)
+        self.paged_attention = paged_attention.kernel(self.device, model.dtype)
         self.upcast = (
             model.dtype == torch.bfloat16
             and self.device.type == "cpu"
@@ -209,7 +212,6 @@ class ModelRunner:
         self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
     ) -> torch.Tensor:
         """One new token per sequence (at `positions`); logits `[batch, vocab]`."""
-        batch = len(token_ids)
         bs = self.layout.block_size
         pos = torch.tensor(positions, device=self.device)
         slots = torch.tensor(
@@ -220,12 +222,38 @@ class ModelRunner:
             device=self.device,
         )
         lengths = [p + 1 for p in positions]
-        max_len = max(lengths)
-        nblocks = -(-max_len // bs)
+        nblocks = -(-max(lengths) // bs)
         table = torch.tensor(
             [t[:nblocks] + [0] * (nblocks - len(t[:nblocks])) for t in block_tables],
             device=self.device,
         )
+        if self.paged_attention is not None:
+            attend = self._attend_paged(self.paged_attention, table, lengths)
+        else:
+            attend = self._attend_gathered(table, lengths)
+        h = self._layers(token_ids, pos, slots, attend)
+        return self._linear(self.lm_head, self.norm(h)).float()
+
+    def _attend_paged(
+        self, kernel: paged_attention.Kernel, table: torch.Tensor, lengths: list[int]
+    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Decode attention read in place from the cache by the CPU kernel."""
+        key_counts = torch.tensor(lengths, device=self.device)
+        kv, batch = self.cache.kv, len(lengths)
+
+        def attend(
+            layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            qg = q.view(batch, self.num_kv_heads, self.n_rep, self.head_dim)
+            return kernel(qg, kv[layer_idx], table, key_counts, self.scaling)
+
+        return attend
+
+    def _attend_gathered(
+        self, table: torch.Tensor, lengths: list[int]
+    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Decode attention by SDPA over a gathered copy of each sequence's blocks (any device)."""
+        max_len, batch = max(lengths), len(lengths)
         mask: torch.Tensor | None = None
         if min(lengths) != max_len:
             keys = torch.arange(max_len, device=self.device)
@@ -243,8 +271,7 @@ class ModelRunner:
             qg = q.view(batch, self.num_kv_heads, self.n_rep, self.head_dim)
             return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
 
-        h = self._layers(token_ids, pos, slots, attend)
-        return self._linear(self.lm_head, self.norm(h)).float()
+        return attend
 
 
 def _linear_fp32(module: Any, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Engine benchmark: HF `generate` vs Tandem single stream vs continuous batching, and prefill;
-and `--decode-steps`: a float32 decode step at batch 1, 16 and 32 with decode attention read
-in place by the CPU kernel (shared/model/paged_attention.py) against gather + SDPA.
+and `--decode-steps`: a float32 decode step at batch 1, 16 and 32 with the CPU kernels
+(shared/model/cpu_kernels.py: paged attention, fused norms, rotary and SiLU) against the
+portable torch ops (gather + SDPA, transformers' modules).
 
 Every configuration runs once per round and the order rotates between rounds (A/B
 interleaving), so machine noise spreads over all of them; the table shows medians over rounds
@@ -92,11 +93,11 @@ def decode_step_ms(engine: Engine, batch: int, context: int, steps: int) -> floa
 def decode_steps(args: argparse.Namespace) -> None:
     model = load_model(None, dtype="float32", device="cpu")
     config = EngineConfig(num_blocks=4096, max_num_seqs=64, detokenize=False)
-    paged, gathered = Engine(model, config), Engine(model, config)
-    if paged.runner.paged_attention is None:
-        raise SystemExit("the paged attention kernel is unavailable here (see the log)")
-    gathered.runner.paged_attention = None
-    engines = {"gather + SDPA": gathered, "paged kernel": paged}
+    fused, portable = Engine(model, config), Engine(model, config)
+    if fused.runner.kernels is None:
+        raise SystemExit("the CPU kernels are unavailable here (see the log)")
+    portable.runner.kernels = None
+    engines = {"portable ops": portable, "CPU kernels": fused}
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     cases = [(name, b) for b in args.decode_batches for name in engines]
     for name, b in cases[:2]:
@@ -109,11 +110,11 @@ def decode_steps(args: argparse.Namespace) -> None:
             )
     print(f"\nCPU flags: {' '.join(cpu_flags())}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, float32, context ~{args.context}\n")  # fmt: skip
-    print("| batch | gather + SDPA ms | paged kernel ms | speed-up |")
+    print("| batch | portable ops ms | CPU kernels ms | speed-up |")
     print("|---:|---:|---:|---:|")
     for b in args.decode_batches:
-        g = statistics.median(samples[("gather + SDPA", b)])
-        p = statistics.median(samples[("paged kernel", b)])
+        g = statistics.median(samples[("portable ops", b)])
+        p = statistics.median(samples[("CPU kernels", b)])
         print(f"| {b} | {g:.1f} | {p:.1f} | {g / p:.2f}x |")
 
 

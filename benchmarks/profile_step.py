@@ -32,6 +32,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         ("scaled_dot_product", "_scaled_dot", "flash_attention", "_efficient_attention"),
     ),
     ("attention (paged kernel)", ("tandem::paged_decode_attention",)),
+    ("fused norm, rotary, SiLU", ("tandem::",)),
     ("KV gather", ("index_select", "gather", "embedding")),
     ("KV write", ("index_copy", "index_put", "scatter")),
     ("GEMM", ("addmm", "aten::mm", "aten::bmm", "matmul", "aten::linear")),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kv.paged_cache import KVLayout, PagedKVCache
-from shared.model import paged_attention
+from shared.model import cpu_kernels
 from shared.model.loader import LoadedModel
 
 
@@ -82,8 +82,10 @@ class ModelRunner:
         self.head_dim = self.layout.head_dim
         self.n_rep = self.num_heads // self.num_kv_heads
         self.scaling = float(self.layers[0].self_attn.scaling)
-        # CPU float32: attention read in place from the paged cache (paged_attention.py)
-        self.paged_attention = paged_attention.kernel(self.device, model.dtype)
+        # CPU float32: paged attention and fused small ops in C++ (cpu_kernels.py); the
+        # portable torch ops otherwise (and for models whose MLP is not SiLU-gated)
+        silu = str(getattr(cfg, "hidden_act", "silu")) == "silu"
+        self.kernels = cpu_kernels.load(self.device, model.dtype) if silu else None
         self.upcast = (
             model.dtype == torch.bfloat16
             and self.device.type == "cpu"
@@ -132,12 +134,14 @@ class ModelRunner:
         slots: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Hidden states of `token_ids` (at `positions`) after every decoder layer. Each layer
-        writes its K and V into the cache at `slots` first, then takes its attention output
-        (a row per token) from `attend(layer_idx, q, k, v)`: the one step the two forwards
-        do differently."""
+        """Hidden states of `token_ids` (at `positions`) after every decoder layer and the
+        final norm. Each layer writes its K and V into the cache at `slots` first, then takes
+        its attention output (a row per token) from `attend(layer_idx, q, k, v)`: the one step
+        the two forwards do differently."""
         h: torch.Tensor = self.embed(torch.tensor(token_ids, device=self.device))
         cos, sin = self._rope(h, positions)
+        if self.kernels is not None:
+            return self._layers_fused(self.kernels, h, cos, sin, slots, attend)
         for layer_idx, layer in enumerate(self.layers):
             residual = h
             x = layer.input_layernorm(h)
@@ -147,7 +151,40 @@ class ModelRunner:
             o = attend(layer_idx, q, k, v)
             h = residual + self._linear(attn.o_proj, o.reshape(len(token_ids), -1))
             h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
-        return h
+        out: torch.Tensor = self.norm(h)
+        return out
+
+    def _layers_fused(
+        self,
+        ops: Any,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`_layers` with the CPU kernels: the same arithmetic in four calls per layer
+        besides the GEMMs. The residual stream `h` is updated in place by add_rms_norm, which
+        also returns the next norm's output (the next layer's input norm, or the final)."""
+        n = h.shape[0]
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        norms = [(ly.input_layernorm, ly.post_attention_layernorm) for ly in self.layers]
+        x: torch.Tensor = ops.rms_norm(h, norms[0][0].weight, norms[0][0].variance_epsilon)
+        for layer_idx, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            ops.rope_store(q, k, v, cos, sin, self.cache.kv[layer_idx], slots)
+            o = attend(layer_idx, q, k, v)
+            post = norms[layer_idx][1]
+            x = ops.add_rms_norm(
+                h, attn.o_proj(o.reshape(n, -1)), post.weight, post.variance_epsilon
+            )
+            m = mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            nxt = norms[layer_idx + 1][0] if layer_idx + 1 < len(norms) else self.norm
+            x = ops.add_rms_norm(h, m, nxt.weight, nxt.variance_epsilon)
+        return x
 
     @torch.inference_mode()
     def forward_packed(self, items: list[PackedItem]) -> torch.Tensor:
@@ -177,7 +214,7 @@ class ModelRunner:
 
         h = self._layers(ids, positions, slots, attend)
         last = torch.tensor([b - 1 for _, b in bounds], device=self.device)
-        return self._linear(self.lm_head, self.norm(h[last])).float()
+        return self._linear(self.lm_head, h[last]).float()
 
     def _attend_prefix(
         self, layer_idx: int, item: PackedItem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -227,15 +264,15 @@ class ModelRunner:
             [t[:nblocks] + [0] * (nblocks - len(t[:nblocks])) for t in block_tables],
             device=self.device,
         )
-        if self.paged_attention is not None:
-            attend = self._attend_paged(self.paged_attention, table, lengths)
+        if self.kernels is not None:
+            attend = self._attend_paged(self.kernels.paged_decode_attention, table, lengths)
         else:
             attend = self._attend_gathered(table, lengths)
         h = self._layers(token_ids, pos, slots, attend)
-        return self._linear(self.lm_head, self.norm(h)).float()
+        return self._linear(self.lm_head, h).float()
 
     def _attend_paged(
-        self, kernel: paged_attention.Kernel, table: torch.Tensor, lengths: list[int]
+        self, kernel: Callable[..., torch.Tensor], table: torch.Tensor, lengths: list[int]
     ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """Decode attention read in place from the cache by the CPU kernel."""
         key_counts = torch.tensor(lengths, device=self.device)

@@ -1,16 +1,18 @@
-"""Decode attention read straight from the paged KV cache on CPU: a small C++ kernel
-(`csrc/paged_attention.cpp`), compiled for this machine on first use and cached.
+"""Tandem's CPU kernels (`csrc/cpu_kernels.cpp`), compiled for this machine on first use and
+cached: decode attention read in place from the paged KV cache, and fused RMSNorm (with the
+residual add), rotary embedding (with the KV cache write) and SiLU-times-up.
 
 Why: the portable decode path gathers every sequence's blocks into a contiguous copy per
 layer and runs SDPA over the copy; on CPU that copy and the attention over it were 22% of a
-decode step at batch 16 (docs/benchmarks.md, "Where a step's time goes"). The kernel reads
-each key and value once, where it lies.
+decode step at batch 16, and the Python and dispatch time between ~45 small ops per layer
+another 12% (docs/benchmarks.md, "Where a step's time goes"). The kernels read each key and
+value once, where it lies, and do each layer's small ops in four calls.
 
-Where it applies: CPU, float32, when a C++ compiler is present. It is built with
+Where they apply: CPU, float32, when a C++ compiler is present. It is built with
 `-march=native`, so the cached library is keyed by the CPU's flags (machines differ between
 runs) as well as by the source, torch and the compiler. Everything else (CUDA, bfloat16,
-no compiler, a failed build) keeps the gather path, and `TANDEM_ATTENTION=gather` forces it
-(the switch the issue asks for; CUDA never takes this path).
+no compiler, a failed build) keeps the portable torch ops, and `TANDEM_CPU_KERNELS=off`
+forces them (CUDA never takes this path).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,27 +33,26 @@ from shared.model.convert import cache_root
 
 log = logging.getLogger("tandem.model")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 BUILD_TIMEOUT = 600.0  # seconds; a build takes ~30 s on 2 cores
-ENV_SWITCH = "TANDEM_ATTENTION"  # "paged" (default where it applies) or "gather"
-
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+ENV_SWITCH = "TANDEM_CPU_KERNELS"  # "on" (default where they apply) or "off"
 
 _lock = threading.Lock()
-_loaded: Kernel | None = None
+_loaded: Any = None
 _tried = False
 
 
 def wanted() -> bool:
-    choice = os.environ.get(ENV_SWITCH, "paged").strip().lower()
-    if choice not in ("paged", "gather"):
-        raise ValueError(f"{ENV_SWITCH} must be 'paged' or 'gather', not {choice!r}")
-    return choice == "paged"
+    choice = os.environ.get(ENV_SWITCH, "on").strip().lower()
+    if choice not in ("on", "off"):
+        raise ValueError(f"{ENV_SWITCH} must be 'on' or 'off', not {choice!r}")
+    return choice == "on"
 
 
-def kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
-    """The paged decode-attention kernel for a model on `device` in `dtype`, or None when
-    the gather path must serve (not CPU float32, switched off, or it could not be built)."""
+def load(device: torch.device, dtype: torch.dtype) -> Any:
+    """The kernels (`torch.ops.tandem`: paged_decode_attention, rms_norm, add_rms_norm,
+    rope_store, silu_mul) for a model on `device` in `dtype`, or None when the portable
+    torch ops must serve (not CPU float32, switched off, or they could not be built)."""
     if device.type != "cpu" or dtype != torch.float32 or not wanted():
         return None
     global _loaded, _tried
@@ -60,9 +61,9 @@ def kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
             _tried = True
             try:
                 torch.ops.load_library(str(build()))
-                _loaded = torch.ops.tandem.paged_decode_attention
+                _loaded = torch.ops.tandem
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                log.warning("paged attention kernel unavailable, using gather + SDPA: %s", exc)
+                log.warning("CPU kernels unavailable, using the portable torch ops: %s", exc)
         return _loaded
 
 
@@ -115,7 +116,7 @@ def build() -> Path:
         *(f"-I{p}" for p in include_paths()),
     ]
     out_dir = cache_root() / "kernels"
-    target = out_dir / f"paged_attention-{_machine_key(flags)}.so"
+    target = out_dir / f"cpu_kernels-{_machine_key(flags)}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +133,7 @@ def build() -> Path:
         "-lc10",
         "-ltorch_cpu",
     ]
-    log.info("building the paged attention kernel for this CPU (once, ~30 s)")
+    log.info("building the CPU kernels for this CPU (once, ~10 s)")
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if done.returncode != 0:

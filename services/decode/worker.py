@@ -124,7 +124,9 @@ class DecodeWorker:
         return await self.thread.call(fn, *args)
 
     def free_blocks(self) -> int:
-        return self.engine.pool.num_free - self.receiver.reserved_blocks()
+        return (
+            self.engine.pool.num_free - self.receiver.reserved_blocks() - self.local.reserved_blocks
+        )
 
     # ---- control plane ------------------------------------------------------------------
 

@@ -135,3 +135,30 @@ async def test_a_cancel_that_overtook_its_request_refuses_it(worker: DecodeWorke
     assert await ask(worker, "queued", time.time() + 5) == "refused: cancelled"
     assert "queued" not in worker.engine.requests
     assert await ask(worker, "other", time.time() + 5) == "ok"  # only that one
+
+
+async def test_requests_arriving_together_are_admitted_together(worker: DecodeWorker) -> None:
+    """Requests that arrive during a step all wait for that one step, not one step each:
+    admissions awaited inside the subscription's callback entered the engine one per step,
+    so each prompt was prefilled alone (W16 first tokens 0.3 s apart)."""
+    busy, release = threading.Event(), threading.Event()
+
+    def long_step() -> None:
+        busy.set()
+        release.wait(10)
+
+    blocked = asyncio.get_running_loop().run_in_executor(worker.thread.executor, long_step)
+    await asyncio.to_thread(busy.wait, 5)
+    rids = [f"together-{i}" for i in range(4)]
+    answers = [asyncio.create_task(ask(worker, rid, time.time() + 30)) for rid in rids]
+    for _ in range(200):  # every one reaches the engine thread's queue during the step
+        if all(rid in worker.local.admitting for rid in rids):
+            break
+        await asyncio.sleep(0.02)
+    assert all(rid in worker.local.admitting for rid in rids)
+    assert worker.local.reserved_blocks > 0  # their blocks count as taken meanwhile
+    release.set()
+    await blocked
+    assert await asyncio.gather(*answers) == ["ok"] * 4
+    assert all(rid in worker.engine.requests for rid in rids)
+    assert worker.local.reserved_blocks == 0

@@ -34,7 +34,7 @@ from shared.model.convert import cache_root
 log = logging.getLogger("tandem.model")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-BUILD_TIMEOUT = 600.0  # seconds; a build takes ~30 s on 2 cores
+BUILD_TIMEOUT = 600.0  # seconds; a build takes ~10 s on 2 cores
 ENV_SWITCH = "TANDEM_CPU_KERNELS"  # "on" (default where they apply) or "off"
 
 _lock = threading.Lock()
@@ -94,7 +94,7 @@ def _compiler() -> str:
 
 
 def build() -> Path:
-    """The kernel's shared library for this machine, compiled if not cached yet. Several
+    """The kernels' shared library for this machine, compiled if not cached yet. Several
     processes may build at once: each writes its own temporary file and renames it."""
     from torch.utils.cpp_extension import include_paths, library_paths
 

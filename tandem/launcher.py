@@ -107,6 +107,12 @@ class Stack:
                 return int(a.threads or len(self.affinity[name]))
             return int(a.threads or max(1, len(cpus) // workers))
 
+        chunking = [
+            "--step-token-budget",
+            str(a.step_token_budget),
+            "--prefill-chunk-tokens",
+            str(a.prefill_chunk_tokens),
+        ]
         data = [
             "--transport",
             a.transport,
@@ -114,6 +120,7 @@ class Stack:
             str(a.kv_cache_mb),
             "--heartbeat-ttl",
             str(a.heartbeat_ttl),
+            *chunking,
         ]
         out = []
         for i in range(a.kvcache):
@@ -176,6 +183,7 @@ class Stack:
                     *(["--colocated"] if prefill == 0 else []),
                     *(["--conditional"] if a.conditional and prefill else []),
                     *(["--profile", a.profile] if a.profile else []),
+                    *chunking,
                 ],
             )
         )

@@ -11,7 +11,12 @@ import signal
 import sys
 import threading
 
-from shared.runtime.options import add_model_options, add_nats_auth_options, add_option
+from shared.runtime.options import (
+    add_chunking_options,
+    add_model_options,
+    add_nats_auth_options,
+    add_option,
+)
 from tandem.autoscale.options import add_policy_options
 from tandem.launcher import Stack, exit_code, prefill_nodes
 
@@ -49,6 +54,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
     add_option(p, "--kv-cache-mb", type=int, default=1024)
+    add_chunking_options(p)  # the model nodes' (and the router's conditional choice)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     add_option(p, "--log-level", default="INFO")
     add_option(p, "--otlp-endpoint", default=None, help="export traces over OTLP (e.g. Jaeger)")

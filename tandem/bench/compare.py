@@ -44,6 +44,8 @@ SIDES = ("colocated", "colocated-unchunked", "disaggregated", "conditional")
 def side_options(side: str, args: argparse.Namespace) -> list[str]:
     """`tandem up` options of one side (all but the port)."""
     options = ["--kvcache", "0", "--decode", "1", *model_options(args)]
+    if side == "colocated-unchunked":  # prompts prefilled whole between decode steps
+        return [*options, "--colocated", "--step-token-budget", "0"]
     if side.startswith("colocated"):
         return [*options, "--colocated"]  # threads: every core of this process
     options += ["--prefill", "1", "--pin-cores"]  # a core and a thread each

@@ -98,3 +98,15 @@ def test_pin_cores_gives_each_model_node_a_core_and_one_thread() -> None:
     stack, _ = plan_of("--prefill", "2", "--decode", "2", "--pin-cores")
     assert [stack.affinity[f"prefill-{i}"] for i in (1, 2)] == [cpu(0), cpu(1)]  # round-robin
     assert [stack.affinity[f"decode-{i}"] for i in (1, 2)] == [cpu(2), cpu(3)]
+
+
+def test_up_passes_its_chunking_options_to_the_model_nodes_and_the_router() -> None:
+    def option(argv: list[str], flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    _, children = plan_of("--kvcache", "0", "--step-token-budget", "0")
+    for name in ("prefill-1", "decode-1", "router"):
+        assert option(children[name], "--step-token-budget") == "0"
+    _, children = plan_of("--kvcache", "0", "--colocated", "--prefill-chunk-tokens", "128")
+    assert option(children["decode-1"], "--prefill-chunk-tokens") == "128"
+    assert option(children["decode-1"], "--step-token-budget") == "256"  # the default

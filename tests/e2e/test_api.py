@@ -220,7 +220,10 @@ async def test_32_concurrent_streams_complete_on_both_nodes_of_each_role(stack: 
         for s in f.samples
         if s.value > 0
     }
-    assert {n for role, n in served if role == "prefill"} == {"prefill-1", "prefill-2"}
+    # Both nodes of each role served. The prompts share their first words, so a decode node
+    # that already holds a prefix may prefill a request itself (KV-aware routing): it then
+    # counts under the prefill role too, which depends on timing.
+    assert {"prefill-1", "prefill-2"} <= {n for role, n in served if role == "prefill"}
     assert {n for role, n in served if role == "decode"} == {"decode-1", "decode-2"}
 
 

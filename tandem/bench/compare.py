@@ -54,12 +54,6 @@ def side_options(side: str, args: argparse.Namespace) -> list[str]:
     return options
 
 
-def side_env(side: str) -> dict[str, str]:
-    """What one side sets beyond `stack_env`: the unchunked baseline turns chunked prefill
-    off on its decode node (a long prompt is prefilled whole between decode steps)."""
-    return {"TANDEM_STEP_TOKEN_BUDGET": "0"} if side == "colocated-unchunked" else {}
-
-
 def model_options(args: argparse.Namespace) -> list[str]:
     """The model, dtype, data plane and KV pool every side's nodes run with."""
     return [
@@ -157,7 +151,7 @@ def measure_side(
         print(f"[{side}] against {args.colocated_url} ({served})", flush=True)
         return measure_url(side, args.colocated_url, args, served, workload)
     log = log_dir / f"{Path(args.output).stem}-{side}.log"
-    return measure(side, side_options(side, args), args, log, served, workload, side_env(side))
+    return measure(side, side_options(side, args), args, log, served, workload)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
     extra = {
         "machine": machine(),
         "sides": {s: side_options(s, args) for s in sides},  # `tandem up` options
-        "side_env": {s: side_env(s) for s in sides if side_env(s)},
         "colocated_url": args.colocated_url,
         "stack_env": stack_env(args),
     }

@@ -72,13 +72,12 @@ def up_options(args: argparse.Namespace) -> list[str]:
 
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """The node and router options the simulation was given, for the measured stack too
-    (`tandem up` passes its children the environment)."""
+    """The node and router options the simulation was given that `tandem up` has no flag
+    for, for the measured stack too (`tandem up` passes its children the environment; the
+    chunking options go as flags, `up_options`)."""
     return {
         "TANDEM_MAX_NUM_SEQS": str(args.max_num_seqs),
         "TANDEM_MAX_BATCHED_TOKENS": str(args.max_batched_tokens),
-        "TANDEM_STEP_TOKEN_BUDGET": str(args.step_token_budget),
-        "TANDEM_PREFILL_CHUNK_TOKENS": str(args.prefill_chunk_tokens),
         "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill_max_tokens),
     }
 

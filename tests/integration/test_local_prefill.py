@@ -64,6 +64,20 @@ async def ask(w: DecodeWorker, rid: str, reply_by: float | None) -> str:
     return "ok" if reply.accepted else f"refused: {reply.reason}"
 
 
+async def hold_engine_thread(w: DecodeWorker) -> tuple[threading.Event, asyncio.Future[None]]:
+    """A long step: the engine thread is busy until the returned event is set (then await
+    the returned future)."""
+    busy, release = threading.Event(), threading.Event()
+
+    def long_step() -> None:
+        busy.set()
+        release.wait(10)
+
+    blocked = asyncio.get_running_loop().run_in_executor(w.thread.executor, long_step)
+    await asyncio.to_thread(busy.wait, 5)
+    return release, blocked
+
+
 async def test_admits_in_time_and_refuses_a_second_copy(worker: DecodeWorker) -> None:
     assert await ask(worker, "r1", time.time() + 5) == "ok"
     assert "r1" in worker.engine.requests and "r1" in worker.streams
@@ -82,14 +96,7 @@ async def test_a_cancel_during_admission_leaves_nothing(worker: DecodeWorker) ->
     """The router timed out while the engine thread was busy (a long step): its targeted
     cancel arrives before the admission completes; the node must drop the request."""
     assert worker.bus.nc is not None
-    busy, release = threading.Event(), threading.Event()
-
-    def long_step() -> None:
-        busy.set()
-        release.wait(10)
-
-    blocked = asyncio.get_running_loop().run_in_executor(worker.thread.executor, long_step)
-    await asyncio.to_thread(busy.wait, 5)
+    release, blocked = await hold_engine_thread(worker)
     answer = asyncio.create_task(ask(worker, "slow", time.time() + 30))
     for _ in range(100):  # until the node is waiting on the engine thread to admit it
         if "slow" in worker.local.admitting:
@@ -141,14 +148,7 @@ async def test_requests_arriving_together_are_admitted_together(worker: DecodeWo
     """Requests that arrive during a step all wait for that one step, not one step each:
     admissions awaited inside the subscription's callback entered the engine one per step,
     so each prompt was prefilled alone (W16 first tokens 0.3 s apart)."""
-    busy, release = threading.Event(), threading.Event()
-
-    def long_step() -> None:
-        busy.set()
-        release.wait(10)
-
-    blocked = asyncio.get_running_loop().run_in_executor(worker.thread.executor, long_step)
-    await asyncio.to_thread(busy.wait, 5)
+    release, blocked = await hold_engine_thread(worker)
     rids = [f"together-{i}" for i in range(4)]
     answers = [asyncio.create_task(ask(worker, rid, time.time() + 30)) for rid in rids]
     for _ in range(200):  # every one reaches the engine thread's queue during the step

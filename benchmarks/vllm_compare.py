@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.bus.server import free_port  # noqa: E402
 from tandem.plan.profile import cpu_flags  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
@@ -86,12 +86,6 @@ def model_dir() -> Path:
     from shared.model.source import resolve_model
 
     return Path(converted_dir(resolve_model(None)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -88,6 +88,7 @@ class ModelRunner:
         # portable torch ops otherwise (and for models whose MLP is not SiLU-gated)
         silu = str(getattr(cfg, "hidden_act", "silu")) == "silu"
         self.kernels = cpu_kernels.load(self.device, model.dtype) if silu else None
+        self.norms = [(ly.input_layernorm, ly.post_attention_layernorm) for ly in self.layers]
         self.upcast = (
             model.dtype == torch.bfloat16
             and self.device.type == "cpu"
@@ -170,7 +171,7 @@ class ModelRunner:
         also returns the next norm's output (the next layer's input norm, or the final)."""
         n = h.shape[0]
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
-        norms = [(ly.input_layernorm, ly.post_attention_layernorm) for ly in self.layers]
+        norms = self.norms
         x: torch.Tensor = ops.rms_norm(h, norms[0][0].weight, norms[0][0].variance_epsilon)
         for layer_idx, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -9,9 +9,12 @@ One transfer: the sender sends the header and, without waiting for an answer, th
 in parts of about SEGMENT_BYTES (whole checksum chunks); the receiver answers once, at the
 end. The receiver checks each part's chunks as soon as the part has arrived, while the
 next parts are still on their way (UCX posts up to 8 parts ahead), so the checksums
-cost little beyond the transfer itself. A receiver that refuses a transfer (not announced,
-no room) still reads its parts into one scratch part and drops them, so the stream stays in
-step, up to DRAIN_LIMIT; a bigger refused transfer costs its connection. Until protocol
+cost little beyond the transfer itself. A receiver that refuses a transfer at its header
+(not announced, wrong secret, larger than announced) closes the connection at once: it
+neither allocates for the payload nor reads it, so a sender that knows no secret costs a
+node a header's read and nothing more (the sender sees the connection lost). A transfer
+refused after its payload arrived (a bad checksum, the handler's `complete`) is answered,
+and the connection stays in step. Until protocol
 version 2 the sender waited for a "ready" answer to the header first; that round trip cost
 ~1.3 ms of the ~10 ms a 16 MiB transfer takes over UCX here.
 """
@@ -39,14 +42,10 @@ from shared.transport.frames import (
 )
 
 SEGMENT_BYTES = 4 << 20  # a payload part: small enough to check while the next arrives
-# A refused transfer up to this size is read and dropped (the connection stays in step);
-# a bigger one costs the connection instead: no unannounced sender gets a receiver to read
-# gigabytes it refused.
-DRAIN_LIMIT = 64 << 20
 
 
-class _Undrained(Exception):
-    """A refused transfer too big to drain (already reported): drop the connection."""
+class _Refused(Exception):
+    """A transfer refused at its header (already reported): drop the connection unread."""
 
 
 class Channel(Protocol):
@@ -95,18 +94,22 @@ async def serve_frame(
     timeout: float,
     lost: tuple[type[BaseException], ...],
     lost_reason: Callable[[BaseException], str],
+    header_timeout: float | None = None,
+    admitted: Callable[[], None] = lambda: None,
 ) -> bool:
-    """One transfer after its prefix arrived, within `timeout`. False when the connection
-    must be dropped; every failure is reported to the handler (`lost`: the transport's
-    errors for a peer gone mid-transfer, described by `lost_reason`), with the transfer's
-    header once the handler has taken it: whoever waits for it learns at once."""
+    """One transfer after its prefix arrived, within `timeout` (its header within
+    `header_timeout`, if given: a connection that has not yet proved it knows a secret).
+    `admitted()` once the handler took the header. False when the connection must be
+    dropped; every failure is reported to the handler (`lost`: the transport's errors for a
+    peer gone mid-transfer, described by `lost_reason`), with the transfer's header once
+    the handler has taken it: whoever waits for it learns at once."""
     accepted: list[TransferHeader] = []
     try:
         async with asyncio.timeout(timeout):
-            await _receive_transfer(channel, prefix, handler, accepted)
+            await _receive_transfer(channel, prefix, handler, accepted, header_timeout, admitted)
             return True
-    except _Undrained:
-        pass  # refused and reported; too big to read and drop
+    except _Refused:
+        pass  # refused and reported; the payload is not read
     except WireFormatError as exc:
         handler.failed(_last(accepted), f"malformed: {exc.message}")
     except TimeoutError:
@@ -121,25 +124,29 @@ def _last(accepted: list[TransferHeader]) -> TransferHeader | None:
 
 
 async def _receive_transfer(
-    channel: Channel, prefix: memoryview, handler: ReceiveHandler, accepted: list[TransferHeader]
+    channel: Channel,
+    prefix: memoryview,
+    handler: ReceiveHandler,
+    accepted: list[TransferHeader],
+    header_timeout: float | None,
+    admitted: Callable[[], None],
 ) -> None:
-    """One transfer after its prefix arrived. Refusals and bad checksums are answered and
-    reported to the handler; the stream stays in step. Raises WireFormatError (or the
-    channel's errors) when the connection must be dropped. While the payload is on its way
-    into the handler's buffer, its header is in `accepted`, for the caller to report a
-    failure with."""
+    """One transfer after its prefix arrived. A refusal at the header is reported and raises
+    _Refused (nothing allocated, the payload not read); refusals after the payload and bad
+    checksums are answered and reported, and the stream stays in step. Raises
+    WireFormatError (or the channel's errors) when the connection must be dropped. While
+    the payload is on its way into the handler's buffer, its header is in `accepted`, for
+    the caller to report a failure with."""
     raw = memoryview(bytearray(parse_prefix(prefix)))
-    await channel.recv_into(raw)
+    async with asyncio.timeout(header_timeout):
+        await channel.recv_into(raw)
     header = decode_header(raw)
     try:
         buf = handler.allocate(header)
     except TransferRejected as exc:
         handler.failed(header, f"refused: {exc.message}")
-        if header.nbytes > DRAIN_LIMIT:
-            raise _Undrained(header.transfer_id) from exc
-        await _drain(channel, header)
-        await _answer(channel, header.transfer_id, False, exc.message)
-        return
+        raise _Refused(header.transfer_id) from exc
+    admitted()
     accepted.append(header)
     if len(buf) != header.nbytes:
         raise WireFormatError("handler buffer size mismatch")
@@ -167,14 +174,6 @@ async def _receive_transfer(
         await _answer(channel, header.transfer_id, False, exc.message)
         return
     await _answer(channel, header.transfer_id, True)
-
-
-async def _drain(channel: Channel, header: TransferHeader) -> None:
-    """Read a refused transfer's payload into one reused scratch part and drop it."""
-    step = part_bytes(header.chunk_bytes)
-    scratch = memoryview(bytearray(min(step, header.nbytes)))
-    for start in range(0, header.nbytes, step):
-        await channel.recv_into(scratch[: min(step, header.nbytes - start)])
 
 
 async def send_transfer(

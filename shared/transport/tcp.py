@@ -2,23 +2,30 @@
 
 The protocol is `shared/transport/session.py`'s; here it runs on pooled TCP connections,
 with payloads received by `sock_recv_into` straight into the handler's buffer. A connection
-whose stream position is in doubt (error, cancel, deadline) is closed, never reused.
+whose stream position is in doubt (error, cancel, deadline) is closed, never reused. The
+listener bounds what connections that know no secret may hold
+(`shared/transport/admission.py`) and survives every accept error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
+from shared.transport.admission import AcceptBackoff, AdmissionLimits, Connection, ConnectionTable
 from shared.transport.base import ReceiveHandler
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.pool import PeerPool, send_pooled
 from shared.transport.session import serve_frame
+
+log = logging.getLogger("tandem.transport.tcp")
 
 SOCKET_BUFFER = 4 << 20
 
@@ -78,10 +85,13 @@ class TcpTransport:
         port: int = 0,
         max_conns_per_peer: int = 4,
         frame_timeout: float = 30.0,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.frame_timeout = frame_timeout
+        self.connections = ConnectionTable(limits)
+        self.backoff = AcceptBackoff()
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pool = PeerPool(max_conns_per_peer, _connect, socket.socket.close)
@@ -108,33 +118,62 @@ class TcpTransport:
         task.add_done_callback(self._tasks.discard)
 
     async def _accept_loop(self) -> None:
+        """Accept until closed, whatever accept raises (EMFILE, ENOBUFS, ...): a listener
+        that ended on one error would leave the node deaf to KV for good."""
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            _tune(conn)
-            self._spawn(self._serve(conn))
+            try:
+                conn, address = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                out_of_fds = exc.errno in (errno.EMFILE, errno.ENFILE)
+                freed = out_of_fds and self.connections.evict_oldest()  # a stranger's goes
+                log.warning(
+                    "accept failed (%s)%s; retrying in %.2fs",
+                    exc, ", closed the oldest stranger" if freed else "", self.backoff.next,
+                )  # fmt: skip
+                await self.backoff.failed()
+                continue
+            self.backoff.ok()
+            try:
+                _tune(conn)
+            except OSError:
+                conn.close()
+                continue
+            serving: list[asyncio.Task[None]] = []  # evicting cancels it; its finally closes
+            entry = self.connections.admit(str(address[0]), _canceller(serving))
+            if entry is None:
+                conn.close()
+                continue
+            serving.append(asyncio.ensure_future(self._serve(conn, entry)))
+            self._tasks.add(serving[0])
+            serving[0].add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, entry: Connection) -> None:
         assert self._handler is not None
         handler = self._handler
+        table = self.connections
         try:
             while True:
                 prefix = memoryview(bytearray(PREFIX.size))
-                try:
-                    await _recv_exact(conn, prefix)  # idle connections may wait here
+                try:  # a peer's idle connection waits here; a stranger's only so long
+                    async with asyncio.timeout(table.idle_deadline(entry)):
+                        await _recv_exact(conn, prefix)
                 except PeerClosed as exc:
                     if exc.got:
                         handler.failed(None, f"truncated: {exc}")
                     return
-                except OSError:
+                except (OSError, TimeoutError):
                     return
                 if not await serve_frame(
                     SocketChannel(conn), prefix, handler, self.frame_timeout, (OSError,),
                     lambda exc: f"truncated: {exc}",  # includes the peer closing mid-frame
+                    header_timeout=table.header_deadline(entry),
+                    admitted=lambda: table.prove(entry),
                 ):  # fmt: skip
                     return
         finally:
+            table.remove(entry)
             conn.close()
 
     async def warm(self, peer: str) -> None:
@@ -151,6 +190,15 @@ class TcpTransport:
         if self._listener is not None:
             self._listener.close()
         self._pool.close()
+
+
+def _canceller(tasks: list[asyncio.Task[None]]) -> Callable[[], None]:
+    """Cancels the task that `tasks` holds by then (the connection's serving task)."""
+
+    def cancel() -> None:
+        tasks[0].cancel()
+
+    return cancel
 
 
 async def _connect(peer: str) -> socket.socket:

@@ -20,7 +20,6 @@ import pytest
 import torch
 import xxhash
 
-from shared.transport import session
 from shared.transport.base import BufferHandler, TransferError, TransferRejected, Transport
 from shared.transport.factory import TRANSPORTS, make_transport
 from shared.transport.frames import (
@@ -41,13 +40,14 @@ MiB = 1 << 20
 class Peer:
     """A child process running transport_peer, with its JSON lines as an asyncio queue."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.transport_peer", *args],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **(env or {})},
         )
         self.lines: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -253,25 +253,157 @@ async def test_only_announced_transfers_with_their_secret_and_size_get_in(
             (make_header("r", "kv-1", payload, secret=new_secret()), "another secret"),
         ]
         for n, (header, why) in enumerate(attempts, start=1):
-            with pytest.raises(TransferRejected):
+            # refused at the header: the connection is closed, the payload never read
+            with pytest.raises(TransferError):
                 await sender.send(address, header, payload, timeout=30)
             assert (await peer.next("refused"))["refused"] == n, why
-        # announced id and secret, but oversize; its three parts are read and dropped
+        # announced id and secret, but oversize: refused alike
         big = memoryview(bytearray(9 * MiB))
-        with pytest.raises(TransferRejected):
+        with pytest.raises(TransferError):
             await sender.send(address, make_header("r", "kv-1", big, secret=secret), big, 30)
         assert (await peer.next("refused"))["refused"] == 4
-        # unannounced and too big to read and drop: refused, and the connection with it
-        huge = memoryview(bytearray(session.DRAIN_LIMIT + MiB))
-        with pytest.raises(TransferError) as dropped:
-            await sender.send(address, make_header("r", "kv-9", huge, secret=secret), huge, 30)
-        assert not isinstance(dropped.value, TransferRejected)  # not read, not answered
-        assert (await peer.next("refused"))["refused"] == 5
         # The announced transfer still gets in, whole, after all that.
         await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
         got = await peer.next("digest")
         assert got == {"transfer_id": "kv-1", "digest": xxhash.xxh3_128_hexdigest(payload)}
     finally:
+        await peer.close()
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+async def peak_rss_growth(pid: int, work: Any) -> tuple[float, Any]:
+    """(how far the process's RSS rose above its level at the start while `work` ran,
+    what `work` returned), sampling every 10 ms."""
+    base = peak = rss_mib(pid)
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        peak = max(peak, rss_mib(pid))
+        await asyncio.sleep(0.01)
+    return peak - base, task.result()
+
+
+async def test_transfers_refused_at_the_header_cost_no_payload_memory(
+    kind: str, sender: Transport
+) -> None:
+    """50 senders at once, each pushing a 64 MiB transfer it knows no secret for: each is
+    refused at its header and its connection closed; nothing is read into memory (reading
+    them into scratch buffers cost 4 MiB each at once); the announced transfer gets in."""
+    peer = Peer("announced", kind)
+    try:
+        address = (await peer.next("address"))["address"]
+        await asyncio.sleep(0.5)  # settled after start-up
+        bogus = memoryview(bytearray(64 * MiB))
+
+        async def push(i: int) -> str:
+            header = make_header("r", f"bogus-{i}", bogus, secret=new_secret())
+            try:
+                await sender.send(address, header, bogus, timeout=60)
+            except TransferError as exc:
+                return type(exc).__name__
+            return "accepted"
+
+        grew, outcomes = await peak_rss_growth(
+            peer.proc.pid, asyncio.gather(*(push(i) for i in range(50)))
+        )
+        assert grew < 64, f"the receiver's RSS rose by {grew:.0f} MiB"
+        assert set(outcomes) == {"TransferError"}  # refused unread: no answer
+        for _ in range(50):
+            await peer.next("refused")
+        payload = memoryview(bytearray(os.urandom(MiB)))
+        secret = new_secret()
+        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
+        await peer.next("expecting")
+        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
+        got = await peer.next("digest")
+        assert got["digest"] == xxhash.xxh3_128_hexdigest(payload)
+    finally:
+        await peer.close()
+
+
+async def _silent_connections(kind: str, address: str, count: int) -> list[Any]:
+    """`count` connections that never send a byte: raw sockets (TCP), endpoints (UCX)."""
+    host, _, port = address.split("://")[1].rpartition(":")
+    if kind == "tcp":
+        return [await asyncio.open_connection(host, int(port)) for _ in range(count)]
+    from shared.transport.ucx.transport import _ucxx
+
+    return [
+        await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
+        for _ in range(count)
+    ]
+
+
+def _closed_by_peer(kind: str, conn: Any) -> bool:
+    if kind == "ucx":
+        return bool(conn.closed)
+    reader, _ = conn
+    return bool(reader.at_eof())
+
+
+async def test_silent_strangers_are_bounded_then_closed(kind: str, sender: Transport) -> None:
+    """Connections that never send a header: beyond the per-address cap the oldest are
+    closed at once, the rest once their silence outlasts the limit; a peer's transfer gets
+    in meanwhile (its fresh connection evicts a silent one) and its pooled connection,
+    proven by that transfer, is not closed for idling."""
+    env = {"TANDEM_DATA_STRANGER_IDLE": "2", "TANDEM_DATA_PER_ADDRESS": "32"}
+    if kind == "ucx":
+        env["TANDEM_DATA_MAX_STRANGERS"] = "32"  # ucxx gives no peer address: one bucket
+    peer = Peer("announced", kind, env=env)
+    try:
+        address = (await peer.next("address"))["address"]
+        silent = await _silent_connections(kind, address, 48)
+        payload = memoryview(bytearray(os.urandom(MiB)))
+        secret = new_secret()
+        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
+        await peer.next("expecting")
+        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
+        assert (await peer.next("digest"))["transfer_id"] == "kv-1"
+        await asyncio.sleep(0.5)
+        early = sum(_closed_by_peer(kind, c) for c in silent)
+        assert early >= 16, f"only {early} of 48 closed beyond a cap of 32"
+        deadline = time.monotonic() + 15
+        while sum(_closed_by_peer(kind, c) for c in silent) < len(silent):
+            assert time.monotonic() < deadline, "silent connections outlived their limit"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.5)  # the peer's pooled connection idles past the limit
+        secret = new_secret()
+        peer.tell(transfer_id="kv-2", max_bytes=MiB, secret=secret)
+        await peer.next("expecting")
+        await sender.send(address, make_header("r", "kv-2", payload, secret=secret), payload, 30)
+        assert (await peer.next("digest"))["transfer_id"] == "kv-2"
+        if kind == "tcp":
+            for _, writer in silent:
+                writer.close()
+    finally:
+        await peer.close()
+
+
+async def test_tcp_listener_survives_running_out_of_file_descriptors() -> None:
+    """With its descriptors used up, accept fails (EMFILE); the listener backs off and keeps
+    accepting, so once connections are gone an announced transfer gets in. (TCP only: UCX
+    accepts inside ucxx.)"""
+    peer = Peer("announced", "tcp", env={"TANDEM_TEST_NOFILE": "64"})
+    sender = make_transport("tcp")
+    await sender.start(BufferHandler())
+    try:
+        address = (await peer.next("address"))["address"]
+        hogs = await _silent_connections("tcp", address, 120)  # more than 64 descriptors
+        await asyncio.sleep(1.0)  # accept has failed by now, more than once
+        for _, writer in hogs:
+            writer.close()
+        payload = memoryview(bytearray(os.urandom(MiB)))
+        secret = new_secret()
+        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
+        await peer.next("expecting")
+        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 20)
+        assert (await peer.next("digest"))["transfer_id"] == "kv-1"
+        assert (await peer.next("accept_errors"))["accept_errors"] > 0
+    finally:
+        await sender.close()
         await peer.close()
 
 

@@ -9,8 +9,10 @@ transfers cut off by deadlines of a few ms, each followed by a good one (`{"good
 `announced KIND` receives with the services' admission rules (PendingTransfers): it reads
 announcements as JSON lines on stdin (what the control plane would tell it), answers
 `{"expecting": id}`, and prints the digest of each announced transfer that arrives and
-`{"refused": n}` after each refusal. UCX here learns of arrived messages and completed
-operations from progress notices alone (no timer to fall back on).
+`{"refused": n}` after each refusal (and, on TCP, `{"accept_errors": n}` after each
+arrival); `TANDEM_TEST_NOFILE=N` caps its file descriptors at N once it listens. UCX here
+learns of arrived messages and completed operations from progress notices alone (no timer
+to fall back on).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import sys
 import time
 
@@ -29,6 +32,7 @@ from shared.transport.base import BufferHandler, TransferError
 from shared.transport.factory import make_transport
 from shared.transport.frames import TransferHeader, make_header
 from shared.transport.pending import PendingTransfers
+from shared.transport.tcp import TcpTransport
 from shared.transport.ucx import waits as ucx_waits
 
 MiB = 1 << 20
@@ -75,12 +79,17 @@ async def announced(kind: str) -> None:
     pending = ReportingPending()
     transport = make_transport(kind)
     await transport.start(pending)
+    if nofile := int(os.environ.get("TANDEM_TEST_NOFILE", "0")):
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
     emit(address=transport.address)
     loop = asyncio.get_running_loop()
 
     async def report(transfer_id: str, arrived: asyncio.Future[bytes]) -> None:
         payload = await arrived
         emit(transfer_id=transfer_id, digest=xxhash.xxh3_128_hexdigest(payload))
+        if isinstance(transport, TcpTransport):
+            emit(accept_errors=transport.backoff.errors)
 
     tasks = set()
     while line := await loop.run_in_executor(None, sys.stdin.readline):

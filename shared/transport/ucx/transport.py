@@ -32,6 +32,7 @@ from typing import Any
 
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
+from shared.transport.admission import AdmissionLimits, Connection, ConnectionTable
 from shared.transport.base import ReceiveHandler
 from shared.transport.frames import PREFIX, TransferHeader
 from shared.transport.pool import PeerPool, send_pooled
@@ -178,10 +179,13 @@ class UcxTransport:
         port: int = 0,
         max_conns_per_peer: int = 4,
         frame_timeout: float = 30.0,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.frame_timeout = frame_timeout
+        # ucxx tells a listener nothing of a peer's address: strangers share one bucket
+        self.connections = ConnectionTable(limits)
         self._listener: Any = None
         self._handler: ReceiveHandler | None = None
         # an endpoint whose peer died since it was pooled: UCX marked it closed
@@ -200,34 +204,43 @@ class UcxTransport:
 
         async def on_connect(ep: Any) -> None:
             task = asyncio.current_task()
-            if task is not None:
-                self._tasks.add(task)
+            entry = self.connections.admit("", task.cancel if task else ep.abort)
+            if entry is None or task is None:
+                _abort(ep)
+                return
+            self._tasks.add(task)
             try:
-                await self._serve(ep)
+                await self._serve(ep, entry)
             finally:
-                if task is not None:
-                    self._tasks.discard(task)
+                self._tasks.discard(task)
 
+        # ucxx's listener takes no address: it listens on every interface (docs/security.md)
         self._listener = ucxx.create_listener(on_connect, port=self.port or None)
         self.port = int(self._listener.port)
 
-    async def _serve(self, ep: Any) -> None:
+    async def _serve(self, ep: Any, entry: Connection) -> None:
         assert self._handler is not None
         errors = _errors()
+        quiet: tuple[type[BaseException], ...] = (*errors, TimeoutError)
+        table = self.connections
         try:
             while True:
                 prefix = memoryview(bytearray(PREFIX.size))
-                try:
-                    await waits.until_message(ep)  # an idle endpoint waits here
-                    await EndpointChannel(ep).recv_into(prefix)
-                except errors:
-                    return  # the peer closed or died between transfers
+                try:  # a peer's idle endpoint waits here; a stranger's only so long
+                    async with asyncio.timeout(table.idle_deadline(entry)):
+                        await waits.until_message(ep)
+                        await EndpointChannel(ep).recv_into(prefix)
+                except quiet:
+                    return  # the peer closed or died between transfers, or never spoke
                 if not await serve_frame(
                     EndpointChannel(ep), prefix, self._handler, self.frame_timeout, errors,
                     lambda exc: f"truncated: peer lost mid-transfer ({type(exc).__name__})",
+                    header_timeout=table.header_deadline(entry),
+                    admitted=lambda: table.prove(entry),
                 ):  # fmt: skip
                     return
         finally:
+            table.remove(entry)
             with contextlib.suppress(*errors):
                 ep.abort()
 

@@ -82,7 +82,8 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
         p,
         "--data-host",
         default="127.0.0.1",
-        help="address peers reach this node at (auto: this host's address)",
+        help="address peers reach this node at (auto: this host's address); the TCP "
+        "transport listens on it alone, UCX on every interface",
     )
     add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
 

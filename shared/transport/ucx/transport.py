@@ -214,9 +214,14 @@ class UcxTransport:
             finally:
                 self._tasks.discard(task)
 
-        # ucxx's listener takes no address: it listens on every interface (docs/security.md)
         self._listener = ucxx.create_listener(on_connect, port=self.port or None)
         self.port = int(self._listener.port)
+        if self.host not in ("0.0.0.0", "::"):  # noqa: S104 (a comparison, not a bind)
+            log.warning(
+                "the UCX data port %d listens on every interface (ucxx's listener takes no "
+                "address); %s is only the address peers are told. Firewall the port, or use "
+                "--transport tcp, which binds to it (docs/security.md)", self.port, self.host,
+            )  # fmt: skip
 
     async def _serve(self, ep: Any, entry: Connection) -> None:
         assert self._handler is not None

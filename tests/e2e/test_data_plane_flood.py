@@ -1,0 +1,115 @@
+"""A stranger on the network floods the data plane while a client streams: 2,000 idle
+connections and 50 transfers announcing 64 MiB each (with secrets nobody gave them) at
+every decode node's and the kvcache node's data port. Each bogus transfer is refused at
+its header with its connection (its payload never read), the stream still ends with the
+reference text, no attacked node's RSS rises by 100 MiB, and a new request still gets its
+KV through (both decode nodes are attacked, so its KV lands on an attacked one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry
+from shared.model.loader import LoadedModel
+from shared.transport.base import BufferHandler, TransferError, TransferRejected
+from shared.transport.factory import make_transport
+from shared.transport.frames import make_header, new_secret
+from tandem.launcher import Stack
+from tests.e2e.test_api import MODEL, reference, text_of
+
+pytestmark = pytest.mark.e2e
+
+IDLE = 2000
+BOGUS = 50
+MiB = 1 << 20
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+async def data_ports(stack: Stack) -> dict[str, str]:
+    """Data-plane address of each decode and kvcache node, from the registry."""
+    bus = await Bus(stack.nats_url, "e2e-flood", stack.auth).connect()
+    try:
+        nodes = await (await NodeRegistry(bus).start()).nodes()
+    finally:
+        await bus.close()
+    return {n.node_id: n.data_address for n in nodes.values() if n.role in ("decode", "kvcache")}
+
+
+async def complete(session: aiohttp.ClientSession, url: str, ids: list[int], n: int) -> str:
+    body = {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True}
+    text = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode()
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                text.append(data["choices"][0]["text"] if data["choices"] else "")
+    return "".join(text)
+
+
+async def flood(addresses: list[str]) -> list[asyncio.StreamWriter]:
+    """The idle connections (left open) and the bogus transfers (each refused)."""
+    idle = []
+    for address in addresses:
+        host, _, port = address.split("://")[1].rpartition(":")
+        for _ in range(IDLE):
+            idle.append((await asyncio.open_connection(host, int(port)))[1])
+    sender = make_transport(addresses[0].split("://")[0])
+    await sender.start(BufferHandler())
+    bogus = memoryview(bytearray(64 * MiB))
+
+    async def push(address: str, i: int) -> None:
+        header = make_header("attack", f"attack-{i}", bogus, secret=new_secret())
+        with pytest.raises(TransferError) as refused:
+            await sender.send(address, header, bogus, timeout=60)
+        # closed at the header, not read and answered (which cost the node 64 MiB of reads)
+        assert not isinstance(refused.value, TransferRejected)
+
+    try:
+        await asyncio.gather(*(push(a, i) for a in addresses for i in range(BOGUS)))
+    finally:
+        await sender.close()
+    return idle
+
+
+async def test_flooded_data_ports_still_serve(stack: Stack, real_model: LoadedModel) -> None:
+    ports = await data_ports(stack)
+    assert {"decode-1", "decode-2", "kvcache-1"} <= ports.keys(), ports
+    pids = {node: stack.child(node).proc.pid for node in ports}  # type: ignore[union-attr]
+    base = {node: rss_mib(pid) for node, pid in pids.items()}
+    peak = dict(base)
+    ids = real_model.encode("Write a short story about a lighthouse keeper.")
+    ref = text_of(real_model, reference(real_model, ids, 64))
+    async with aiohttp.ClientSession() as session:
+        streaming = asyncio.ensure_future(complete(session, stack.url, ids, 64))
+        attack = asyncio.ensure_future(flood(list(ports.values())))
+        while not (streaming.done() and attack.done()):
+            for node, pid in pids.items():
+                peak[node] = max(peak[node], rss_mib(pid))
+            await asyncio.sleep(0.02)
+        assert streaming.result() == ref
+        idle = attack.result()
+        grew = {node: round(peak[node] - base[node]) for node in pids}
+        print(f"\nflood: {len(idle)} idle connections, {BOGUS} bogus 64 MiB transfers per node;"
+              f" peak RSS growth MiB {grew}")  # fmt: skip
+        assert max(grew.values()) < 100, grew
+        started = time.monotonic()
+        other = real_model.encode("List three facts about the moon.")
+        assert await complete(session, stack.url, other, 16) == text_of(
+            real_model, reference(real_model, other, 16)
+        )
+        assert time.monotonic() - started < 60
+    for writer in idle:
+        writer.close()

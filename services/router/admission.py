@@ -21,6 +21,7 @@ import msgspec
 from aiohttp import web
 from opentelemetry import trace
 
+from services.router.auth import request_owner
 from services.router.failover import Failover
 from services.router.nodes import PREFILL_POOL, NodeTable
 from services.router.parts import RouterParts
@@ -128,7 +129,12 @@ def new_job(
 
 
 def journal_entry(
-    parts: RouterParts, parsed: ParsedRequest, rid: RequestId, job: PrefillJob, created: int
+    parts: RouterParts,
+    parsed: ParsedRequest,
+    rid: RequestId,
+    job: PrefillJob,
+    created: int,
+    owner: str,
 ) -> JournalEntry:
     return JournalEntry(
         request_id=rid,
@@ -141,6 +147,7 @@ def journal_entry(
         model=parsed.model,
         include_usage=parsed.include_usage,
         created=created,
+        owner=owner,
     )
 
 
@@ -188,7 +195,7 @@ async def start(
     parts.inflight.claim(rid)  # from its first journal write on, the janitor leaves it alone
     try:
         job = new_job(parts, parsed, rid, where.decode_node)
-        entry = journal_entry(parts, parsed, rid, job, shape.created)
+        entry = journal_entry(parts, parsed, rid, job, shape.created, request_owner(request))
         # In the journal before any node sees it: if this router dies from here on, a
         # client can resume it through another router (or the janitor cancels it).
         await parts.journal.put(entry)

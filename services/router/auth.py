@@ -36,6 +36,17 @@ def fingerprint(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+def owner_digest(key: str) -> str:
+    """What binds a request to the key that made it (kept in the journal, which every node
+    can read): a domain-separated SHA-256, useless as a key and distinct from `_digest`."""
+    return hashlib.sha256(b"tandem-request-owner\0" + key.encode()).hexdigest()
+
+
+def request_owner(request: web.Request) -> str:
+    """The owner digest of the key this request was authenticated with ("" on an open API)."""
+    return str(request.get("owner", ""))
+
+
 def read_keys(inline: str | None, path: str | None) -> list[str]:
     keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
     if path:
@@ -112,6 +123,7 @@ def auth_middleware(keys: ApiKeys, on_reject: Callable[[str], None]) -> Middlewa
             )
         inflight[who] = inflight.get(who, 0) + 1
         request["api_key"] = who
+        request["owner"] = owner_digest(presented)
         try:
             return await handler(request)
         finally:

@@ -20,6 +20,7 @@ cancel the old attempt and resubmit → relay, skipping what the client has.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import time
@@ -28,6 +29,7 @@ import msgspec
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
+from services.router.auth import request_owner
 from services.router.failover import Failover
 from services.router.parts import RouterParts
 from services.router.relay import relay
@@ -77,7 +79,7 @@ async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamR
         attributes={"http.request.method": "GET", "tandem.request_id": rid},
     ) as span:
         after = last_event_id(request)
-        entry, revision, job = await resumable_entry(parts, rid)
+        entry, revision, job = await resumable_entry(parts, rid, request_owner(request))
         record = await parts.journal.checkpoint(entry.attempt_id)
         known = known_output(entry, record.output_ids if record else None)
         # Resume before the client's last token: regenerating it (not sent again) also
@@ -99,14 +101,21 @@ async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamR
         return await relay(parts, request, served, span)
 
 
-async def resumable_entry(parts: RouterParts, rid: str) -> tuple[JournalEntry, int, PrefillJob]:
-    """The request's journal entry and revision, if it can be resumed here and now."""
+async def resumable_entry(
+    parts: RouterParts, rid: str, owner: str
+) -> tuple[JournalEntry, int, PrefillJob]:
+    """The request's journal entry and revision, if it can be resumed here and now, by the
+    API key that made it (another key is told no such request: the same 404, so a
+    response id alone says nothing about whether its request is in flight)."""
     if not REQUEST_ID.match(rid):
         raise NotFoundError(f"no request {rid[:64]!r} to resume", param="request_id")
     found = await parts.journal.get_with_revision(rid)
+    gone = "no such request in flight (finished, cancelled, or its lease ran out)"
     if found is None or found[0].job is None:
-        raise NotFoundError("no such request in flight (finished, cancelled, or its lease ran out)")
+        raise NotFoundError(gone)
     entry, revision = found
+    if not hmac.compare_digest(entry.owner, owner):
+        raise NotFoundError(gone)
     owner = entry.router_id
     if rid in parts.inflight:
         raise ConflictError("this request is being streamed by this router already")

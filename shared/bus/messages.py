@@ -196,6 +196,7 @@ class JournalEntry(Message, frozen=True, tag="journal"):
     include_usage: bool = False
     created: int = 0
     output_ids: list[int] = []
+    owner: str = ""  # digest of the API key that created it ("" on an open API): resumes
 
 
 class KVPut(Message, frozen=True, tag="kv_put"):

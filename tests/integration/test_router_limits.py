@@ -20,7 +20,11 @@ from typing import Any
 
 import pytest
 
+from services.router.auth import owner_digest
 from shared.bus.client import Bus
+from shared.bus.ids import RequestId, attempt_id
+from shared.bus.journal import RequestJournal
+from shared.bus.messages import JournalEntry, PrefillJob
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer, free_port
 
@@ -213,3 +217,29 @@ async def test_a_request_past_its_deadline_ends_with_504(router: Router) -> None
         assert took < 10  # --request-timeout 2, not the 120 s first-token timeout
     finally:
         await bus.close()
+
+
+async def test_a_stream_resumes_only_with_the_key_that_made_it(router: Router) -> None:
+    """An orphaned stream (its router gone) in the journal, made with key A: key B is told
+    there is no such request, exactly as for an unknown id; key A gets past that check."""
+    rid = "cmpl-" + "ab" * 12
+    job = PrefillJob(attempt_id=attempt_id(RequestId(rid)), prompt_ids=[1, 2, 3])
+    entry = JournalEntry(
+        request_id=RequestId(rid),
+        router_id="router-gone",
+        attempt_id=job.attempt_id,
+        job=job,
+        owner=owner_digest(KEY_A),
+    )
+    bus = await Bus(router.nats.url, "journal-writer").connect()
+    try:
+        await (await RequestJournal(bus).start()).put(entry)
+    finally:
+        await bus.close()
+    path = f"/v1/requests/{rid}/stream"
+    other = "/v1/requests/cmpl-" + "cd" * 12 + "/stream"
+    unknown = assert_error(router.call(other, key=KEY_B), 404)
+    assert assert_error(router.call(path, key=KEY_B), 404)["message"] == unknown["message"]
+    assert_error(router.call(path, key=None), 401)
+    status, body, _ = await asyncio.to_thread(router.call, path, None, KEY_A)
+    assert status != 404, body  # the owner: resumed, or refused for another reason

@@ -11,11 +11,14 @@ path; a refused local prefill falls back to the prefill queue). What comes back 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -37,7 +40,6 @@ from shared.errors import (
     CapacityError,
     InvalidRequestError,
     PayloadTooLargeError,
-    RateLimitError,
 )
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.logs import bind
@@ -64,16 +66,32 @@ async def read_body(request: web.Request, max_bytes: int) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"invalid JSON body: {exc}") from exc
+    except RecursionError as exc:  # `[[[[...` a few thousand deep fits in any body limit
+        raise InvalidRequestError("invalid JSON body: nested too deeply") from exc
+
+
+# Tokenisation and chat templating of a prompt up to the body limit take up to ~0.1-1 s:
+# on the event loop they would stall every stream. One thread does them, one request at a
+# time (a tokenizer object is not safe to share between threads in every version), and the
+# requests waiting for it count as in flight (`InFlight.admit` is taken before the body is
+# read), so --max-inflight bounds the queue.
+T = TypeVar("T")
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the tokenising thread (see above)."""
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, fn, *args)
 
 
 async def admit(
     parts: RouterParts, request: web.Request, chat: bool, tok: TokenizerInfo
 ) -> ParsedRequest:
-    """The request, validated, if this router takes it now."""
+    """The request, validated, if this router takes it now (the caller holds its in-flight
+    count)."""
     body = await read_body(request, parts.config.max_body_bytes)
-    parsed = parse_request(body, chat, tok, {tok.served_name}, parts.config.limits)
-    if parts.inflight.full():
-        raise RateLimitError("too many requests in flight; retry shortly", retry_after=1)
+    served, limits = {tok.served_name}, parts.config.limits
+    parsed = await off_loop(parse_request, body, chat, tok, served, limits)
     if not parts.nodes.ready():
         raise CapacityError("no prefill or decode node is available", retry_after=2)
     return parsed

@@ -24,7 +24,7 @@ from services.router.resume import resume_stream
 from services.router.routing import PrefixRouter
 from services.router.tokens_api import TokensApi
 from shared.bus.workqueue import purge_steered
-from shared.errors import TandemError
+from shared.errors import RateLimitError, TandemError
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.tracing import tracer
 
@@ -80,13 +80,16 @@ class Router:
         endpoint = "chat" if chat else "completions"
         parts = self.parts
         admission_span = TRACER.start_span("router.admission")
-        try:
-            parsed = await admission.admit(parts, request, chat, self.tok)
-        except TandemError as exc:
-            return self._refused(endpoint, admission_span, exc)
-        span.set_attribute("tandem.prompt_tokens", len(parsed.prompt_ids))
-        span.set_attribute("tandem.max_tokens", parsed.params.max_tokens)
-        with parts.inflight.admit():
+        if parts.inflight.full():
+            busy = RateLimitError("too many requests in flight; retry shortly", retry_after=1)
+            return self._refused(endpoint, admission_span, busy)
+        with parts.inflight.admit():  # counted from here: reading and tokenising are work
+            try:
+                parsed = await admission.admit(parts, request, chat, self.tok)
+            except TandemError as exc:
+                return self._refused(endpoint, admission_span, exc)
+            span.set_attribute("tandem.prompt_tokens", len(parsed.prompt_ids))
+            span.set_attribute("tandem.max_tokens", parsed.params.max_tokens)
             parts.metrics.inflight.inc()
             try:
                 try:

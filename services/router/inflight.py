@@ -1,10 +1,10 @@
 """The requests this router serves now: admission's count and the table of live streams.
 
-Admission counts a request from the moment it passes validation (`admitted`, bounded by
-`--max-inflight`). A stream is registered under its client-facing id from its first
-journal write until it ends: the janitor leaves a registered request alone, a resume of it
-on this router is refused, and when a node leaves, every registered stream's failover
-hears of it.
+Admission counts a request from the moment the router takes it, before its body is read
+and tokenised (`admitted`, bounded by `--max-inflight`). A stream is registered under its
+client-facing id from its first journal write until it ends: the janitor leaves a
+registered request alone, a resume of it on this router is refused, and when a node leaves,
+every registered stream's failover hears of it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class InFlight:
 
     @contextmanager
     def admit(self) -> Iterator[None]:
-        """Counts one admitted request while the block runs."""
+        """Counts one request while the block runs, from before its body is read (reading
+        and tokenising it are work too); the caller checked `full()` just before."""
         self.admitted += 1
         try:
             yield

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.router.admission import read_body
+from services.router.admission import off_loop, read_body
 from services.router.validation import Limits, tokenize_body
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.model.tokenizer import TokenizerInfo
@@ -43,7 +43,7 @@ class TokensApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        tokens = tokenize_body(body, self.tok)
+        tokens = await off_loop(tokenize_body, body, self.tok)
         return web.json_response(
             {"count": len(tokens), "max_model_len": self.tok.max_model_len, "tokens": tokens}
         )
@@ -57,7 +57,7 @@ class TokensApi:
             raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
         if any(not 0 <= t < self.tok.vocab_size for t in tokens):
             raise InvalidRequestError("'tokens' holds ids outside the vocabulary", param="tokens")
-        return web.json_response({"prompt": self.tok.decode(tokens)})
+        return web.json_response({"prompt": await off_loop(self.tok.decode, tokens)})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})

@@ -46,6 +46,18 @@ def _int(body: dict[str, Any], key: str, default: int | None) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(f"'{key}' must be an integer", key)
+    if not -(2**63) <= value < 2**63:  # JSON allows any length; nothing here takes more
+        raise _bad(f"'{key}' must fit in a signed 64-bit integer", key)
+    return value
+
+
+def _text(value: str, param: str) -> str:
+    """`value` if it is valid Unicode text: JSON escapes can make lone surrogates
+    ("\\ud800"), which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(f"'{param}' holds an invalid character (a lone surrogate)", param) from exc
     return value
 
 
@@ -74,6 +86,7 @@ def _stop(body: dict[str, Any], limits: Limits) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise _bad("'stop' must be a non-empty string or a list of them", "stop")
+    items = [_text(s, "stop") for s in items]
     if len(items) > limits.max_stop or any(len(s) > limits.max_stop_len for s in items):
         raise _bad(
             f"'stop' allows at most {limits.max_stop} strings of {limits.max_stop_len} chars",
@@ -97,7 +110,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise _bad("message content must be a string", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": _text(content, "messages")})
     return out
 
 
@@ -108,12 +121,14 @@ def _prompt(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("'prompt' must not be empty", "prompt")
-        return tok.encode(prompt)
+        return tok.encode(_text(prompt, "prompt"))
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
         if not prompt:
             raise _bad("'prompt' must not be empty", "prompt")
+        if not all(0 <= t < tok.vocab_size for t in prompt):
+            raise _bad(f"'prompt' token ids must be in [0, {tok.vocab_size})", "prompt")
         return list(prompt)
     raise _bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
 
@@ -269,7 +284,9 @@ def tokenize_body(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise _bad("'prompt' must be a string (or send 'messages')", "prompt")
-    return tok.encode(prompt, add_special_tokens=_bool(body, "add_special_tokens", True))
+    return tok.encode(
+        _text(prompt, "prompt"), add_special_tokens=_bool(body, "add_special_tokens", True)
+    )
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from shared.errors import ModelLoadError
+from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model.convert import converted_dir
 from shared.model.source import resolve_model
 
@@ -80,7 +80,10 @@ class TokenizerInfo:
     special_tokens: dict[str, str] | None = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it works; encode holds it (a 1 MB prompt
+        # stalled the router's event loop for a second even from another thread)
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
@@ -90,8 +93,8 @@ class TokenizerInfo:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
     def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        if self.chat_template is None:
-            raise ModelLoadError("this model has no chat template")
+        if self.chat_template is None:  # the request's fault as the client sees it
+            raise InvalidRequestError("this model has no chat template", param="messages")
         try:
             text = self.chat_template.render(
                 messages=messages,
@@ -101,7 +104,9 @@ class TokenizerInfo:
                 **(self.special_tokens or {}),
             )
         except Exception as exc:  # jinja raises several types for bad input
-            raise ModelLoadError(f"chat template failed: {exc}") from exc
+            raise InvalidRequestError(
+                f"the chat template refused these messages: {str(exc)[:200]}", param="messages"
+            ) from exc
         return self.encode(str(text))
 
 

@@ -51,8 +51,18 @@ from tests.e2e.test_api import MODEL, reference, text_of
 pytestmark = pytest.mark.e2e
 
 PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz"]
+hostile_scalars = (
+    st.integers(min_value=2**63 - 2, max_value=2**90)  # beyond 64 bits
+    | st.integers(min_value=-(2**90), max_value=-(2**63) + 2)
+    | st.text(st.characters(categories=["Cs", "Ll"]), min_size=1, max_size=4)  # surrogates
+)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=40)
+    | hostile_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner),
     max_leaves=12,
 )
@@ -75,6 +85,8 @@ def mutated_body(draw: st.DrawFn, chat: bool) -> dict[str, Any]:
             body.pop(key, None)
         else:
             body[key] = draw(json_values)
+    if not chat and draw(st.booleans()):  # token ids, some outside the vocabulary
+        body["prompt"] = draw(st.lists(st.integers(-5, 200_000) | hostile_scalars, max_size=4))
     body["max_tokens"] = draw(small_max_tokens)
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = draw(small_max_tokens)
@@ -85,9 +97,12 @@ def mutated_body(draw: st.DrawFn, chat: bool) -> dict[str, Any]:
 def http_request(draw: st.DrawFn) -> tuple[str, str, bytes]:
     path = draw(st.sampled_from(PATHS) | st.text(max_size=20).map(lambda t: "/v1/" + t))
     method = draw(st.sampled_from(["POST", "POST", "POST", "GET", "PUT", "DELETE"]))
-    kind = draw(st.sampled_from(["mutated", "mutated", "json", "bytes"]))
+    kind = draw(st.sampled_from(["mutated", "mutated", "json", "bytes", "deep"]))
     if kind == "mutated":
         body = json.dumps(draw(mutated_body("chat" in path))).encode()
+    elif kind == "deep":  # nesting past any recursion limit, within the body limit
+        depth = draw(st.integers(1, 100_000))
+        body = b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * depth + b"]" * depth + b"}"
     elif kind == "json":
         body = json.dumps(draw(json_values)).encode()
     else:

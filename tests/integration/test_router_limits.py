@@ -8,6 +8,8 @@ deadline, for which the test registers a prefill and a decode node that never an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
@@ -71,34 +73,41 @@ class Router:
         return status, parsed, headers
 
 
+@contextlib.contextmanager
+def running_router(nats: NatsServer, argv: list[str]) -> Iterator[Router]:
+    """`tandem router ARGV` on `nats`, answering its health probe."""
+    port = free_port()
+    argv = ["router", "--nats", nats.url, "--port", str(port), *argv]
+    env = dict(os.environ, TANDEM_METRICS_AUTH="true")
+    env.pop("TANDEM_API_KEYS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], env=env)
+    try:
+        r = Router(f"http://127.0.0.1:{port}", nats, proc)
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "router exited at start"
+            try:
+                if r.call("/healthz", key=None)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.2)
+        yield r
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# API keys\n{KEY_A}\n\n{KEY_B}\n")
-    port = free_port()
-    with NatsServer() as nats:
-        argv = ["router", "--nats", nats.url, "--port", str(port), "--api-keys-file", str(keys)]
-        for flag, value in LIMITS.items():
-            argv += [flag, value]
-        env = dict(os.environ, TANDEM_METRICS_AUTH="true")
-        env.pop("TANDEM_API_KEYS", None)
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], env=env)
-        try:
-            r = Router(f"http://127.0.0.1:{port}", nats, proc)
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, "router exited at start"
-                try:
-                    if r.call("/healthz", key=None)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "router did not start"
-                time.sleep(0.2)
-            yield r
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    argv = ["--api-keys-file", str(keys)]
+    for flag, value in LIMITS.items():
+        argv += [flag, value]
+    with NatsServer() as nats, running_router(nats, argv) as r:
+        yield r
 
 
 def good(**fields: Any) -> dict[str, Any]:
@@ -243,3 +252,50 @@ async def test_a_stream_resumes_only_with_the_key_that_made_it(router: Router) -
     assert_error(router.call(path, key=None), 401)
     status, body, _ = await asyncio.to_thread(router.call, path, None, KEY_A)
     assert status != 404, body  # the owner: resumed, or refused for another reason
+
+
+HOSTILE = [  # (body, param the 400 names; None: any)
+    (b'{"model": "M", "prompt": [1, 2, 99999999], "max_tokens": 4}', "prompt"),
+    (b'{"model": "M", "prompt": [1, -2, 3], "max_tokens": 4}', "prompt"),
+    (b'{"model": "M", "prompt": [[1, 2], [3]], "max_tokens": 4}', "prompt"),
+    (b'{"model": "M", "prompt": "hi", "max_tokens": 4, "top_k": 99999999999999999999999}', "top_k"),
+    (b'{"model": "M", "prompt": "hi", "max_tokens": 4, "seed": 99999999999999999999999}', "seed"),
+    (b'{"model": "M", "prompt": "hi", "max_tokens": 99999999999999999999999}', "max_tokens"),
+    (b'{"model": "M", "prompt": "\\ud800 lone", "max_tokens": 4}', "prompt"),
+    (b'{"model": "M", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    (b'{"model": "M", "messages": [{"role": "wizard", "content": "x"}]}', "messages"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image"}]}]}', "messages"),
+]
+
+
+@pytest.mark.parametrize("raw,param", HOSTILE)
+def test_hostile_bodies_get_a_400_in_the_openai_shape(
+    router: Router, raw: bytes, param: str | None
+) -> None:
+    raw = raw.replace(b'"M"', json.dumps(MODEL).encode())
+    path = "/v1/chat/completions" if b'"messages"' in raw else "/v1/completions"
+    status, body, _ = router.call(path, raw=raw)
+    assert status in (400, 413), body  # the nesting is over --max-body-bytes here
+    if status == 400:
+        err = assert_error((status, body, {}), 400)
+        assert param is None or err["param"] == param, err
+
+
+def test_prompts_are_tokenised_off_the_event_loop_and_count_as_in_flight(
+    router: Router,
+) -> None:
+    """Three ~1 MB prompts at once on a router taking 2 requests in flight: while the first
+    two are read and tokenised (about a second each, one at a time, off the event loop),
+    the third is refused with 429 at once. (Tokenised on the loop, before being counted,
+    they were taken one after another and none was refused.)"""
+    with running_router(router.nats, ["--max-inflight", "2"]) as small:
+        body = good(prompt="The quick brown fox jumps over the lazy dog. " * 22_000)
+
+        def one(delay: float) -> int:
+            time.sleep(delay)
+            return small.call("/v1/completions", body, key=None)[0]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            statuses = list(pool.map(one, [0.0, 0.05, 0.3]))
+        assert statuses == [400, 400, 429], statuses  # 400: over the model's context

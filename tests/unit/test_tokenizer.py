@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from shared.errors import ModelLoadError
+from shared.errors import InvalidRequestError
 from shared.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -52,13 +52,20 @@ def test_chat_matches_apply_chat_template(both: tuple, messages: list) -> None: 
     assert ours.chat(messages) == theirs.encode(text, add_special_tokens=False)
 
 
-def test_a_template_that_raises_is_a_model_error(both: tuple) -> None:  # type: ignore[type-arg]
+def test_a_template_that_raises_refuses_the_request(both: tuple) -> None:  # type: ignore[type-arg]
+    """A template's raise_exception judges the messages (e.g. roles out of order): a 400
+    naming `messages`, not a server error."""
     ours, _ = both
-    ours.chat_template = ours.chat_template.environment.from_string(
+    template = ours.chat_template
+    ours.chat_template = template.environment.from_string(
         "{{ raise_exception('no system messages') }}"
     )
-    with pytest.raises(ModelLoadError, match="no system messages"):
-        ours.chat([{"role": "user", "content": "x"}])
+    try:
+        with pytest.raises(InvalidRequestError, match="no system messages") as refused:
+            ours.chat([{"role": "user", "content": "x"}])
+        assert refused.value.http_status == 400 and refused.value.param == "messages"
+    finally:
+        ours.chat_template = template
 
 
 def test_loading_it_loads_no_torch(real_model_dir: Path) -> None:

@@ -35,7 +35,7 @@ from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.prefix_cache import PrefixCache
-from shared.runtime.cancels import read_cancel
+from shared.runtime.cancels import RecentCancels, read_cancel
 from shared.runtime.engine_thread import EngineThread
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
@@ -67,7 +67,7 @@ class PrefillWorker:
         self.node_id = node_id
         self.max_batch = max_batch
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
-        self.cancelled: dict[str, float] = {}  # request id → when (kept a while)
+        self.cancelled = RecentCancels()
         self.queue_depth = 0
         self.metrics = NodeMetrics("prefill")
         self.metrics.gauge(
@@ -87,10 +87,7 @@ class PrefillWorker:
         cancel = read_cancel(self.bus, msg, self.node_id)
         if cancel is None:
             return
-        self.cancelled[cancel.attempt_id] = time.time()
-        cutoff = time.time() - 600
-        for rid in [r for r, t in self.cancelled.items() if t < cutoff]:
-            del self.cancelled[rid]
+        self.cancelled.add(cancel.attempt_id)
 
     def info(self) -> NodeInfo:
         return node_info(
@@ -115,7 +112,7 @@ class PrefillWorker:
             self.transport,
             self.registry,
             self.metrics,
-            self.cancelled.keys(),
+            self.cancelled,
             stop,
             self._fail,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -21,6 +22,31 @@ def _add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     if ctx.is_valid:
         event.setdefault("trace_id", format(ctx.trace_id, "032x"))
         event.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event
+
+
+# A log field's most characters. Ids, prompts' fragments and error texts can come from
+# outside (a request id in a NATS message, a malformed frame): a client must not be able to
+# write 256 KiB into every log line it causes.
+MAX_FIELD_CHARS = 1024
+MAX_EXCEPTION_CHARS = 16384  # tracebacks are ours, but carry messages that may quote input
+
+
+def _cap(value: str, limit: int) -> str:
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}...[{len(value) - limit} more chars]"
+
+
+def _cap_fields(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key, value in event.items():
+        limit = MAX_EXCEPTION_CHARS if key == "exception" else MAX_FIELD_CHARS
+        if isinstance(value, str):
+            event[key] = _cap(value, limit)
+        elif not isinstance(value, (int, float, bool, type(None))):
+            text = repr(value)
+            if len(text) > limit:
+                event[key] = _cap(text, limit)
     return event
 
 
@@ -53,6 +79,7 @@ def setup_logs(service: str, node_id: str, level: str = "INFO", json: bool | Non
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
+                _cap_fields,
                 renderer,
             ],
         )

@@ -202,13 +202,19 @@ class Stack:
             self._spawn(child)
             self.children.append(child)
 
-    def _spawn(self, child: Child) -> None:
-        # Credentials travel in the environment: a command line is visible to `ps`.
+    def child_env(self, child: Child) -> dict[str, str]:
+        """The environment `child` starts with. Credentials travel in it: a command line
+        is visible to `ps`. API keys go to the router alone: no other node needs them."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.auth.env(), **self.env)
-        if self.args.api_keys:
+        env.pop("TANDEM_API_KEYS", None)
+        if self.args.api_keys and child.name == "router":
             env["TANDEM_API_KEYS"] = self.args.api_keys
         if self.args.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.args.otlp_endpoint
+        return env
+
+    def _spawn(self, child: Child) -> None:
+        env = self.child_env(child)
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *child.argv],
             stdout=subprocess.PIPE,

@@ -16,6 +16,10 @@ from typing import Any
 
 from shared.errors import TandemError
 
+# The password .env.example ships with: a stack started with it has the one NATS credential
+# every reader of this repository knows. Services refuse it.
+EXAMPLE_PASSWORD = "change-me-before-exposing-anything"  # noqa: S105 (a value to refuse)
+
 
 @dataclass(frozen=True)
 class BusAuth:
@@ -42,6 +46,11 @@ class BusAuth:
         out: dict[str, Any] = {}
         if (self.user is None) != (self.password is None):
             raise TandemError("--nats-user and --nats-password go together")
+        if self.password == EXAMPLE_PASSWORD:
+            raise TandemError(
+                "the NATS password is .env.example's: set your own NATS_PASSWORD in .env "
+                '(e.g. echo "p$(openssl rand -hex 24)")'
+            )
         if self.user is not None:
             out["user"] = self.user
             out["password"] = self.password

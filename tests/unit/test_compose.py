@@ -104,9 +104,17 @@ def no_env_file(workdir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def defaults(workdir: Path, no_env_file: Path) -> dict[str, Any]:
-    """compose.yaml resolved with no .env: the development defaults."""
-    return resolve(COMPOSE_FILE, no_env_file, workdir)
+def password_only(workdir: Path) -> Path:
+    """The least .env compose accepts: a NATS password, nothing else."""
+    env = workdir / "password.env"
+    env.write_text("NATS_PASSWORD=p-test-only-password\n")
+    return env
+
+
+@pytest.fixture(scope="module")
+def defaults(workdir: Path, password_only: Path) -> dict[str, Any]:
+    """compose.yaml resolved with only a password set: every other value its default."""
+    return resolve(COMPOSE_FILE, password_only, workdir)
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +123,9 @@ def with_example(workdir: Path) -> dict[str, Any]:
     return resolve(COMPOSE_FILE, ENV_EXAMPLE, workdir)
 
 
-@pytest.fixture(scope="module", params=["no .env", ".env.example"])
+@pytest.fixture(scope="module", params=["password only", ".env.example"])
 def config(request: pytest.FixtureRequest) -> dict[str, Any]:
-    name = "defaults" if request.param == "no .env" else "with_example"
+    name = "defaults" if request.param == "password only" else "with_example"
     model: dict[str, Any] = request.getfixturevalue(name)
     return model
 
@@ -316,6 +324,19 @@ def test_nats_conf_is_valid_and_matches_the_services(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_compose_refuses_to_start_without_a_nats_password(workdir: Path, no_env_file: Path) -> None:
+    done = run_compose(COMPOSE_FILE, no_env_file, workdir, "config", "--format", "json")
+    assert done.returncode != 0 and "set NATS_PASSWORD in .env" in done.stderr, done.stderr
+
+
+def test_nats_monitoring_listens_on_loopback_only() -> None:
+    """Its /connz and /subsz list every client and subject: the healthcheck, inside the
+    container, is the only reader."""
+    text = NATS_CONF.read_text()
+    assert re.search(r"^http:\s*127\.0\.0\.1:8222\s*$", text, re.M), "monitoring not on loopback"
+    assert not re.search(r"^http_port:", text, re.M)
+
+
 def test_healthchecks_probe_the_configured_ports(config: dict[str, Any]) -> None:
     for name, service in tandem_services(config).items():
         env = environment(service)
@@ -355,7 +376,7 @@ def test_env_example_changes_only_the_password(
     defaults: dict[str, Any], with_example: dict[str, Any]
 ) -> None:
     """Every other value in .env.example is compose.yaml's default, so what people run
-    without a .env is what the example documents."""
+    with only a password set is what the example documents."""
 
     def leaves(node: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
         if isinstance(node, dict):

@@ -1,0 +1,37 @@
+"""Secrets go where they are needed and known ones are refused: `tandem up` hands API keys to
+the router alone (whatever the caller's environment holds), and no service connects to NATS
+with the password .env.example ships with."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.bus.auth import EXAMPLE_PASSWORD, BusAuth
+from shared.errors import TandemError
+from tandem.cli import build_parser
+from tandem.launcher import Stack
+
+KEY = "tk-0123456789abcdef0123"
+
+
+def test_up_gives_api_keys_to_the_router_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_API_KEYS", KEY)  # exported by the caller: read by `up`
+    stack = Stack(build_parser().parse_args(["up", "--prefill", "1", "--decode", "1"]))
+    stack.auth = BusAuth.generate()
+    envs = {child.name: stack.child_env(child) for child in stack.plan()}
+    assert envs["router"]["TANDEM_API_KEYS"] == KEY
+    others = [name for name in envs if name != "router"]
+    assert others and all("TANDEM_API_KEYS" not in envs[n] for n in others), others
+    assert all(env["TANDEM_NATS_PASSWORD"] == stack.auth.password for env in envs.values())
+
+
+def test_the_example_nats_password_is_refused() -> None:
+    with pytest.raises(TandemError, match="NATS_PASSWORD"):
+        BusAuth(user="tandem", password=EXAMPLE_PASSWORD).connect_kwargs()
+    assert BusAuth(user="tandem", password="p-own-secret-123").connect_kwargs()["user"] == "tandem"
+
+
+def test_env_example_ships_the_refused_password() -> None:
+    from tests.unit.test_compose import ENV_EXAMPLE
+
+    assert f"NATS_PASSWORD={EXAMPLE_PASSWORD}\n" in ENV_EXAMPLE.read_text()

@@ -6,13 +6,18 @@ payload; the receiver answers with an `Ack`. The payload is cut into `chunk_byte
 header, so a receiver verifies what it got and rejects a bad transfer whole.
 
 Admission: a receiver takes a transfer only if it was announced over the (authenticated)
-control plane, with a per-transfer `secret` that only the announcing parties know; the
-header must carry that secret. Knowing a transfer id (a request id is not secret) is not
-enough to push bytes into a node.
+control plane, with a per-transfer `secret` that only the announcing parties know. The
+header carries `mac`, an HMAC-SHA256 keyed by that secret over the rest of the header (ids,
+sizes, shape and every chunk's checksum), never the secret itself: knowing a transfer id (a
+request id is not secret) is not enough to push bytes into a node, and what an observer of
+the data network sees of one transfer's header admits no other transfer. The payload is
+covered through its chunks' checksums; xxh3 is not a MAC, so an attacker who can rewrite
+traffic on the path could still substitute a chunk of equal xxh3-64 (docs/security.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 import struct
@@ -23,7 +28,7 @@ import xxhash
 from shared.errors import WireFormatError
 
 MAGIC = b"TKX1"
-VERSION = 2  # 2: no ready answer to the header; the payload follows it at once
+VERSION = 3  # 2: no ready answer to the header; 3: a MAC of the header, not the secret
 PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 256 * 1024
 MAX_TRANSFER_BYTES = 4 << 30
@@ -48,16 +53,25 @@ class TransferHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_start: int = 0
     layer_end: int = 0
     traceparent: str = ""
-    secret: str = ""  # the per-transfer secret from its announcement
+    mac: str = ""  # HMAC-SHA256 of the rest, keyed by the announcement's secret (hex)
 
 
 def new_secret() -> str:
     return secrets.token_urlsafe(16)
 
 
+def header_mac(secret: str, header: TransferHeader) -> str:
+    """The MAC of `header` (its `mac` field left out) under `secret`."""
+    body = msgspec.msgpack.encode(msgspec.structs.replace(header, mac=""))
+    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
 def secret_matches(expected: str, header: TransferHeader) -> bool:
-    """Constant-time: the time a refusal takes says nothing about the secret."""
-    return bool(expected) and hmac.compare_digest(expected.encode(), header.secret.encode())
+    """Whether `header` was made by a holder of `expected`. Constant-time: the time a
+    refusal takes says nothing about the MAC."""
+    if not expected:
+        return False
+    return hmac.compare_digest(header_mac(expected, header).encode(), header.mac.encode())
 
 
 class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -82,12 +96,14 @@ def make_header(
     shape: list[int] | None = None,
     chunk_bytes: int = 1 << 20,
     known_checksums: list[int] | None = None,
+    secret: str = "",
     **fields: int | str,
 ) -> TransferHeader:
     """A header for `payload` with its per-chunk checksums (computed, unless the caller
-    already holds them: `known_checksums`, xxh3-64 of each chunk)."""
+    already holds them: `known_checksums`, xxh3-64 of each chunk), and its MAC under the
+    transfer's `secret` when one is given."""
     view = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-    return TransferHeader(
+    header = TransferHeader(
         v=VERSION,
         request_id=request_id,
         transfer_id=transfer_id,
@@ -98,6 +114,7 @@ def make_header(
         checksums=known_checksums if known_checksums is not None else checksums(view, chunk_bytes),
         **fields,  # type: ignore[arg-type]
     )
+    return msgspec.structs.replace(header, mac=header_mac(secret, header)) if secret else header
 
 
 def encode_header(header: TransferHeader) -> bytes:

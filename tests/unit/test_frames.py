@@ -45,7 +45,8 @@ def test_round_trip_and_checksums() -> None:
     "change",
     [
         {"v": 1},  # the old protocol, whose sender waits for a ready answer
-        {"v": 3},
+        {"v": 2},  # a header that carried the secret itself
+        {"v": 4},
         {"dtype": "complex128"},
         {"nbytes": 0},
         {"nbytes": 10_001},
@@ -98,3 +99,22 @@ def test_mutated_headers_only_raise_wire_errors(data: st.DataObject) -> None:
     except WireFormatError:
         return
     assert header.nbytes > 0 and len(header.checksums) * header.chunk_bytes >= header.nbytes
+
+
+def test_the_header_carries_a_mac_of_itself_not_the_secret() -> None:
+    """The secret never travels on the data network; the MAC admits only the header it was
+    made for: another transfer id, size or checksum under it is refused."""
+    payload = memoryview(bytearray(range(256)) * 64)
+    secret = f.new_secret()
+    header = f.make_header("r", "kv-1", payload, chunk_bytes=4096, secret=secret)
+    assert secret not in f.encode_header(header).decode("latin-1")
+    assert f.secret_matches(secret, header)
+    assert f.secret_matches(secret, f.decode_header(f.encode_header(header)[f.PREFIX.size :]))
+    assert not f.secret_matches(f.new_secret(), header)
+    assert not f.secret_matches("", header)
+    for change in ({"transfer_id": "kv-2"}, {"request_id": "other"}, {"first_block": 3}):
+        assert not f.secret_matches(secret, msgspec.structs.replace(header, **change)), change
+    forged = list(header.checksums)
+    forged[1] ^= 1
+    assert not f.secret_matches(secret, msgspec.structs.replace(header, checksums=forged))
+    assert not f.secret_matches(secret, f.make_header("r", "kv-1", payload, chunk_bytes=4096))

@@ -58,6 +58,12 @@ MAX_BLOCKS_PER_REQUEST = 4096
 MAX_TAILS_PER_PUT = 1024
 MAX_TAIL_TOKENS = 4096  # more than any block size
 MAX_TAIL_PUT_BYTES = 64 << 20  # one put's buffer; the tail store's own bound evicts
+# Puts announced and not yet arrived: each is a promise of memory, so bounded; an
+# announcement expires after PUT_TIMEOUT whether or not its transfer came.
+MAX_PENDING_PUTS = 4096
+# Gets being sent: each holds a copy of its blocks until the transfer ends. Beyond this a
+# get is answered with no hits (the asker recomputes): bounded memory under a get storm.
+MAX_SENDING_BYTES = 1 << 30
 
 
 class KVCacheWorker:
@@ -80,6 +86,7 @@ class KVCacheWorker:
         self.failures = 0
         self.lookups = 0
         self._sends: set[asyncio.Task[None]] = set()
+        self._sending_bytes = 0  # payload copies held by the sends in `_sends`
         self.metrics = _metrics(store, self.tails, lambda: self.lookups)
 
     async def subscribe(self) -> None:
@@ -138,9 +145,29 @@ class KVCacheWorker:
         return request
 
     async def _expect_put(self, msg: Msg, put: KVPut | KVPutTails, reply: bytes) -> None:
-        """Accept the announced transfer (until PUT_TIMEOUT) and say so."""
+        """Accept the announced transfer (until PUT_TIMEOUT) and say so, if there is room."""
+        self._expire_puts()
+        if len(self.puts) >= MAX_PENDING_PUTS:
+            self.bus.count_drop(msg.subject, "too many puts pending")
+            refusal = "too many puts pending; try later"
+            if isinstance(put, KVPutTails):
+                await msg.respond(encode(KVPutTailsReply(error=refusal)))
+            else:
+                await msg.respond(refused(refusal))
+            return
+        self.puts.pop(put.transfer_id, None)  # announced again: its deadline restarts
         self.puts[put.transfer_id] = (put, time.monotonic() + PUT_TIMEOUT)
         await msg.respond(reply)
+
+    def _expire_puts(self) -> None:
+        """Forget announcements past their deadline: kept in announcement order, so the
+        expired ones are at the front."""
+        now = time.monotonic()
+        while self.puts:
+            oldest = next(iter(self.puts))
+            if self.puts[oldest][1] > now:
+                return
+            del self.puts[oldest]
 
     async def on_get(self, msg: Msg) -> None:
         with TRACER.start_as_current_span(
@@ -154,6 +181,11 @@ class KVCacheWorker:
         if get is None:
             return
         self.lookups += 1
+        asked = len(get.block_hashes) * self.store.block_bytes
+        if self._sending_bytes + asked > MAX_SENDING_BYTES:  # busy: the asker recomputes
+            self.bus.count_drop(msg.subject, "too many bytes being sent")
+            await msg.respond(encode(KVGetReply(hits=0, block_bytes=0)))
+            return
         payload, sums = self.store.prefix_payload(get.block_hashes)
         size = self.store.block_bytes if sums else 0
         span.set_attribute("tandem.blocks_asked", len(get.block_hashes))
@@ -191,7 +223,13 @@ class KVCacheWorker:
         ctx = otel_context.get_current()
         task = asyncio.create_task(self._send(get, payload, sums, ctx))
         self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        self._sending_bytes += len(payload)
+
+        def done(task: asyncio.Task[None], size: int = len(payload)) -> None:
+            self._sends.discard(task)
+            self._sending_bytes -= size
+
+        task.add_done_callback(done)
 
     async def _send(
         self,
@@ -276,6 +314,10 @@ class KVCacheWorker:
 def _check_get(get: KVGet) -> None:
     if len(get.block_hashes) > MAX_BLOCKS_PER_REQUEST:
         raise WireFormatError("too many blocks in one get")
+    # A prefix's chained hashes never repeat: a get naming one block many times would
+    # have it copied (and sent) as often.
+    if len(set(get.block_hashes)) != len(get.block_hashes):
+        raise WireFormatError("a get names the same block twice")
 
 
 def _check_put_tails(put: KVPutTails) -> None:

@@ -7,8 +7,9 @@ from shared.bus.messages import TokenDelta
 from shared.engine.outputs import StepOutput
 
 
-def delta_from_output(out: StepOutput, node_id: str) -> TokenDelta:
-    """`seq` is the index of the token the delta brings, so any node numbers alike."""
+def delta_from_output(out: StepOutput, node_id: str, handoff: int) -> TokenDelta:
+    """`seq` is the index of the token the delta brings, so any node numbers alike;
+    `handoff` is the request's handoff this node runs (the router fences by it)."""
     return TokenDelta(
         attempt_id=AttemptId(out.request_id),  # a node's engine names sequences by it
         seq=out.num_output_tokens - 1,
@@ -19,4 +20,5 @@ def delta_from_output(out: StepOutput, node_id: str) -> TokenDelta:
         node_id=node_id,
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_output_tokens,
+        handoff=handoff,
     )

@@ -155,7 +155,7 @@ class LocalPrefill:
                 self.resuming[job.attempt_id] = len(context)
             rid = job.attempt_id
             bind(request_id=rid)
-            self.streams.start(rid, job.token_subject)
+            self.streams.start(rid, job.token_subject, job.handoff)
             await msg.respond(accepted())
             self.streams.wake.set()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from shared.runtime import faults
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_engine_node_parser, add_option
 from shared.runtime.service import run_service
@@ -53,6 +54,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="cut off from NATS this long (no round trip to the server), drop every sequence: "
         "the routers resumed them elsewhere (at least the heartbeat TTL)",
     )
+    add_option(
+        p,
+        "--engine-stall-timeout",
+        type=float,
+        default=20.0,
+        help="an engine call (a step) running this long is a hung engine: the node takes no "
+        "new work and answers probes 'stalled', so its streams move elsewhere",
+    )
     p.set_defaults(func=run)
 
 
@@ -99,11 +108,13 @@ async def serve(args: argparse.Namespace) -> None:
         tails=tails,
         journal=journal,
         thread=thread,
+        stall_timeout=args.engine_stall_timeout,
     )
+    faults.install(thread)
     try:
         await rt.transport.start(SplitHandler(pending, worker.receiver))
         await worker.subscribe()
-        await rt.live(worker.info, worker.metrics)
+        await rt.live(worker.info, worker.metrics, worker.health)
         log.info(
             "decode node %s ready: %d KV blocks, data plane %s",
             rt.node_id,

@@ -40,6 +40,7 @@ class Expected:
     deadline: float
     blocks: int
     secret: str
+    handoff: int = 0
 
 
 class KVReceiver:
@@ -102,6 +103,7 @@ class KVReceiver:
             assignment.deadline or time.time() + 30,
             now_blocks,
             assignment.transfer_secret,
+            assignment.handoff,
         )
         await msg.respond(accepted())
 
@@ -171,7 +173,7 @@ class KVReceiver:
                 exp.snapshot.num_computed,
                 self.engine.num_running,
             )
-        self.streams.start(rid, exp.token_subject, ctx)
+        self.streams.start(rid, exp.token_subject, exp.handoff, ctx)
         self.streams.wake.set()
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:

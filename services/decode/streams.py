@@ -38,6 +38,7 @@ class Streams:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.subjects: dict[str, str] = {}
+        self.handoffs: dict[str, int] = {}  # the handoff each runs here (its deltas say so)
         self.spans: dict[str, trace.Span] = {}
         # Set once a started stream may run: an idle batch loop waits on it.
         self.wake = asyncio.Event()
@@ -46,17 +47,23 @@ class Streams:
         return request_id in self.subjects
 
     def start(
-        self, request_id: str, token_subject: str, ctx: otel_context.Context | None = None
+        self,
+        request_id: str,
+        token_subject: str,
+        handoff: int,
+        ctx: otel_context.Context | None = None,
     ) -> None:
         """A sequence joined this node's batch (`ctx`: its trace; None: the current one)."""
         self.spans[request_id] = TRACER.start_span(
             "decode.stream", context=ctx, attributes={"tandem.node_id": self.node_id}
         )
         self.subjects[request_id] = token_subject
+        self.handoffs[request_id] = handoff
 
     def end(self, request_id: str, tokens: int, reason: str, engine_steps: int) -> None:
         """It left (finished, cancelled, dropped): no more deltas; its span ends."""
         self.subjects.pop(request_id, None)
+        self.handoffs.pop(request_id, None)
         span = self.spans.pop(request_id, None)
         if span is None:
             return

@@ -71,6 +71,7 @@ class DecodeWorker:
         tails: TailUploader | None = None,
         journal: RequestJournal | None = None,
         thread: EngineThread | None = None,
+        stall_timeout: float = 20.0,
     ) -> None:
         self.engine = engine
         self.bus = bus
@@ -78,6 +79,7 @@ class DecodeWorker:
         self.transport = transport  # None: no data plane (tests)
         self.presence = Presence(registry, lease, drain_timeout)
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
+        self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
         self.metrics = NodeMetrics("decode")
@@ -118,7 +120,19 @@ class DecodeWorker:
 
     @property
     def draining(self) -> bool:
-        return self.presence.draining
+        """Taking no new work: shutting down, or its engine is hung."""
+        return self.presence.draining or self.stalled()
+
+    def stalled(self) -> bool:
+        """An engine call has run past the stall timeout: the engine hangs (a step takes
+        well under a second). The event loop still answers, so the node says so itself."""
+        return self.thread.busy_for() > self.stall_timeout
+
+    def health(self) -> str:
+        """The answer to a router's probe: 'ok', or why this node's streams should move."""
+        if self.stalled():
+            return f"stalled: an engine call has run {self.thread.busy_for():.0f}s"
+        return "ok"
 
     async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.thread.call(fn, *args)
@@ -148,13 +162,14 @@ class DecodeWorker:
         subject = self.streams.subjects.get(out.request_id)
         if subject is None:
             return
+        handoff = self.streams.handoffs[out.request_id]  # read before a finish ends the stream
         if out.num_output_tokens == 1:  # prefilled here (routed for its cached prefix)
             self.metrics.prefix_lookup_tokens.inc(out.num_prompt_tokens)
             self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
         self.local.resumed_here(out)
         if out.finished:
             self._end_stream(out.request_id, out.num_output_tokens, out.finish_reason or "")
-        delta = delta_from_output(out, self.node_id)
+        delta = delta_from_output(out, self.node_id, handoff)
         try:
             await self.bus.publish(subject, delta)
         except Exception as exc:  # a lost delta ends as a stalled stream at the router

@@ -163,6 +163,7 @@ class HandOff:
             prefill_node=self.node_id,
             deadline=time.time() + TRANSFER_TIMEOUT,
             transfer_secret=new_secret(),
+            handoff=job.job.handoff,
         )
         try:
             reply = await self.bus.nc.request(
@@ -198,4 +199,5 @@ class HandOff:
 
     async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
         with TRACER.start_as_current_span("prefill.first_token"):
-            await self.bus.publish(job.job.token_subject, delta_from_output(out, self.node_id))
+            delta = delta_from_output(out, self.node_id, job.job.handoff)
+            await self.bus.publish(job.job.token_subject, delta)

@@ -14,7 +14,9 @@ after three token gaps. A node cut off without closing its connection (a pulled 
 answers nothing: after `misses` timed-out probes in a row while its streams are quiet it is
 declared dead too (a probe lost while tokens still flow counts for nothing: a busy node is
 not a dead one). A node that answers is alive however slow its stream: the stall timeout
-still bounds that.
+still bounds that. A node whose answer is not "ok" says its streams should move (a decode
+node whose engine call has run past its `--engine-stall-timeout`: its event loop answers,
+its engine does not); it is declared dead at once.
 
 Probes of one node overlap (up to `max_in_flight`): a probe sent a moment before the node
 died is never answered, and waiting out its timeout before the next one went out made
@@ -127,7 +129,10 @@ class LivenessProbe:
     async def _probe(self, node: str, sent: float) -> None:
         try:
             assert self.bus.nc is not None
-            await self.bus.nc.request(ping_subject(node), b"", timeout=self.timing.timeout)
+            reply = await self.bus.nc.request(ping_subject(node), b"", timeout=self.timing.timeout)
+            if reply.data != b"ok":  # alive, but says its streams should move (a hung engine)
+                self._declare_dead(node, reply.data[:200].decode(errors="replace"))
+                return
             self._forget_misses(node)
         except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
             self._unanswered(node, isinstance(exc, NoRespondersError), sent)

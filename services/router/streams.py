@@ -56,6 +56,7 @@ class RequestStream:
         # handoff's job is stale, the request lives on.
         self.handoff = 0
         self.stale_errors = 0
+        self.stale_tokens = 0  # deltas of a superseded handoff, dropped
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
@@ -75,6 +76,9 @@ class RequestStream:
                          self.request_id, delta.handoff, delta.error)  # fmt: skip
                 return
             self.queue.put_nowait(delta)  # errors jump the order: the request is over
+            return
+        if delta.handoff is not None and delta.handoff != self.handoff:
+            self.stale_tokens += 1  # a node this request failed over from, still running
             return
         if delta.seq < self.next_seq or delta.seq in self.pending:
             self.duplicates += 1

@@ -74,6 +74,7 @@ class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
     prefill_node: str = ""
     deadline: float = 0.0
     transfer_secret: str = ""  # the transfer must carry it (data-plane admission)
+    handoff: int = 0  # the job's handoff: every token delta of this node carries it
 
 
 class TokenDelta(Message, frozen=True, tag="token_delta"):
@@ -89,8 +90,9 @@ class TokenDelta(Message, frozen=True, tag="token_delta"):
     node_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    # On an error: the handoff that failed. A superseded handoff (a job
-    # still queued when its request failed over and went on elsewhere) must not end it.
+    # The handoff that sent it. The router takes tokens from its current handoff only (a
+    # node the request failed over from may still be running it), and a superseded
+    # handoff's error (a job still queued when its request went on elsewhere) does not end it.
     handoff: int | None = None
 
 

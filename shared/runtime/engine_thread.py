@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,13 +24,45 @@ T = TypeVar("T")
 
 
 class EngineThread:
-    """A single worker thread; `call` runs a function on it from the event loop."""
+    """A single worker thread; `call` runs a function on it from the event loop.
+
+    It also tells whether the engine makes progress: `busy_for()` is how long the call
+    running now has run (0 when idle). A step takes ~0.1-1 s; a call running for many
+    seconds is a hung engine, which the node then reports (see the decode worker)."""
 
     def __init__(self) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.running_since: float | None = None  # time.monotonic() the running call began
+        self.completed = 0  # calls finished
+        self._frozen: threading.Event | None = None
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        self.running_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.running_since = None
+            self.completed += 1
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._timed, fn, *args)
+
+    def busy_for(self) -> float:
+        since = self.running_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def freeze(self) -> None:
+        """Test-only fault injection: the engine thread hangs (until `thaw`) after the call
+        it runs now, while the event loop goes on (shared/runtime/faults.py)."""
+        if self._frozen is None:
+            self._frozen = threading.Event()
+            self.executor.submit(self._timed, self._frozen.wait)
+
+    def thaw(self) -> None:
+        if self._frozen is not None:
+            self._frozen.set()
+            self._frozen = None
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

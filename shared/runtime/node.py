@@ -109,11 +109,18 @@ class NodeRuntime:
         rt.transport = make_transport(args.transport, args.data_host, args.data_port)
         return rt
 
-    async def live(self, info: Callable[[], NodeInfo], metrics: NodeMetrics) -> None:
+    async def live(
+        self,
+        info: Callable[[], NodeInfo],
+        metrics: NodeMetrics,
+        health: Callable[[], str] = lambda: "ok",
+    ) -> None:
+        """Heartbeats with `info`, metrics, and answers to probes: `health()` ('ok', or why
+        the node's streams should move, e.g. a hung engine)."""
         assert self.registry is not None and self.bus is not None and self.bus.nc is not None
 
         async def pong(msg: Msg) -> None:
-            await msg.respond(b"ok")
+            await msg.respond(health().encode())
 
         await self.bus.nc.subscribe(ping_subject(self.node_id), cb=pong)
         self._beats = asyncio.create_task(self.registry.run_heartbeats(info))

@@ -77,7 +77,14 @@ def running_stack(argv: list[str], log: Path) -> Iterator[Stack]:
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Stack]:
     """Exports traces to a real OTLP receiver, so every e2e test also runs with tracing on."""
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # children inherit: export within 0.2 s
+    # Children inherit these: spans export within 0.2 s; SIGUSR1/2 hang and release a
+    # node's engine thread (test_engine_hang.py), found out after 5 s instead of 20.
+    testing_env = {
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "TANDEM_FAULT_INJECTION": "1",
+        "TANDEM_ENGINE_STALL_TIMEOUT": "5",
+    }
+    os.environ.update(testing_env)
     argv = [
         "--prefill", "2",
         "--decode", "2",
@@ -90,11 +97,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Itera
     log: Path = tmp_path_factory.mktemp("stack") / "stack.log"
     try:
         with running_stack(argv, log) as s:
-            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+            for name in testing_env:
+                os.environ.pop(name, None)
             wait_for_every_node(s, timeout=300)
             yield s
     finally:
-        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+        for name in testing_env:
+            os.environ.pop(name, None)
 
 
 @pytest.fixture(scope="package")

@@ -95,3 +95,24 @@ async def test_an_error_of_the_current_handoff_ends_the_request() -> None:
         await error(stream, handoff)
         got = [d async for d in stream.deltas(5.0, 5.0)]
         assert got[-1].error is not None and stream.stale_errors == 0
+
+
+async def test_tokens_of_a_superseded_handoff_are_fenced_off() -> None:
+    """After a failover the node left behind may still be running the request: its deltas
+    (even ahead of the new node's, even with other tokens) are dropped, not delivered."""
+    stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
+
+    async def send(seq: int, token: int, node: str, handoff: int, done: bool = False) -> None:
+        delta = TokenDelta(attempt_id="r1", seq=seq, token_ids=[token], node_id=node,
+                           handoff=handoff, finished=done)  # fmt: skip
+        await stream._on_msg(FakeMsg(encode(delta)))  # type: ignore[arg-type]
+
+    await send(0, 100, "d1", 0)
+    await send(1, 101, "d1", 0)
+    stream.handoff = 1  # what the failover sets before it submits handoff 1 elsewhere
+    await send(2, 666, "d1", 0)  # the abandoned node, first and wrong
+    await send(3, 667, "d1", 0)
+    await send(2, 102, "d2", 1)
+    await send(3, 103, "d2", 1, done=True)
+    assert stream.token_ids == [100, 101, 102, 103]
+    assert stream.stale_tokens == 2 and stream.duplicates == 0

@@ -1,0 +1,167 @@
+"""Least privilege on NATS: one identity per role, allowed only the subjects it uses.
+
+Each role's lists below were taken from what its code publishes, subscribes to and asks of
+JetStream (every `$JS.API` call is a request on a subject of its own; KV puts are publishes
+on `$KV.<bucket>.<key>`; acks go to `$JS.ACK...`), and checked against a nats-server with
+these permissions: every role's normal work ran with no violation. What they stop, e.g.: a
+kvcache node cannot publish tokens or read them, nor queue prefill jobs; a decode node
+writes the journal's checkpoint records (`ckpt.*`) but no request's entry; no node but the
+router reads the journal (prompts and outputs) or subscribes to token streams; the
+autoscaler reads the registry and the queue's backlog, nothing else.
+
+Replies: a role subscribes only to its own inbox prefix (`_INBOX_<role>.>`; `Bus` connects
+with it), so one role cannot read another's replies (JetStream's answers carry journal
+entries); responders answer through `allow_responses` (one reply per request) instead of
+a right to publish on any inbox.
+
+What an allow list cannot narrow (docs/security.md says so too): every model node may
+publish on `tandem.tokens.*` (any request's stream) and write any node's registry entry
+(keys are node ids chosen at run time); per-node subjects (`tandem.decode.*.assign`) are
+open to every node of the role; and every role except the autoscaler may create and
+update the streams, since each service makes sure of them at start.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shared.bus.topology import (
+    JOURNAL_BUCKET,
+    KV_EVENTS_STREAM,
+    KV_EVENTS_SUBJECT,
+    NODES_BUCKET,
+    PREFILL_CONSUMER,
+    PREFILL_NODE_SUBJECTS,
+    PREFILL_STREAM,
+    PREFILL_SUBJECT,
+)
+
+ROLES = ("router", "prefill", "decode", "kvcache", "autoscaler")
+ADMIN = "admin"  # operators and tests: no restriction
+
+API = "$JS.API"
+
+
+def inbox_prefix(role: str) -> str:
+    return f"_INBOX_{role}"
+
+
+def _kv_reader(bucket: str) -> list[str]:
+    """Read a KV bucket: get (MSG.GET), keys and watches (an ordered consumer)."""
+    stream = f"KV_{bucket}"
+    return [
+        f"{API}.STREAM.INFO.{stream}",
+        f"{API}.STREAM.MSG.GET.{stream}",
+        f"{API}.CONSUMER.CREATE.{stream}",
+        f"{API}.CONSUMER.INFO.{stream}.*",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+# Making sure of the streams, the shared consumer and the buckets (each service, at start).
+_TOPOLOGY = [
+    f"{API}.INFO",
+    *(f"{API}.STREAM.{op}.{s}" for s in (PREFILL_STREAM, KV_EVENTS_STREAM)
+      for op in ("INFO", "CREATE", "UPDATE")),  # fmt: skip
+    f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.{PREFILL_CONSUMER}",
+    f"{API}.STREAM.CREATE.KV_{NODES_BUCKET}",
+    f"{API}.STREAM.CREATE.KV_{JOURNAL_BUCKET}",
+]
+_NODE = [*_TOPOLOGY, *_kv_reader(NODES_BUCKET), f"$KV.{NODES_BUCKET}.*"]  # heartbeats
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: list[str]
+    subscribe: list[str]
+    responds: bool  # answers requests (allow_responses)
+
+
+def permissions(role: str) -> Permissions:
+    inbox = f"{inbox_prefix(role)}.>"
+    if role == "router":
+        return Permissions(
+            [
+                *_NODE,
+                "tandem.cancel",
+                "tandem.decode.*.prefill",
+                "tandem.decode.*.prefetch",
+                "tandem.node.*.ping",
+                PREFILL_SUBJECT,
+                PREFILL_NODE_SUBJECTS,
+                f"{API}.STREAM.PURGE.{PREFILL_STREAM}",
+                *_kv_reader(JOURNAL_BUCKET),
+                f"$KV.{JOURNAL_BUCKET}.>",
+                f"{API}.STREAM.NAMES",
+                f"{API}.CONSUMER.CREATE.{KV_EVENTS_STREAM}",
+                f"$JS.FC.{KV_EVENTS_STREAM}.>",
+            ],
+            [inbox, "tandem.tokens.*"],
+            responds=False,
+        )
+    if role == "prefill":
+        return Permissions(
+            [
+                *_NODE,
+                "tandem.tokens.*",
+                "tandem.decode.*.assign",
+                "tandem.kvcache.*.get",
+                "tandem.kvcache.*.put",
+                f"{KV_EVENTS_SUBJECT}.*",
+                f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.*",
+                f"{API}.CONSUMER.CREATE.{PREFILL_STREAM}.*.>",
+                f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.*",
+                f"{API}.CONSUMER.MSG.NEXT.{PREFILL_STREAM}.*",
+                f"$JS.ACK.{PREFILL_STREAM}.>",
+            ],
+            [inbox, "tandem.cancel", "tandem.node.*.ping"],
+            responds=True,
+        )
+    if role == "decode":
+        return Permissions(
+            [
+                *_NODE,
+                "tandem.tokens.*",
+                *(f"tandem.kvcache.*.{op}" for op in ("get", "put", "put_tails", "get_tail")),
+                f"{KV_EVENTS_SUBJECT}.*",
+                f"{API}.STREAM.INFO.KV_{JOURNAL_BUCKET}",
+                f"$KV.{JOURNAL_BUCKET}.ckpt.>",  # checkpoint records, no request's entry
+            ],
+            [
+                inbox,
+                "tandem.cancel",
+                "tandem.node.*.ping",
+                *(f"tandem.decode.*.{op}" for op in ("assign", "prefill", "prefetch")),
+            ],
+            responds=True,
+        )
+    if role == "kvcache":
+        return Permissions(
+            [*_NODE, f"{KV_EVENTS_SUBJECT}.*"],
+            [inbox, "tandem.node.*.ping", "tandem.kvcache.*.*"],
+            responds=True,
+        )
+    if role == "autoscaler":
+        return Permissions(
+            [*_kv_reader(NODES_BUCKET), f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.{PREFILL_CONSUMER}"],
+            [inbox],
+            responds=False,
+        )
+    raise ValueError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+
+
+def user_block(user: str, password: str, role: str | None) -> str:
+    """One entry of nats-server's `authorization { users = [...] }`: `role`'s permissions,
+    or none (`role` None: the admin). JSON quoting is valid NATS config quoting."""
+    head = f"{{ user: {json.dumps(user)}, password: {json.dumps(password)}"
+    if role is None:
+        return head + " }"
+    p = permissions(role)
+    rules = [
+        f"publish: {{ allow: {json.dumps(p.publish)} }}",
+        f"subscribe: {{ allow: {json.dumps(p.subscribe)} }}",
+    ]
+    if p.responds:
+        rules.append("allow_responses: true")
+    return head + ", permissions: { " + ", ".join(rules) + " } }"

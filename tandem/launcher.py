@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from shared.bus.auth import BusAuth
+from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
 from shared.procs import die_with_parent
 
@@ -52,6 +52,9 @@ class Stack:
         self.nats: NatsServer | None = None
         self.nats_url: str = args.nats or ""
         self.auth = BusAuth.from_args(args)  # replaced by fresh ones for an embedded server
+        # Per role (embedded server): each service gets its role's identity, self.auth is
+        # the unrestricted admin. Empty: every service gets self.auth (an outside server).
+        self.role_auth: dict[str, BusAuth] = {}
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # node name → its /metrics port
         self.env: dict[str, str] = {}  # extra environment for every service (benchmarks)
@@ -191,10 +194,12 @@ class Stack:
 
     def start(self) -> None:
         if not self.nats_url:
-            # Per-run credentials: nothing else on this machine can use our NATS.
-            self.auth = BusAuth.generate()
+            # Per-run credentials: nothing else on this machine can use our NATS, and each
+            # service only the subjects its role uses (shared/bus/permissions.py).
+            cluster = ClusterAuth.generate()
+            self.auth, self.role_auth = cluster.admin, cluster.roles
             self.nats = NatsServer(
-                port=self.args.nats_port or free_port(), extra_config=self.auth.server_config()
+                port=self.args.nats_port or free_port(), extra_config=cluster.server_config()
             ).start()
             self.nats_url = self.nats.url
             self.say(f"[up] nats-server -js at {self.nats_url}")
@@ -202,10 +207,15 @@ class Stack:
             self._spawn(child)
             self.children.append(child)
 
+    def auth_for(self, role: str) -> BusAuth:
+        """The NATS identity a service of `role` connects with."""
+        return self.role_auth.get(role, self.auth)
+
     def child_env(self, child: Child) -> dict[str, str]:
         """The environment `child` starts with. Credentials travel in it: a command line
         is visible to `ps`. API keys go to the router alone: no other node needs them."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.auth.env(), **self.env)
+        auth = self.auth_for(child.argv[0])  # the sub-command: its role
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **auth.env(), **self.env)
         env.pop("TANDEM_API_KEYS", None)
         if self.args.api_keys and child.name == "router":
             env["TANDEM_API_KEYS"] = self.args.api_keys

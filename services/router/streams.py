@@ -39,6 +39,7 @@ class RequestStream:
         """`output_ids`: tokens generated before (a resumed request): the stream starts after."""
         self.bus = bus
         self.request_id = request_id
+        self.subject = token_subject(request_id)
         self.token_ids: list[int] = list(output_ids or [])  # of every in-order delta
         self.next_seq = len(self.token_ids)
         self.pending: dict[int, TokenDelta] = {}
@@ -60,10 +61,13 @@ class RequestStream:
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
-        self.sub = await self.bus.nc.subscribe(token_subject(self.request_id), cb=self._on_msg)
+        self.sub = await self.bus.nc.subscribe(self.subject, cb=self._on_msg)
         return self
 
     async def _on_msg(self, msg: Msg) -> None:
+        if msg.subject != self.subject:  # delivered here by a JetStream consumer made to
+            self.bus.count_drop(msg.subject, "not this stream's subject")  # forge tokens
+            return
         try:
             delta = decode(msg.data, TokenDelta)
         except WireFormatError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.bus.permissions import ROLES, inbox_prefix, user_block
 from shared.errors import TandemError
 
 # The password .env.example ships with: a stack started with it has the one NATS credential
@@ -54,6 +55,8 @@ class BusAuth:
         if self.user is not None:
             out["user"] = self.user
             out["password"] = self.password
+            if self.user in ROLES:  # a role's identity may read replies on its inbox only
+                out["inbox_prefix"] = inbox_prefix(self.user)
         if self.creds_file is not None:
             if not Path(self.creds_file).is_file():
                 raise TandemError(f"--nats-creds: no such file {self.creds_file}")
@@ -82,3 +85,29 @@ class BusAuth:
         if self.tls_ca is not None:
             out["TANDEM_NATS_TLS_CA"] = self.tls_ca
         return out
+
+
+@dataclass(frozen=True)
+class ClusterAuth:
+    """Per-run credentials for an embedded nats-server: one identity per role, each allowed
+    only its subjects (shared/bus/permissions.py), and an unrestricted admin (the launcher
+    itself, tests, operators' tools)."""
+
+    admin: BusAuth
+    roles: dict[str, BusAuth]
+
+    @classmethod
+    def generate(cls) -> ClusterAuth:
+        return cls(BusAuth.generate("admin"), {role: BusAuth.generate(role) for role in ROLES})
+
+    def for_role(self, role: str) -> BusAuth:
+        return self.roles[role]
+
+    def server_config(self) -> str:
+        """The nats-server `authorization` block with every identity and its permissions."""
+        users = [
+            user_block(str(auth.user), str(auth.password), role)
+            for role, auth in self.roles.items()
+        ]
+        users.append(user_block(str(self.admin.user), str(self.admin.password), None))
+        return "authorization { users = [\n  " + ",\n  ".join(users) + "\n] }\n"

@@ -60,10 +60,14 @@ def _kv_reader(bucket: str) -> list[str]:
 
 
 # Making sure of the streams, the shared consumer and the buckets (each service, at start).
+_STREAM_OPS = [
+    f"{API}.STREAM.{op}.{stream}"
+    for stream in (PREFILL_STREAM, KV_EVENTS_STREAM)
+    for op in ("INFO", "CREATE", "UPDATE")
+]
 _TOPOLOGY = [
     f"{API}.INFO",
-    *(f"{API}.STREAM.{op}.{s}" for s in (PREFILL_STREAM, KV_EVENTS_STREAM)
-      for op in ("INFO", "CREATE", "UPDATE")),  # fmt: skip
+    *_STREAM_OPS,
     f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.{PREFILL_CONSUMER}",
     f"{API}.STREAM.CREATE.KV_{NODES_BUCKET}",
     f"{API}.STREAM.CREATE.KV_{JOURNAL_BUCKET}",
@@ -165,3 +169,24 @@ def user_block(user: str, password: str, role: str | None) -> str:
     if p.responds:
         rules.append("allow_responses: true")
     return head + ", permissions: { " + ", ".join(rules) + " } }"
+
+
+def compose_password_var(role: str) -> str:
+    """The .env variable holding `role`'s NATS password under compose."""
+    return f"NATS_{role.upper()}_PASSWORD"
+
+
+def compose_authorization() -> str:
+    """deploy/nats.conf's `authorization` block: every role's identity (its password a
+    NATS environment reference, filled from .env) and the admin ($NATS_USER). `python -m
+    shared.bus.permissions` prints it; tests/unit/test_compose.py checks the file has it."""
+    users = []
+    for role in ROLES:
+        entry = user_block(role, "PASSWORD", role)
+        users.append(entry.replace('"PASSWORD"', f"${compose_password_var(role)}", 1))
+    users.append("{ user: $NATS_USER, password: $NATS_PASSWORD }")
+    return "authorization {\n  users = [\n    " + ",\n    ".join(users) + "\n  ]\n}\n"
+
+
+if __name__ == "__main__":
+    print(compose_authorization(), end="")

@@ -84,7 +84,8 @@ def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Even
         threading.Thread(
             target=lambda: (stopping.wait(), loop.call_soon_threadsafe(stop.set)), daemon=True
         ).start()
-        await run_controller(args, LocalBackend(stack), stack.nats_url, stack.auth, stack.url, stop)
+        auth = stack.auth_for("autoscaler")
+        await run_controller(args, LocalBackend(stack), stack.nats_url, auth, stack.url, stop)
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), name="autoscale", daemon=True)
     thread.start()

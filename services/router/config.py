@@ -18,3 +18,4 @@ class RouterConfig:
     limits: Limits = field(default_factory=Limits)
     colocated: bool = False  # no prefill nodes: decode nodes prefill every request
     standby_after: int = 16  # delivered tokens before a stream gets a standby (0: never)
+    isolate_cache_by_key: bool = False  # salt every request's blocks with its key's digest

@@ -119,7 +119,11 @@ class Failover:
         if node is None:
             return
         self.standby = node.node_id
-        hint = Prefetch(attempt_id=self.job.attempt_id, token_ids=self.job.prompt_ids + delivered)
+        hint = Prefetch(
+            attempt_id=self.job.attempt_id,
+            token_ids=self.job.prompt_ids + delivered,
+            cache_salt=self.job.params.cache_salt,
+        )
         try:
             await self.dispatch.bus.publish(prefetch_subject(node.node_id), hint)
         except Exception as exc:  # no standby then: a resume loads everything itself

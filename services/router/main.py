@@ -132,6 +132,14 @@ def add_routing_options(p: argparse.ArgumentParser) -> None:
         help="a `tandem plan profile` JSON the conditional choice takes its costs from "
         "(without one: a fixed rule on the prefill pool's backlog)",
     )
+    add_option(
+        p,
+        "--cache-isolation",
+        choices=["shared", "key"],
+        default="shared",
+        help="shared: prefix caching across API keys (fastest; time to first token can tell "
+        "a client whether another sent a prefix); key: each key's cached blocks its own",
+    )
     add_chunking_options(p)  # the decode nodes' own: the conditional choice models them
 
 
@@ -151,6 +159,7 @@ def config_of(args: argparse.Namespace, node_id: str) -> RouterConfig:
         ),
         colocated=args.colocated,
         standby_after=args.standby_after,
+        isolate_cache_by_key=args.cache_isolation == "key",
     )
 
 

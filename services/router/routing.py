@@ -35,7 +35,7 @@ from services.router.conditional import Backlog, PrefillPathChooser
 from services.router.nodes import PREFILL_POOL, NodeTable
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
-from shared.kv.block_hash import block_hashes
+from shared.kv.block_hash import block_hashes, chain_root
 
 # Loading a token's KV from kvcache costs this share of computing it: benchmarks/prefix.py,
 # 1,800 of 2,000 tokens cached: 0.22x cold TTFT loaded from kvcache, 0.17x from the pool.
@@ -70,7 +70,7 @@ class PrefixRouter:
         self.colocated = colocated
         self.chooser = chooser  # conditional disaggregation, when set
 
-    def plan(self, prompt_ids: list[int], blocks_needed: int) -> RoutePlan:
+    def plan(self, prompt_ids: list[int], blocks_needed: int, cache_salt: str = "") -> RoutePlan:
         decoders = self.nodes.by_role("decode")
         kvcache = [n.node_id for n in self.nodes.by_role("kvcache")]
         plan = RoutePlan(None, 0, 0, len(prompt_ids))
@@ -84,8 +84,9 @@ class PrefixRouter:
             key = (node.hash_key, node.block_size)
             if key not in hashes_by_key:
                 # As the engine does: the last prompt token is always computed.
+                extra, root = node.hash_key.encode(), chain_root(cache_salt)
                 hashes_by_key[key] = list(
-                    block_hashes(prompt_ids[:-1], node.block_size, node.hash_key.encode())
+                    block_hashes(prompt_ids[:-1], node.block_size, extra, parent=root)
                 )
             return hashes_by_key[key]
 

@@ -262,10 +262,26 @@ def _sampling(body: dict[str, Any], max_tokens: int, limits: Limits, vocab: int)
         seed=seed,
         stop=_stop(body, limits),
         ignore_eos=_bool(body, "ignore_eos", False),
+        cache_salt=_cache_salt(body),
         **_processing(body, vocab),
     )
     params.validate()  # the ranges every node checks too
     return params
+
+
+MAX_CLIENT_SALT = 256
+
+
+def _cache_salt(body: dict[str, Any]) -> str:
+    """vLLM's `cache_salt`: requests share cached prefixes only with the same salt."""
+    value = body.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CLIENT_SALT:
+        raise _bad(
+            f"'cache_salt' must be a string of 1 to {MAX_CLIENT_SALT} characters", "cache_salt"
+        )
+    return _text(value, "cache_salt")
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

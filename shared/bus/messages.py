@@ -137,6 +137,7 @@ class Prefetch(Message, frozen=True, tag="prefetch"):
 
     attempt_id: AttemptId = AttemptId("")
     token_ids: list[int] = []
+    cache_salt: str = ""  # the request's (its blocks are named under it)
 
 
 class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):

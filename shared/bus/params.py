@@ -16,6 +16,9 @@ from shared.errors import InvalidRequestError
 MASK64 = (1 << 64) - 1  # seeds are unsigned 64-bit
 
 
+MAX_CACHE_SALT = 512  # with the router's key digest prefixed (65 characters)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per-request generation settings (travel with the request between nodes)."""
 
@@ -34,6 +37,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # no EOS or stop token before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # generating one of these ends the request
+    # Keys the request's KV block hashes (shared/kv/block_hash.py chain_root): only requests
+    # with the same salt share cached prefixes. The router may prefix it with a digest of
+    # the API key (--cache-isolation key).
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad("logit_bias", "token ids must not be negative")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "min_tokens must be between 0 and max_tokens")
+        if len(self.cache_salt) > MAX_CACHE_SALT:
+            raise bad("cache_salt", f"cache_salt must be at most {MAX_CACHE_SALT} characters")
 
 
 def new_seed() -> int:

@@ -17,7 +17,7 @@ import torch
 
 from shared.engine.sequence import Sequence
 from shared.errors import WireFormatError
-from shared.kv.block_hash import BlockHash, block_hashes
+from shared.kv.block_hash import BlockHash, block_hashes, chain_root
 from shared.kv.block_pool import BlockPool
 from shared.kv.paged_cache import KVLayout, PagedKVCache
 
@@ -58,9 +58,10 @@ class BlockExchange:
         if self.on_blocks_named is not None and hashes:
             self.on_blocks_named(hashes)
 
-    def prompt_block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
+    def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
         """Hashes of the prompt's blocks a prefix hit could cover (≥ 1 token stays to compute)."""
-        return block_hashes(prompt_ids[:-1], self.layout.block_size, self.hash_extra)
+        bs, root = self.layout.block_size, chain_root(cache_salt)
+        return block_hashes(prompt_ids[:-1], bs, self.hash_extra, parent=root)
 
     def cached_prefix_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` this node's own pool holds."""

@@ -143,7 +143,7 @@ class Engine:
         self.validate(request_id, prompt_ids, params, output_ids)
         if tail is not None:
             context = prompt_ids + (output_ids or [])
-            if self.tails.fit(tail, context) != tail:
+            if self.tails.fit(tail, context, params.cache_salt) != tail:
                 raise WireFormatError(
                     "the KV tail does not fit this context", request_id=request_id
                 )

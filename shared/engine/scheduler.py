@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.kv.block_hash import ROOT_HASH, BlockHash, block_hashes
+from shared.kv.block_hash import BlockHash, block_hashes, chain_root
 from shared.kv.block_pool import BlockPool
 
 
@@ -100,7 +100,10 @@ class Scheduler:
         if not self.config.enable_prefix_caching or seq.block_ids:
             return [], []
         hashes = block_hashes(
-            seq.all_ids[: seq.num_tokens - 1], self.config.block_size, self.hash_extra
+            seq.all_ids[: seq.num_tokens - 1],
+            self.config.block_size,
+            self.hash_extra,
+            parent=chain_root(seq.params.cache_salt),
         )
         hits = self.pool.cached_prefix(hashes)
         return hits, hashes[: len(hits)]
@@ -267,7 +270,7 @@ class Scheduler:
         if full <= known:
             return
         ids = seq.all_ids
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq.params.cache_salt)
         new = block_hashes(ids[known * bs : full * bs], bs, self.hash_extra, parent=parent)
         for i, h in enumerate(new, start=known):
             self.pool.commit_hash(seq.block_ids[i], h)
@@ -281,6 +284,8 @@ class Scheduler:
             return
         bs = self.config.block_size
         full = seq.num_computed // bs
-        seq.block_hashes = block_hashes(seq.all_ids[: full * bs], bs, self.hash_extra)
+        seq.block_hashes = block_hashes(
+            seq.all_ids[: full * bs], bs, self.hash_extra, parent=chain_root(seq.params.cache_salt)
+        )
         for block_id, h in zip(seq.block_ids, seq.block_hashes, strict=False):
             self.pool.commit_hash(block_id, h)

@@ -14,7 +14,7 @@ import torch
 
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
-from shared.kv.block_hash import ROOT_HASH, block_hashes
+from shared.kv.block_hash import block_hashes, chain_root
 from shared.kv.paged_cache import KVLayout, PagedKVCache
 from shared.kv.tail import TailBlock, fit_tail
 
@@ -90,7 +90,9 @@ class TailExchange:
                 TailBlock(
                     seq.request_id,
                     start,
-                    seq.block_hashes[start // bs - 1] if start else ROOT_HASH,
+                    seq.block_hashes[start // bs - 1]
+                    if start
+                    else chain_root(seq.params.cache_salt),
                     seq.all_ids[start : seq.num_computed],
                     raw[at * row : (at + end - first) * row],
                     first,
@@ -108,13 +110,14 @@ class TailExchange:
         """The sequence ended here: nothing of it is taken any more."""
         self._taken.pop(request_id, None)
 
-    def fit(self, tail: TailBlock, context: list[int]) -> TailBlock | None:
+    def fit(self, tail: TailBlock, context: list[int], cache_salt: str = "") -> TailBlock | None:
         """The part of a stored tail a resume of `context` can use (None: unusable)."""
         bs = self.layout.block_size
         if len(tail.data) != tail.rows * self.layout.bytes_per_slot:
             return None
-        hashes = block_hashes(context[: tail.start], bs, self.hash_extra)
-        return fit_tail(tail, context, hashes, bs)
+        root = chain_root(cache_salt)
+        hashes = block_hashes(context[: tail.start], bs, self.hash_extra, parent=root)
+        return fit_tail(tail, context, hashes, bs, root)
 
     def place(self, seq: Sequence) -> None:
         """At admission: a resumed sequence's tail goes into the block after its cached

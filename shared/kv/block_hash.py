@@ -8,6 +8,7 @@ process, run and machine (Python's `hash()` is salted per process, so it is neve
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NewType
 
 import numpy as np
@@ -30,6 +31,15 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra: bytes 
     h.update(len(extra).to_bytes(4, "little"))
     h.update(extra)
     return BlockHash(h.digest())
+
+
+@lru_cache(maxsize=4096)
+def chain_root(cache_salt: str = "") -> BlockHash:
+    """The parent of a sequence's first block: ROOT_HASH, or one keyed by the request's cache
+    salt, so requests with different salts never share (or reveal) a cached block."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hash_block_tokens(ROOT_HASH, [], b"cache-salt\0" + cache_salt.encode())
 
 
 def block_hashes(

@@ -62,13 +62,18 @@ class TailBlock:
 
 
 def fit_tail(
-    tail: TailBlock, context: list[int], hashes: list[BlockHash], block_size: int
+    tail: TailBlock,
+    context: list[int],
+    hashes: list[BlockHash],
+    block_size: int,
+    root: BlockHash = ROOT_HASH,
 ) -> TailBlock | None:
     """The part of `tail` a resume of `context` can use, or None.
 
     `hashes`: the chained hashes of the context's full blocks (at least up to the tail's
     start). Usable: it is whole (not a piece) with a row per token, it starts on a block
-    boundary right after a block of `hashes` (or at 0), its parent is that block, and its
+    boundary right after a block of `hashes` (or at 0), its parent is that block (or `root`,
+    the chain's start: chain_root of the request's cache salt), and its
     tokens equal the context's there. It is cut to leave
     the context's last token to compute (the next forward needs one); tokens the context no
     longer has (the client never received them) are cut too, since a slot's KV depends only
@@ -79,7 +84,7 @@ def fit_tail(
     if tail.first or len(tail.data) % len(tail.token_ids):
         return None
     index = tail.start // block_size
-    if index > len(hashes) or (hashes[index - 1] if index else ROOT_HASH) != tail.parent:
+    if index > len(hashes) or (hashes[index - 1] if index else root) != tail.parent:
         return None
     usable = min(len(tail.token_ids), len(context) - 1 - tail.start)
     if usable <= 0 or tail.token_ids[:usable] != context[tail.start : tail.start + usable]:

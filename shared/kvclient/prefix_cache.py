@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanContext
 
 from shared.engine.engine import Engine
 from shared.engine.outputs import StepOutput
-from shared.kv.block_hash import BlockHash, block_hashes
+from shared.kv.block_hash import BlockHash, block_hashes, chain_root
 from shared.kv.export import split_frame
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.uploader import BlockUploader
@@ -60,12 +60,13 @@ class PrefixCache:
             await self.uploader.close()
 
     async def load(
-        self, token_ids: list[int], ctx: otel_context.Context
+        self, token_ids: list[int], ctx: otel_context.Context, cache_salt: str = ""
     ) -> tuple[list[BlockHash], list[memoryview]]:
-        """Blocks of the cached prefix of `token_ids` that this node's pool lacks."""
+        """Blocks of the cached prefix of `token_ids` (a request with `cache_salt`) that this
+        node's pool lacks."""
         if self.cache is None:
             return [], []
-        hashes = self.engine.exchange.prompt_block_hashes(token_ids)
+        hashes = self.engine.exchange.prompt_block_hashes(token_ids, cache_salt)
         local = self.engine.exchange.cached_prefix_blocks(hashes)
         if local >= len(hashes):
             return [], []
@@ -87,12 +88,14 @@ class PrefixCache:
         out: StepOutput,
         frame: bytes,
         request: SpanContext | None = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue the full blocks of `token_ids` that did not come from a cache for kvcache."""
         if self.uploader is None:
             return
         bs = self.engine.config.block_size
-        hashes = block_hashes(token_ids, bs, self.engine.hash_extra)
+        root = chain_root(cache_salt)
+        hashes = block_hashes(token_ids, bs, self.engine.hash_extra, parent=root)
         first = out.num_cached_tokens // bs
         if first >= len(hashes):
             return

@@ -165,3 +165,29 @@ def test_serving_continues_while_the_kvcache_node_is_down(
     with client(stack) as c:
         chat_turns(c, stack, real_model, LONG_QUESTIONS[2:])
     assert scrape(stack, "prefill", "tandem_prefix_cache_loaded_blocks") > loaded_before
+
+
+def test_a_cache_salt_shares_prefixes_only_within_its_salt(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """The same long prompt under salt A twice hits its cached prefix the second time (on
+    whichever node); under salt B it hits nothing, though every node and the kvcache
+    service hold it under A: no tenant learns from timing what another sent."""
+    prompt = "Salted notes: " + " ".join(f"item {j} is a quiet blue stone;" for j in range(40))
+    ids = real_model.encode(prompt)
+    ref = text_of(real_model, reference(real_model, ids, 8))
+
+    def run(salt: str) -> float:
+        before = hit_tokens(stack)
+        with client(stack) as c:
+            resp = c.completions.create(
+                model=MODEL, prompt=ids, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                extra_body={"cache_salt": salt},
+            )  # fmt: skip
+        assert resp.choices[0].text == ref  # salted or not, the same tokens
+        time.sleep(0.5)  # background block uploads land before the next request asks
+        return hit_tokens(stack) - before
+
+    assert run("tenant-a") < len(ids)  # cold
+    assert run("tenant-a") >= 16 * (len(ids) // 16) - 16  # its own prefix: found
+    assert run("tenant-b") == 0  # another salt: nothing

@@ -161,6 +161,9 @@ def test_valid_keys_pass_and_probes_stay_open(router: Router) -> None:
         ({"prompt": "x" * 5000}, 413, None),  # body over --max-body-bytes 4096
         ({"model": "gpt-unknown"}, 404, "model"),
         ({"temperature": "hot"}, 400, "temperature"),
+        ({"cache_salt": 5}, 400, "cache_salt"),
+        ({"cache_salt": ""}, 400, "cache_salt"),
+        ({"cache_salt": "s" * 300}, 400, "cache_salt"),
     ],
 )
 def test_every_limit_returns_its_documented_error(

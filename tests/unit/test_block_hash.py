@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.kv.block_hash import ROOT_HASH, block_hashes, hash_block_tokens
+from shared.kv.block_hash import ROOT_HASH, block_hashes, chain_root, hash_block_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +53,23 @@ def test_hashes_equal_across_processes() -> None:
     }
     here = ",".join(h.hex() for h in block_hashes(TOKENS, 16, b"x"))
     assert outs == {here}
+
+
+def test_a_cache_salt_starts_a_chain_of_its_own() -> None:
+    ids = list(range(64))
+    plain = block_hashes(ids, 16)
+    a = block_hashes(ids, 16, parent=chain_root("tenant-a"))
+    assert chain_root("") == ROOT_HASH and block_hashes(ids, 16, parent=chain_root("")) == plain
+    assert not set(a) & set(plain)
+    assert not set(a) & set(block_hashes(ids, 16, parent=chain_root("tenant-b")))
+    assert a == block_hashes(ids, 16, parent=chain_root("tenant-a"))  # stable
+
+
+def test_key_isolation_puts_the_key_digest_before_the_salt() -> None:
+    from services.router.admission import salted_by_key
+    from shared.bus.params import SamplingParams
+
+    params = SamplingParams(cache_salt="mine")
+    assert salted_by_key(params, "d1g35t").cache_salt == "d1g35t:mine"
+    assert salted_by_key(SamplingParams(), "d1g35t").cache_salt == "d1g35t:"
+    assert salted_by_key(params, "") is params  # an open API: no key to isolate by

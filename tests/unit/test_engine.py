@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -135,6 +136,27 @@ def test_prefix_cache_hit_gives_cold_tokens(tiny_model: LoadedModel) -> None:
     got = run_to_end(engine)[rid]
     assert seq.num_cached_tokens >= 16
     assert got == alone(tiny_model, b, GREEDY)
+
+
+def test_a_cache_salt_keeps_prefixes_apart(tiny_model: LoadedModel) -> None:
+    """Requests share cached blocks only under the same cache salt (and unsalted only with
+    unsalted); a salted hit still gives the cold tokens."""
+    shared_prefix = prompts(1, seed=8)[0] * 3
+    engine = Engine(tiny_model, EngineConfig(num_blocks=128))
+    salted = msgspec.structs.replace(GREEDY, cache_salt="tenant-a")
+    engine.generate([[*shared_prefix, 11]], salted)
+
+    def cached(params: SamplingParams, tail: int) -> tuple[int, list[int]]:
+        rid = engine.add_request([*shared_prefix, tail], params)
+        seq = engine.requests[rid]
+        got = run_to_end(engine)[rid]  # admitted (and its prefix looked up) on the way
+        return seq.num_cached_tokens, got
+
+    hits, got = cached(salted, 14)
+    assert hits >= 16 and got == alone(tiny_model, [*shared_prefix, 14], GREEDY)
+    other = msgspec.structs.replace(GREEDY, cache_salt="tenant-b")
+    assert cached(other, 12)[0] == 0  # another tenant's salt: no hit
+    assert cached(GREEDY, 13)[0] == 0  # unsalted: no hit on the salted blocks either
 
 
 def test_export_import_continues_exactly(tiny_model: LoadedModel) -> None:

@@ -9,7 +9,7 @@ from services.decode import main as decode_main
 from services.kvcache import main as kvcache_main
 from services.prefill import main as prefill_main
 from services.router import main as router_main
-from tandem import __version__, generate, up
+from tandem import __version__, generate, purge, up
 from tandem.autoscale import command as autoscale_command
 from tandem.bench import cli as bench_cli
 from tandem.plan import cli as plan_cli
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     autoscale_command.add_parser(sub)
+    purge.add_parser(sub)
     return parser
 
 

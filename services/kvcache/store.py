@@ -42,6 +42,7 @@ class _Entry:
     tier: int
     slab: int
     checksum: int
+    producer: str = ""  # the node that stored it first (provenance: purge by node)
 
 
 @dataclass
@@ -132,8 +133,9 @@ class BlockStore:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def put(self, block_hash: bytes, data: bytes | memoryview) -> bool:
-        """Store a block (a known hash is only marked recently used). False if not stored."""
+    def put(self, block_hash: bytes, data: bytes | memoryview, producer: str = "") -> bool:
+        """Store a block (a known hash is only marked recently used), noting which node
+        stored it. False if not stored."""
         self.configure(len(data))
         if block_hash in self.entries:
             self._touch(block_hash)
@@ -146,7 +148,7 @@ class BlockStore:
                 self.stats.rejected += 1
                 return False
         self.arenas[tier].view(slab)[:] = data
-        self.entries[block_hash] = _Entry(tier, slab, checksum(data))
+        self.entries[block_hash] = _Entry(tier, slab, checksum(data), producer)
         self.lru[tier][block_hash] = None
         self.stats.stored += 1
         return True
@@ -167,6 +169,15 @@ class BlockStore:
                 self.pins[h] = count
             else:
                 self.pins.pop(h, None)
+
+    def purge(self, producer: str) -> list[bytes]:
+        """Drop every block `producer` stored (pinned ones too: a bad block must not be
+        served to a failover either); their hashes."""
+        gone = [h for h, e in self.entries.items() if e.producer == producer]
+        for h in gone:
+            self.remove(h)
+        self.stats.evicted += len(gone)
+        return gone
 
     def remove(self, block_hash: bytes) -> bool:
         entry = self.entries.pop(block_hash, None)

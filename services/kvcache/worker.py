@@ -29,6 +29,8 @@ from shared.bus.messages import (
     KVGet,
     KVGetReply,
     KVGetTail,
+    KVPurge,
+    KVPurgeReply,
     KVPut,
     KVPutTails,
     KVPutTailsReply,
@@ -97,6 +99,8 @@ class KVCacheWorker:
             kvcache_subject(self.node_id, "put_tails"), cb=self.on_put_tails
         )
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get_tail"), cb=self.on_get_tail)
+        # Operators only: no node role may publish here (shared/bus/permissions.py).
+        await self.bus.nc.subscribe(kvcache_subject(self.node_id, "purge"), cb=self.on_purge)
         self.events.cleared()  # a fresh store: whatever an earlier run announced is gone
         self.events.start()
 
@@ -204,6 +208,18 @@ class KVCacheWorker:
         missing = [t.attempt_id for t in put.tails if not self.tails.continues(t)]
         await self._expect_put(msg, put, encode(KVPutTailsReply(missing=missing)))
 
+    async def on_purge(self, msg: Msg) -> None:
+        purge = await self._read(msg, KVPurge, lambda why: encode(KVPurgeReply(error=why)))
+        if purge is None:
+            return
+        if not purge.producer:
+            await msg.respond(encode(KVPurgeReply(error="name the producer to purge")))
+            return
+        gone = self.store.purge(purge.producer)
+        self.events.evicted(gone)  # routers stop sending prefixes here for them
+        log.warning("purged %d blocks stored by %s", len(gone), purge.producer[:128])
+        await msg.respond(encode(KVPurgeReply(removed=len(gone))))
+
     async def on_get_tail(self, msg: Msg) -> None:
         get = await self._read(msg, KVGetTail, lambda why: encode(KVTailReply(error=why)))
         if get is None:
@@ -290,7 +306,8 @@ class KVCacheWorker:
         try:
             for i, block_hash in enumerate(put.block_hashes):
                 start = i * put.block_bytes
-                if self.store.put(block_hash, payload[start : start + put.block_bytes]):
+                block = payload[start : start + put.block_bytes]
+                if self.store.put(block_hash, block, put.producer):
                     stored.append(block_hash)
         except BlockSizeError as exc:  # raced with a put of another size: refuse the rest
             log.warning("put %s refused: %s", header.transfer_id, exc)

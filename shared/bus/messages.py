@@ -209,6 +209,18 @@ class KVPut(Message, frozen=True, tag="kv_put"):
     block_hashes: list[bytes] = []
     block_bytes: int = 0
     transfer_secret: str = ""
+    producer: str = ""  # the node storing them (kept with each block: a purge by node)
+
+
+class KVPurge(Message, frozen=True, tag="kv_purge"):
+    """Operator → kvcache node: drop every block `producer` stored (a node found bad)."""
+
+    producer: str = ""
+
+
+class KVPurgeReply(Message, frozen=True, tag="kv_purge_reply"):
+    removed: int = 0
+    error: str = ""
 
 
 class KVGet(Message, frozen=True, tag="kv_get"):

@@ -90,6 +90,7 @@ class KVCacheClient:
             block_hashes=hashes,
             block_bytes=len(blocks) // len(hashes),
             transfer_secret=new_secret(),
+            producer=self.bus.name,
         )
         reply = read_reply(await self._ask(node_id, "put", announce))
         if not reply.accepted:

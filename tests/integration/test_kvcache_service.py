@@ -280,3 +280,48 @@ def test_a_node_stopped_before_nats_is_up_ends_cleanly() -> None:
             proc.wait()
     assert proc.returncode == 0, err
     assert "stopped: asked to stop while connecting to NATS" in err
+
+
+async def test_purge_drops_the_blocks_one_node_stored(nats_server: NatsServer) -> None:
+    """Each block remembers which node stored it; `tandem purge-kv --producer` (the real
+    command) drops that node's blocks and no other's."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
+         "--node-id", "kv-1", "--transport", "tcp", "--capacity-mb", "4",
+         "--heartbeat-ttl", "2"],
+        cwd=ROOT,
+    )  # fmt: skip
+    buses, transports = [], []
+    try:
+        clients = {}
+        for name in ("bad-node", "good-node"):
+            bus = await Bus(nats_server.url, name).connect()
+            assert bus.js is not None
+            await ensure_topology(bus.js)
+            pending = PendingTransfers()
+            transport = make_transport("tcp")
+            await transport.start(pending)
+            buses.append(bus)
+            transports.append(transport)
+            clients[name] = KVCacheClient(bus, transport, pending, await NodeRegistry(bus).start())
+        await wait_for_nodes(clients["good-node"], {"kv-1"})
+        address = (await clients["good-node"].nodes())[0].data_address
+        bad, good = [os.urandom(BLOCK) for _ in range(2)], [os.urandom(BLOCK) for _ in range(2)]
+        await clients["bad-node"].put("kv-1", address, [h(1), h(2)], b"".join(bad))
+        await clients["good-node"].put("kv-1", address, [h(3), h(4)], b"".join(good))
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "tandem.cli", "purge-kv", "--nats", nats_server.url,
+             "--producer", "bad-node"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0 and "kv-1: 2 removed" in done.stdout, done.stdout + done.stderr
+        getter = clients["good-node"]
+        assert await getter.get("kv-1", [h(1), h(2)], max_bytes=4 * BLOCK) == []
+        assert await getter.get("kv-1", [h(3), h(4)], max_bytes=4 * BLOCK) == good
+    finally:
+        for transport in transports:
+            await transport.close()
+        for bus in buses:
+            await bus.close()
+        stop(proc)

@@ -2,7 +2,8 @@
 each role does its own work through the project's code (topology, heartbeats, tokens, the
 journal's checkpoint records), and is refused what it must not do: a kvcache identity
 publishing or reading tokens or reading the router's replies, a decode identity writing a
-request's journal entry, a prefill identity queueing jobs, the autoscaler cancelling.
+request's journal entry or purging the kvcache service, a prefill identity queueing jobs,
+the autoscaler cancelling.
 (The whole e2e suite runs on these identities too: any permission a role lacks for its
 normal work would fail it.)"""
 
@@ -110,6 +111,9 @@ async def test_each_role_is_refused_what_it_must_not_do(raw: dict[str, Raw]) -> 
     assert "_inbox_router" in await kv.refused()
     await dec.nc.publish("$KV.tandem-journal.cmpl-1", b"forged entry")
     assert "$kv.tandem-journal.cmpl-1" in await dec.refused()
+    dec.errors.clear()
+    await dec.nc.publish("tandem.kvcache.kv-1.purge", b"")  # an operator's, not a node's
+    assert "tandem.kvcache.kv-1.purge" in await dec.refused()
     await pre.nc.publish("tandem.prefill.jobs", b"a job")
     assert "tandem.prefill.jobs" in await pre.refused()
     await auto.nc.publish("tandem.cancel", b"cancel everything")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import socket
 from collections.abc import Callable, Coroutine
@@ -148,6 +149,9 @@ class TcpTransport:
             serving.append(asyncio.ensure_future(self._serve(conn, entry)))
             self._tasks.add(serving[0])
             serving[0].add_done_callback(self._tasks.discard)
+            # Also here, not only in _serve's `finally`: a task evicted before it first ran
+            # never enters _serve, and its socket would stay open.
+            serving[0].add_done_callback(functools.partial(_close_when_done, conn))
 
     async def _serve(self, conn: socket.socket, entry: Connection) -> None:
         assert self._handler is not None
@@ -190,6 +194,10 @@ class TcpTransport:
         if self._listener is not None:
             self._listener.close()
         self._pool.close()
+
+
+def _close_when_done(conn: socket.socket, _: asyncio.Task[None]) -> None:
+    conn.close()  # closing twice is harmless
 
 
 def _canceller(tasks: list[asyncio.Task[None]]) -> Callable[[], None]:

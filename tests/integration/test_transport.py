@@ -286,6 +286,20 @@ async def peak_rss_growth(pid: int, work: Any) -> tuple[float, Any]:
     return peak - base, task.result()
 
 
+async def send_announced(
+    peer: Peer, sender: Transport, address: str, transfer_id: str, timeout: float = 30
+) -> None:
+    """Announce a 1 MiB transfer to an `announced` peer, send it, and check it arrived whole."""
+    payload = memoryview(bytearray(os.urandom(MiB)))
+    secret = new_secret()
+    peer.tell(transfer_id=transfer_id, max_bytes=MiB, secret=secret)
+    await peer.next("expecting")
+    header = make_header("r", transfer_id, payload, secret=secret)
+    await sender.send(address, header, payload, timeout)
+    got = await peer.next("digest")
+    assert got == {"transfer_id": transfer_id, "digest": xxhash.xxh3_128_hexdigest(payload)}
+
+
 async def test_transfers_refused_at_the_header_cost_no_payload_memory(
     kind: str, sender: Transport
 ) -> None:
@@ -313,13 +327,7 @@ async def test_transfers_refused_at_the_header_cost_no_payload_memory(
         assert set(outcomes) == {"TransferError"}  # refused unread: no answer
         for _ in range(50):
             await peer.next("refused")
-        payload = memoryview(bytearray(os.urandom(MiB)))
-        secret = new_secret()
-        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
-        await peer.next("expecting")
-        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
-        got = await peer.next("digest")
-        assert got["digest"] == xxhash.xxh3_128_hexdigest(payload)
+        await send_announced(peer, sender, address, "kv-1")
     finally:
         await peer.close()
 
@@ -348,34 +356,27 @@ async def test_silent_strangers_are_bounded_then_closed(kind: str, sender: Trans
     """Connections that never send a header: beyond the per-address cap the oldest are
     closed at once, the rest once their silence outlasts the limit; a peer's transfer gets
     in meanwhile (its fresh connection evicts a silent one) and its pooled connection,
-    proven by that transfer, is not closed for idling."""
-    env = {"TANDEM_DATA_STRANGER_IDLE": "2", "TANDEM_DATA_PER_ADDRESS": "32"}
+    proven by that transfer, is not closed for idling. Counted by the listener itself;
+    on TCP the silent clients also see their connections closed."""
+    env = {"TANDEM_DATA_STRANGER_IDLE": "3", "TANDEM_DATA_PER_ADDRESS": "32"}
     if kind == "ucx":
         env["TANDEM_DATA_MAX_STRANGERS"] = "32"  # ucxx gives no peer address: one bucket
     peer = Peer("announced", kind, env=env)
     try:
         address = (await peer.next("address"))["address"]
         silent = await _silent_connections(kind, address, 48)
-        payload = memoryview(bytearray(os.urandom(MiB)))
-        secret = new_secret()
-        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
-        await peer.next("expecting")
-        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 30)
-        assert (await peer.next("digest"))["transfer_id"] == "kv-1"
-        await asyncio.sleep(0.5)
-        early = sum(_closed_by_peer(kind, c) for c in silent)
-        assert early >= 16, f"only {early} of 48 closed beyond a cap of 32"
-        deadline = time.monotonic() + 15
-        while sum(_closed_by_peer(kind, c) for c in silent) < len(silent):
-            assert time.monotonic() < deadline, "silent connections outlived their limit"
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(2.5)  # the peer's pooled connection idles past the limit
-        secret = new_secret()
-        peer.tell(transfer_id="kv-2", max_bytes=MiB, secret=secret)
-        await peer.next("expecting")
-        await sender.send(address, make_header("r", "kv-2", payload, secret=secret), payload, 30)
-        assert (await peer.next("digest"))["transfer_id"] == "kv-2"
-        if kind == "tcp":
+        await send_announced(peer, sender, address, "kv-1")
+        table = await peer.next("evicted")
+        assert table["evicted"] >= 16 and table["peers"] == 1, table  # at once, not idle
+        await asyncio.sleep(3.5)  # every silent one idles past the limit, the peer's too
+        await send_announced(peer, sender, address, "kv-2")
+        table = await peer.next("evicted")
+        assert table["strangers"] == 0 and table["peers"] == 1, table  # kept its connection
+        if kind == "tcp":  # and the clients hear it (their loop reads the FINs meanwhile)
+            deadline = time.monotonic() + 5
+            while not all(_closed_by_peer(kind, c) for c in silent):
+                assert time.monotonic() < deadline, "the listener says closed; a client disagrees"
+                await asyncio.sleep(0.05)
             for _, writer in silent:
                 writer.close()
     finally:
@@ -395,12 +396,7 @@ async def test_tcp_listener_survives_running_out_of_file_descriptors() -> None:
         await asyncio.sleep(1.0)  # accept has failed by now, more than once
         for _, writer in hogs:
             writer.close()
-        payload = memoryview(bytearray(os.urandom(MiB)))
-        secret = new_secret()
-        peer.tell(transfer_id="kv-1", max_bytes=MiB, secret=secret)
-        await peer.next("expecting")
-        await sender.send(address, make_header("r", "kv-1", payload, secret=secret), payload, 20)
-        assert (await peer.next("digest"))["transfer_id"] == "kv-1"
+        await send_announced(peer, sender, address, "kv-1", timeout=20)
         assert (await peer.next("accept_errors"))["accept_errors"] > 0
     finally:
         await sender.close()

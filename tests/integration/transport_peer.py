@@ -9,8 +9,9 @@ transfers cut off by deadlines of a few ms, each followed by a good one (`{"good
 `announced KIND` receives with the services' admission rules (PendingTransfers): it reads
 announcements as JSON lines on stdin (what the control plane would tell it), answers
 `{"expecting": id}`, and prints the digest of each announced transfer that arrives and
-`{"refused": n}` after each refusal (and, on TCP, `{"accept_errors": n}` after each
-arrival); `TANDEM_TEST_NOFILE=N` caps its file descriptors at N once it listens. UCX here
+`{"refused": n}` after each refusal, and after each arrival its listener's connection
+table (`{"strangers": n, "peers": n, "evicted": n}`, and on TCP `{"accept_errors": n}`);
+`TANDEM_TEST_NOFILE=N` caps its file descriptors at N once it listens. UCX here
 learns of arrived messages and completed operations from progress notices alone (no timer
 to fall back on).
 """
@@ -88,6 +89,8 @@ async def announced(kind: str) -> None:
     async def report(transfer_id: str, arrived: asyncio.Future[bytes]) -> None:
         payload = await arrived
         emit(transfer_id=transfer_id, digest=xxhash.xxh3_128_hexdigest(payload))
+        table = transport.connections  # type: ignore[attr-defined]
+        emit(strangers=len(table.strangers), peers=len(table.peers), evicted=table.evicted)
         if isinstance(transport, TcpTransport):
             emit(accept_errors=transport.backoff.errors)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from services.decode.streams import Streams
 from shared.bus.ids import AttemptId
@@ -39,11 +39,17 @@ WRITE_TIMEOUT = 2.0
 
 class CheckpointWriter:
     def __init__(
-        self, journal: RequestJournal, node_id: str, running: Callable[[str], bool]
+        self,
+        journal: RequestJournal,
+        node_id: str,
+        running: Callable[[str], bool],
+        pin: Callable[[AttemptId, list[bytes]], Awaitable[None]] | None = None,
     ) -> None:
         self.journal = journal
         self.node_id = node_id
         self.running = running  # is the request still running here (else: no record)
+        # keeps a recorded checkpoint's blocks in the kvcache service while the request runs
+        self.pin = pin
         self.latest: dict[str, CheckpointPoint] = {}
         self.written = 0
         self.failed = 0
@@ -78,6 +84,8 @@ class CheckpointWriter:
             try:
                 await asyncio.wait_for(self.journal.put_checkpoint(record), WRITE_TIMEOUT)
                 self.written += 1
+                if self.pin is not None:  # the blocks a failover would load: not evicted
+                    await asyncio.wait_for(self.pin(record.attempt_id, record.block_hashes), 2)
             except Exception as exc:  # a later record supersedes it
                 self.failed += 1
                 log.debug("checkpoint record of %s not written: %r", rid, exc)
@@ -110,6 +118,8 @@ class Checkpointing:
         # elsewhere then recomputes one token, not up to a block.
         self.tails = tails
         engine.tails.collect = tails is not None
+        self.unpinning: dict[bool, set[AttemptId]] = {False: set(), True: set()}
+        self._unpins = WakeLoop(self._unpin_round)
         if tails is not None:
             tails.on_lost = engine.tails.resend
 
@@ -133,6 +143,7 @@ class Checkpointing:
             self.tails.start()
         if self.records is not None:
             self.records.start()
+        self._unpins.start()
 
     def take(self) -> None:
         """On the engine thread, right after a step: take what it filled (before reuse)
@@ -159,10 +170,28 @@ class Checkpointing:
         after = (lambda: writer.stored(points)) if writer is not None and points else None
         self.uploader.submit(hashes, blocks, running, on_stored=after)
 
-    def forget(self, request_id: str) -> None:
-        """The request ended here: a tail of it still pending is not written."""
+    def forget(self, request_id: str, over: bool) -> None:
+        """The request left this node: a tail of it still pending is not written, and its
+        checkpoint's pins are released: this node's (it went on elsewhere), or every node's
+        (`over`: the request ended)."""
         if self.tails is not None:
             self.tails.forget(request_id)
+        if self.records is not None and self.records.pin is not None:
+            self.unpinning[over].add(AttemptId(request_id))
+            self._unpins.wake()
+
+    async def _unpin_round(self) -> None:
+        """The left requests' pins, released in a message or two per kvcache node."""
+        if self.uploader is None:
+            return
+        for over in (False, True):
+            left, self.unpinning[over] = sorted(self.unpinning[over]), set()
+            if not left:
+                continue
+            try:
+                await asyncio.wait_for(self.uploader.client.unpin(left, over), 2)
+            except Exception as exc:  # the pins' lease releases them instead
+                log.debug("unpin of %d requests failed: %r", len(left), exc)
 
     async def close(self) -> None:
         if self.uploader is not None:
@@ -172,3 +201,4 @@ class Checkpointing:
             await self.tails.close()
         if self.records is not None:
             await self.records.close()
+        await self._unpins.close()

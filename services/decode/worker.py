@@ -97,7 +97,9 @@ class DecodeWorker:
         self.standby = Standby(self, engine, bus, prefix)
         records = None
         if uploader is not None and journal is not None:
-            records = CheckpointWriter(journal, node_id, self.streams.__contains__)
+            records = CheckpointWriter(
+                journal, node_id, self.streams.__contains__, uploader.client.pin
+            )
         self.checkpoints = Checkpointing(engine, self.streams, uploader, tails, records)
         # What this node's pool holds goes out as KV events, so routers can send a request
         # whose prefix lives here straight to this node. Collected on the engine thread,
@@ -152,7 +154,8 @@ class DecodeWorker:
         arriving = self.receiver.drop(rid)
         self.local.cancel(rid, known=arriving or rid in self.streams)
         if rid in self.streams:
-            self._end_stream(rid, -1, "cancelled")
+            # one aimed at this node: a failover moved it on; a broadcast one: it is over
+            self._end_stream(rid, -1, "cancelled", over=not cancel.node_id)
             await self.on_engine(self.engine.abort, rid)
             log.info("cancelled %s: %s", rid, cancel.reason)
 
@@ -168,7 +171,9 @@ class DecodeWorker:
             self.metrics.prefix_hit_tokens.inc(out.num_cached_tokens)
         self.local.resumed_here(out)
         if out.finished:
-            self._end_stream(out.request_id, out.num_output_tokens, out.finish_reason or "")
+            self._end_stream(
+                out.request_id, out.num_output_tokens, out.finish_reason or "", over=True
+            )
         delta = delta_from_output(out, self.node_id, handoff)
         try:
             await self.bus.publish(subject, delta)
@@ -258,12 +263,13 @@ class DecodeWorker:
         )
         self.metrics.lease_lost.inc()
         for rid in list(self.streams.subjects):
-            self._end_stream(rid, -1, "lease lost")
+            self._end_stream(rid, -1, "lease lost", over=False)
         self.receiver.expected.clear()
         await self.on_engine(self.engine.cancel_all)
 
-    def _end_stream(self, request_id: str, tokens: int, reason: str) -> None:
-        self.checkpoints.forget(request_id)
+    def _end_stream(self, request_id: str, tokens: int, reason: str, over: bool) -> None:
+        """It left this node; `over`: the request itself ended (else it goes on elsewhere)."""
+        self.checkpoints.forget(request_id, over)
         self.streams.end(request_id, tokens, reason, self.steps)
 
     def info(self) -> NodeInfo:

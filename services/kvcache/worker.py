@@ -29,12 +29,14 @@ from shared.bus.messages import (
     KVGet,
     KVGetReply,
     KVGetTail,
+    KVPin,
     KVPurge,
     KVPurgeReply,
     KVPut,
     KVPutTails,
     KVPutTailsReply,
     KVTailReply,
+    KVUnpin,
     M,
     NodeInfo,
     accepted,
@@ -46,6 +48,7 @@ from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import extract_context
 from shared.errors import WireFormatError
+from shared.runtime.cancels import RecentCancels
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, TransferRejected, Transport
@@ -66,6 +69,12 @@ MAX_PENDING_PUTS = 4096
 # Gets being sent: each holds a copy of its blocks until the transfer ends. Beyond this a
 # get is answered with no hits (the asker recomputes): bounded memory under a get storm.
 MAX_SENDING_BYTES = 1 << 30
+# Pins of running sequences' checkpoints: released when the sequence ends (KVUnpin) or its
+# lease runs out (its decode node died and no failover took it within the lease). At most a
+# share of the memory tier is pinned, so puts always find room.
+PIN_LEASE = 120.0
+PINNABLE_SHARE = 0.5
+MAX_PINNED_ATTEMPTS = 65536
 
 
 class KVCacheWorker:
@@ -89,6 +98,12 @@ class KVCacheWorker:
         self.lookups = 0
         self._sends: set[asyncio.Task[None]] = set()
         self._sending_bytes = 0  # payload copies held by the sends in `_sends`
+        # attempt → decode node → (hashes it pinned, lease end)
+        self.pinned: dict[str, dict[str, tuple[set[bytes], float]]] = {}
+        # Ended requests: a pin that overtook its unpin (they are separate subscriptions)
+        # must not pin them again.
+        self.ended = RecentCancels(keep=PIN_LEASE)
+        self.pins_refused = 0
         self.metrics = _metrics(store, self.tails, lambda: self.lookups)
 
     async def subscribe(self) -> None:
@@ -99,6 +114,8 @@ class KVCacheWorker:
             kvcache_subject(self.node_id, "put_tails"), cb=self.on_put_tails
         )
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get_tail"), cb=self.on_get_tail)
+        await self.bus.nc.subscribe(kvcache_subject(self.node_id, "pin"), cb=self.on_pin)
+        await self.bus.nc.subscribe(kvcache_subject(self.node_id, "unpin"), cb=self.on_unpin)
         # Operators only: no node role may publish here (shared/bus/permissions.py).
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "purge"), cb=self.on_purge)
         self.events.cleared()  # a fresh store: whatever an earlier run announced is gone
@@ -207,6 +224,72 @@ class KVCacheWorker:
         # Checked now to tell the sender at once; each piece is checked again on arrival.
         missing = [t.attempt_id for t in put.tails if not self.tails.continues(t)]
         await self._expect_put(msg, put, encode(KVPutTailsReply(missing=missing)))
+
+    async def on_pin(self, msg: Msg) -> None:
+        try:
+            pin = decode(msg.data, KVPin)
+            if len(pin.block_hashes) > MAX_BLOCKS_PER_REQUEST or not 0 < len(pin.attempt_id) <= 128:
+                raise WireFormatError("a pin names 1 to 4,096 blocks of one attempt")
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            return
+        self.pin(pin.attempt_id, pin.node_id[:128], pin.block_hashes)
+
+    def pin(self, attempt_id: str, node_id: str, hashes: list[bytes]) -> None:
+        """Keep the stored ones of `hashes` for `attempt_id` on `node_id`'s behalf and renew
+        the lease, within the share of memory that may be pinned."""
+        if attempt_id in self.ended:
+            return
+        by_node = self.pinned.get(attempt_id)
+        if by_node is None:
+            if len(self.pinned) >= MAX_PINNED_ATTEMPTS:
+                self.pins_refused += 1
+                return
+            by_node = self.pinned[attempt_id] = {}
+        held, _ = by_node.get(node_id, (set(), 0.0))
+        new = [h for h in dict.fromkeys(hashes) if h not in held and h in self.store]
+        arena = self.store.arenas[MEMORY] if self.store.arenas else None
+        room = int(arena.num_slabs * PINNABLE_SHARE) if arena is not None else 0
+        if len(self.store.pins) + len(new) > room:
+            self.pins_refused += 1
+            new = []
+        held.update(h for h in new if self.store.pin([h]))
+        by_node[node_id] = (held, time.monotonic() + PIN_LEASE)
+
+    async def on_unpin(self, msg: Msg) -> None:
+        try:
+            unpin = decode(msg.data, KVUnpin)
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            return
+        for attempt_id in unpin.attempt_ids[:MAX_BLOCKS_PER_REQUEST]:
+            self.unpin(attempt_id, unpin.node_id[:128], unpin.over)
+
+    def unpin(self, attempt_id: str, node_id: str, over: bool) -> None:
+        """Release `node_id`'s pins of `attempt_id` (it left that node), or every node's
+        (`over`: the request ended; a pin arriving late for it is ignored)."""
+        by_node = self.pinned.get(attempt_id, {})
+        if over:
+            self.ended.add(attempt_id)
+            nodes = list(by_node)
+        else:
+            nodes = [node_id] if node_id in by_node else []
+        for node in nodes:
+            held, _ = by_node.pop(node)
+            self.store.unpin(held)
+        if not by_node:
+            self.pinned.pop(attempt_id, None)
+
+    def expire_pins(self) -> None:
+        """Release the pins whose lease ran out (their node is gone, and no failover took
+        the request over within the lease). Every heartbeat."""
+        now = time.monotonic()
+        for attempt_id, by_node in list(self.pinned.items()):
+            for node in [n for n, (_, end) in by_node.items() if end < now]:
+                held, _ = by_node.pop(node)
+                self.store.unpin(held)
+            if not by_node:
+                del self.pinned[attempt_id]
 
     async def on_purge(self, msg: Msg) -> None:
         purge = await self._read(msg, KVPurge, lambda why: encode(KVPurgeReply(error=why)))
@@ -320,6 +403,7 @@ class KVCacheWorker:
 
     def info(self) -> NodeInfo:
         self.tails.expire()  # called every heartbeat: stale tails go within a lease
+        self.expire_pins()
         return node_info(
             self.node_id,
             "kvcache",

@@ -212,6 +212,25 @@ class KVPut(Message, frozen=True, tag="kv_put"):
     producer: str = ""  # the node storing them (kept with each block: a purge by node)
 
 
+class KVPin(Message, frozen=True, tag="kv_pin"):
+    """Decode node → kvcache node: keep these blocks (a running sequence's checkpoint, the
+    prompt's blocks included) from eviction until the sequence ends here (KVUnpin) or the
+    pin's lease runs out; each pin of the attempt renews the lease."""
+
+    attempt_id: AttemptId = AttemptId("")
+    node_id: str = ""  # the decode node pinning (a failover's next node pins its own)
+    block_hashes: list[bytes] = []
+
+
+class KVUnpin(Message, frozen=True, tag="kv_unpin"):
+    """Decode node → every kvcache node: these sequences left it; release its pins of them,
+    or (`over`: the requests ended) every node's."""
+
+    attempt_ids: list[AttemptId] = []
+    node_id: str = ""
+    over: bool = False
+
+
 class KVPurge(Message, frozen=True, tag="kv_purge"):
     """Operator → kvcache node: drop every block `producer` stored (a node found bad)."""
 

@@ -127,7 +127,10 @@ def permissions(role: str) -> Permissions:
             [
                 *_NODE,
                 "tandem.tokens.*",
-                *(f"tandem.kvcache.*.{op}" for op in ("get", "put", "put_tails", "get_tail")),
+                *(
+                    f"tandem.kvcache.*.{op}"
+                    for op in ("get", "put", "put_tails", "get_tail", "pin", "unpin")
+                ),
                 f"{KV_EVENTS_SUBJECT}.*",
                 f"{API}.STREAM.INFO.KV_{JOURNAL_BUCKET}",
                 f"$KV.{JOURNAL_BUCKET}.ckpt.>",  # checkpoint records, no request's entry

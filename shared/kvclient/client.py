@@ -24,11 +24,13 @@ from shared.bus.messages import (
     KVGet,
     KVGetReply,
     KVGetTail,
+    KVPin,
     KVPut,
     KVPutTails,
     KVPutTailsReply,
     KVTail,
     KVTailReply,
+    KVUnpin,
     Message,
     NodeInfo,
     decode,
@@ -204,6 +206,26 @@ class KVCacheClient:
 
         done = await asyncio.gather(*(put_group(n, p) for n, p in await self._shards(hashes)))
         return sum(done)
+
+    async def pin(self, attempt_id: AttemptId, hashes: Sequence[bytes]) -> None:
+        """Ask each owning node to keep its share of `hashes` for `attempt_id` on this node's
+        behalf (no answer awaited: a pin lost only leaves the blocks evictable, as without)."""
+        assert self.bus.nc is not None
+        for node, positions in await self._shards(hashes):
+            pin = KVPin(
+                attempt_id=attempt_id,
+                node_id=self.bus.name,
+                block_hashes=[hashes[i] for i in positions],
+            )
+            await self.bus.nc.publish(kvcache_subject(node.node_id, "pin"), encode(pin))
+
+    async def unpin(self, attempt_ids: list[AttemptId], over: bool) -> None:
+        """Release these sequences' pins on every live kvcache node: this node's, or every
+        node's (`over`: the requests ended)."""
+        assert self.bus.nc is not None
+        unpin = KVUnpin(attempt_ids=attempt_ids, node_id=self.bus.name, over=over)
+        for node in await self.nodes():
+            await self.bus.nc.publish(kvcache_subject(node.node_id, "unpin"), encode(unpin))
 
     async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[memoryview]:
         """The blocks of the longest prefix of `hashes` that the live nodes hold together."""

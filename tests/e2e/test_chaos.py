@@ -36,6 +36,7 @@ from tests.e2e.test_failover import router_metric
 pytestmark = pytest.mark.e2e
 
 SECOND_WAVE = 8
+PINNED = "tandem_kvcache_pinned_blocks"
 KILL_AFTER = 20  # tokens every first-wave stream has when the decode node dies
 
 
@@ -80,7 +81,7 @@ async def journal_size(stack: Stack) -> int:
 
 def held_blocks(stack: Stack, nodes: list[str]) -> dict[str, float]:
     names = {"decode": "tandem_kv_blocks_used", "prefill": "tandem_kv_blocks_used"}
-    names["kvcache"] = "tandem_kvcache_pinned_blocks"
+    names["kvcache"] = PINNED
     return {n: metric(stack, n, names[n.split("-")[0]]) for n in nodes}
 
 
@@ -92,12 +93,15 @@ async def test_decode_then_prefill_killed_under_32_streams(
     streams = [Stream() for _ in requests]
     first_wave = streams[: len(streams) - SECOND_WAVE]
     kills: dict[str, float] = {}
+    pinned: list[float] = []
     go = asyncio.Event()
     probed = router_metric(stack, "tandem_errors_total", type="node_unresponsive")
 
     async def chaos() -> None:
         while min(s.events for s in first_wave) < KILL_AFTER:
             await asyncio.sleep(0.05)
+        # the running streams' checkpoints are pinned in the kvcache node (released below)
+        pinned.append(await asyncio.to_thread(metric, stack, "kvcache-1", PINNED))
         kills["decode-1"] = time.monotonic()
         await asyncio.to_thread(stack.kill, "decode-1")
         await asyncio.sleep(3.0)  # the failovers are through; now new work for prefill
@@ -138,6 +142,7 @@ async def test_decode_then_prefill_killed_under_32_streams(
     # resumed from checkpoints with each sequence's partial last block: the last delivered
     # token or two (a tail written a step behind); full blocks alone would leave ~8
     assert recomputed and statistics.median(recomputed) <= 4
+    assert pinned and pinned[0] > 0, "no checkpoint block was pinned while streams ran"
     nodes = ("decode-2", "decode-3", "kvcache-1", "prefill-1", "prefill-2")
     survivors = [n for n in nodes if n not in kills]
     deadline = time.monotonic() + 15  # no leaked blocks, nothing left in the journal

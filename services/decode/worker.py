@@ -33,6 +33,7 @@ from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import (
+    PING_STALLED,
     assign_subject,
     cancel_subject,
     local_prefill_subject,
@@ -133,7 +134,7 @@ class DecodeWorker:
     def health(self) -> str:
         """The answer to a router's probe: 'ok', or why this node's streams should move."""
         if self.stalled():
-            return f"stalled: an engine call has run {self.thread.busy_for():.0f}s"
+            return f"{PING_STALLED}: an engine call has run {self.thread.busy_for():.0f}s"
         return "ok"
 
     async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:

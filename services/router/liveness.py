@@ -14,7 +14,7 @@ after three token gaps. A node cut off without closing its connection (a pulled 
 answers nothing: after `misses` timed-out probes in a row while its streams are quiet it is
 declared dead too (a probe lost while tokens still flow counts for nothing: a busy node is
 not a dead one). A node that answers is alive however slow its stream: the stall timeout
-still bounds that. A node whose answer is not "ok" says its streams should move (a decode
+still bounds that. A node answering "stalled: ..." says its streams should move (a decode
 node whose engine call has run past its `--engine-stall-timeout`: its event loop answers,
 its engine does not); it is declared dead at once.
 
@@ -46,7 +46,7 @@ from services.router.inflight import InFlight
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from shared.bus.client import Bus
-from shared.bus.topology import ping_subject
+from shared.bus.topology import PING_STALLED, ping_subject
 
 log = logging.getLogger("tandem.router.liveness")
 
@@ -130,7 +130,7 @@ class LivenessProbe:
         try:
             assert self.bus.nc is not None
             reply = await self.bus.nc.request(ping_subject(node), b"", timeout=self.timing.timeout)
-            if reply.data != b"ok":  # alive, but says its streams should move (a hung engine)
+            if reply.data.startswith(PING_STALLED.encode()):  # alive, its engine hung
                 self._declare_dead(node, reply.data[:200].decode(errors="replace"))
                 return
             self._forget_misses(node)

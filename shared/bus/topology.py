@@ -88,6 +88,11 @@ def prefetch_subject(node_id: str) -> str:
     return f"tandem.decode.{node_id}.prefetch"
 
 
+# A probe's answer starting with this: the node is alive but its streams should move (its
+# engine hangs); any other answer means alive and well.
+PING_STALLED = "stalled"
+
+
 def ping_subject(node_id: str) -> str:
     """Every node answers here: a router probes a node whose stream went quiet. A dead
     node's subscription is gone, so NATS answers "no responders" at once."""

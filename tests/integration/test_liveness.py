@@ -23,7 +23,7 @@ from services.router.liveness import LivenessProbe, ProbeTiming
 from services.router.metrics import RouterMetrics
 from shared.bus.client import Bus
 from shared.bus.server import NatsServer
-from shared.bus.topology import ping_subject
+from shared.bus.topology import PING_STALLED, ping_subject
 
 pytestmark = pytest.mark.integration
 
@@ -270,5 +270,30 @@ async def test_overlapping_probes_of_a_silent_node_count_one_miss_per_timeout(
             # three counted misses: sent at >= 0, 0.3 and 0.6 s, the last timing out at 0.9 s
             # (probes every 0.025 s, three in flight, would count three misses by ~0.4 s)
             assert await lost_within(router, "d4", 5.0) >= 0.85
+    finally:
+        await node.close()
+
+
+async def test_a_node_that_answers_stalled_is_dead_at_once(
+    router: RouterStandIn, nats_server: NatsServer
+) -> None:
+    """Its event loop answers, but says its engine hangs: its streams move now, not after
+    the stall timeout or missed probes."""
+    node = await Bus(nats_server.url, "d1").connect()
+    stalled = asyncio.Event()
+
+    async def honest(msg: Msg) -> None:
+        reply = f"{PING_STALLED}: an engine call has run 21s" if stalled.is_set() else "ok"
+        await msg.respond(reply.encode())
+
+    await subscribe_pings(router, node, honest)
+    flow = Flow("d1", Stream(itl=2.0))  # quiet only after 5 s (probe_after)
+    router.failovers["r1"] = flow
+    try:
+        async with running(probe_of(router, ProbeTiming(probe_after=5.0))):
+            await asyncio.sleep(0.5)
+            assert not router.lost  # "ok": alive
+            stalled.set()
+            assert await lost_within(router, "d1", 1.0) < 0.5
     finally:
         await node.close()

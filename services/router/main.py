@@ -254,7 +254,7 @@ async def serve(args: argparse.Namespace) -> None:
             await task
         heartbeats.cancel()
         with contextlib.suppress(Exception):  # else the entry lapses by its TTL
-            await asyncio.wait_for(beats.remove(node_id), 1.0)
+            await asyncio.wait_for(beats.remove("router", node_id), 1.0)
         await runner.cleanup()
         await nodes.close()
         await bus.close()

@@ -15,8 +15,9 @@ entries); responders answer through `allow_responses` (one reply per request) in
 a right to publish on any inbox.
 
 What an allow list cannot narrow (docs/security.md says so too): every model node may
-publish on `tandem.tokens.*` (any request's stream) and write any node's registry entry
-(keys are node ids chosen at run time); per-node subjects (`tandem.decode.*.assign`) are
+publish on `tandem.tokens.*` (any request's stream) and write the registry entry of any
+node of its own role (entries are keyed `<role>.<node id>`); per-node subjects
+(`tandem.decode.*.assign`) are
 open to every node of the role; and every role except the autoscaler may create and
 update the streams, since each service makes sure of them at start.
 """
@@ -72,7 +73,11 @@ _TOPOLOGY = [
     f"{API}.STREAM.CREATE.KV_{NODES_BUCKET}",
     f"{API}.STREAM.CREATE.KV_{JOURNAL_BUCKET}",
 ]
-_NODE = [*_TOPOLOGY, *_kv_reader(NODES_BUCKET), f"$KV.{NODES_BUCKET}.*"]  # heartbeats
+
+
+def _node(role: str) -> list[str]:
+    """A node's: the topology, reading the registry, and its own role's entries in it."""
+    return [*_TOPOLOGY, *_kv_reader(NODES_BUCKET), f"$KV.{NODES_BUCKET}.{role}.>"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def permissions(role: str) -> Permissions:
     if role == "router":
         return Permissions(
             [
-                *_NODE,
+                *_node("router"),
                 "tandem.cancel",
                 "tandem.decode.*.prefill",
                 "tandem.decode.*.prefetch",
@@ -107,7 +112,7 @@ def permissions(role: str) -> Permissions:
     if role == "prefill":
         return Permissions(
             [
-                *_NODE,
+                *_node("prefill"),
                 "tandem.tokens.*",
                 "tandem.decode.*.assign",
                 "tandem.kvcache.*.get",
@@ -125,7 +130,7 @@ def permissions(role: str) -> Permissions:
     if role == "decode":
         return Permissions(
             [
-                *_NODE,
+                *_node("decode"),
                 "tandem.tokens.*",
                 *(
                     f"tandem.kvcache.*.{op}"
@@ -145,7 +150,7 @@ def permissions(role: str) -> Permissions:
         )
     if role == "kvcache":
         return Permissions(
-            [*_NODE, f"{KV_EVENTS_SUBJECT}.*"],
+            [*_node("kvcache"), f"{KV_EVENTS_SUBJECT}.*"],
             [inbox, "tandem.node.*.ping", "tandem.kvcache.*.*"],
             responds=True,
         )

@@ -1,8 +1,11 @@
 """Node registry in a JetStream KV bucket: heartbeats with per-key TTL, and watchers.
 
-Each node writes its NodeInfo under its id with a per-message TTL; a node that stops
-heartbeating vanishes when the TTL lapses and the bucket's limit marker tells watchers
-(a PURGE entry), so a dead node leaves the registry without anyone deleting it.
+Each node writes its NodeInfo under `<role>.<node id>` with a per-message TTL; a node that
+stops heartbeating vanishes when the TTL lapses and the bucket's limit marker tells
+watchers (a PURGE entry), so a dead node leaves the registry without anyone deleting it.
+The role leads the key so that NATS permissions can keep each role to its own entries
+(`$KV.tandem-nodes.<role>.>`): a prefill identity cannot write a decode node's entry.
+Readers take an entry only if the role inside it is the one its key names.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class NodeRegistry:
     async def heartbeat(self, info: NodeInfo) -> None:
         assert self.bus.js is not None
         await self.bus.js.publish(
-            f"$KV.{NODES_BUCKET}.{info.node_id}", encode(info), msg_ttl=self.ttl
+            f"$KV.{NODES_BUCKET}.{entry_key(info.role, info.node_id)}",
+            encode(info),
+            msg_ttl=self.ttl,
         )
 
     async def run_heartbeats(
@@ -80,9 +85,9 @@ class NodeRegistry:
                 log.debug("no round trip to NATS: %r", exc)
             await asyncio.sleep(period / 2)
 
-    async def remove(self, node_id: str) -> None:
+    async def remove(self, role: str, node_id: str) -> None:
         assert self.kv is not None
-        await self.kv.delete(node_id)
+        await self.kv.delete(entry_key(role, node_id))
 
     async def nodes(self) -> dict[str, NodeInfo]:
         """The registry's current live entries."""
@@ -93,34 +98,43 @@ class NodeRegistry:
                 entry = await self.kv.get(key)
                 if entry.value:
                     with contextlib.suppress(WireFormatError):
-                        out[key] = decode(entry.value, NodeInfo)
+                        info = decode(entry.value, NodeInfo)
+                        if key == entry_key(info.role, info.node_id):  # else: forged
+                            out[info.node_id] = info
         return out
 
     async def watch(self) -> AsyncIterator[RegistryEvent]:
         """Joins, updates and leaves as they happen (starting with current entries as joins)."""
         assert self.kv is not None
         watcher = await self.kv.watchall()
-        known: set[str] = set()
+        known: dict[str, str] = {}  # key → node id
         try:
             async for entry in watcher:
                 if entry is None:  # end of the initial snapshot: the nodes alive now are known
                     yield RegistryEvent("synced", "", None)
                     continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    if entry.key in known:
-                        known.discard(entry.key)
-                        yield RegistryEvent("leave", entry.key, None)
+                    node_id = known.pop(entry.key, None)
+                    if node_id is not None:
+                        yield RegistryEvent("leave", node_id, None)
                     continue
                 try:
                     info = decode(entry.value, NodeInfo)
+                    if entry.key != entry_key(info.role, info.node_id):
+                        raise WireFormatError("an entry under another role's or node's key")
                 except WireFormatError as exc:
                     self.bus.count_drop(f"$KV.{NODES_BUCKET}.{entry.key}", str(exc))
                     continue
                 kind = "update" if entry.key in known else "join"
-                known.add(entry.key)
-                yield RegistryEvent(kind, entry.key, info)
+                known[entry.key] = info.node_id
+                yield RegistryEvent(kind, info.node_id, info)
         finally:
             await watcher.stop()
+
+
+def entry_key(role: str, node_id: str) -> str:
+    """A node's key in the registry bucket: its role first (see the module docstring)."""
+    return f"{role}.{node_id}"
 
 
 def node_info(node_id: str, role: NodeRole, **fields: int | str) -> NodeInfo:

@@ -134,7 +134,7 @@ class NodeRuntime:
             self._beats.cancel()
         if self.registry is not None:
             with contextlib.suppress(Exception):  # the entry expires by TTL anyway
-                await asyncio.wait_for(self.registry.remove(self.node_id), 1.0)
+                await asyncio.wait_for(self.registry.remove(self.role, self.node_id), 1.0)
         if self.transport is not None:
             await self.transport.close()
         if self.bus is not None:

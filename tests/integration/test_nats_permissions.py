@@ -2,8 +2,9 @@
 each role does its own work through the project's code (topology, heartbeats, tokens, the
 journal's checkpoint records), and is refused what it must not do: a kvcache identity
 publishing or reading tokens or reading the router's replies, a decode identity writing a
-request's journal entry or purging the kvcache service, a prefill identity queueing jobs,
-the autoscaler cancelling.
+request's journal entry or purging the kvcache service, a prefill identity queueing jobs or
+writing a decode node's registry entry, the autoscaler cancelling; and no reader takes a
+registry entry whose role is not the one its key names.
 (The whole e2e suite runs on these identities too: any permission a role lacks for its
 normal work would fail it.)"""
 
@@ -17,7 +18,7 @@ import pytest
 
 from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.journal import RequestJournal
-from shared.bus.messages import CheckpointRecord, TokenDelta, decode
+from shared.bus.messages import CheckpointRecord, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer
 from shared.runtime.node import connect_bus
@@ -116,5 +117,35 @@ async def test_each_role_is_refused_what_it_must_not_do(raw: dict[str, Raw]) -> 
     assert "tandem.kvcache.kv-1.purge" in await dec.refused()
     await pre.nc.publish("tandem.prefill.jobs", b"a job")
     assert "tandem.prefill.jobs" in await pre.refused()
+    pre.errors.clear()
+    await pre.nc.publish("$KV.tandem-nodes.decode.decode-1", b"a fake decode node")
+    assert "$kv.tandem-nodes.decode.decode-1" in await pre.refused()
     await auto.nc.publish("tandem.cancel", b"cancel everything")
     assert "tandem.cancel" in await auto.refused()
+
+
+async def test_a_registry_entry_under_another_roles_key_is_not_taken(
+    cluster: tuple[NatsServer, ClusterAuth],
+) -> None:
+    server, auth = cluster
+    decode_bus = await connect_bus(server.url, "decode-9", auth.for_role("decode"))
+    try:
+        registry = await NodeRegistry(decode_bus).start()
+        await registry.heartbeat(node_info("decode-9", "decode"))
+        # a decode identity may write decode entries; one claiming to be a prefill node
+        # (under its decode key) is refused by readers
+        forged = encode(node_info("decode-8", "prefill"))
+        assert decode_bus.js is not None
+        await decode_bus.js.publish("$KV.tandem-nodes.decode.decode-8", forged)
+        nodes = await registry.nodes()
+        assert "decode-9" in nodes and "decode-8" not in nodes
+        events = registry.watch()
+        seen = []
+        async for event in events:
+            if event.kind == "synced":
+                break
+            seen.append(event.node_id)
+        await events.aclose()
+        assert "decode-9" in seen and "decode-8" not in seen
+    finally:
+        await decode_bus.close()

@@ -189,9 +189,12 @@ class Checkpointing:
             if not left:
                 continue
             try:
-                await asyncio.wait_for(self.uploader.client.unpin(left, over), 2)
-            except Exception as exc:  # the pins' lease releases them instead
-                log.debug("unpin of %d requests failed: %r", len(left), exc)
+                await asyncio.wait_for(self.uploader.client.unpin(left, over), 5)
+            except Exception as exc:  # again shortly (the pins' lease is the last resort)
+                log.warning("unpin of %d requests failed, retrying: %r", len(left), exc)
+                self.unpinning[over].update(left)
+                await asyncio.sleep(0.5)
+                self._unpins.wake()
 
     async def close(self) -> None:
         if self.uploader is not None:

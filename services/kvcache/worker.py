@@ -72,7 +72,7 @@ MAX_SENDING_BYTES = 1 << 30
 # Pins of running sequences' checkpoints: released when the sequence ends (KVUnpin) or its
 # lease runs out (its decode node died and no failover took it within the lease). At most a
 # share of the memory tier is pinned, so puts always find room.
-PIN_LEASE = 120.0
+PIN_LEASE = 60.0
 PINNABLE_SHARE = 0.5
 MAX_PINNED_ATTEMPTS = 65536
 

@@ -220,11 +220,13 @@ class KVCacheClient:
             await self.bus.nc.publish(kvcache_subject(node.node_id, "pin"), encode(pin))
 
     async def unpin(self, attempt_ids: list[AttemptId], over: bool) -> None:
-        """Release these sequences' pins on every live kvcache node: this node's, or every
-        node's (`over`: the requests ended)."""
+        """Release these sequences' pins on every kvcache node known: this node's, or every
+        node's (`over`: the requests ended). From the node list already read when there is
+        one (a registry read under load can take seconds), nodes marked down included: a
+        pin must not outlive its request for want of a fresh list."""
         assert self.bus.nc is not None
         unpin = KVUnpin(attempt_ids=attempt_ids, node_id=self.bus.name, over=over)
-        for node in await self.nodes():
+        for node in self._nodes or await self.nodes():
             await self.bus.nc.publish(kvcache_subject(node.node_id, "unpin"), encode(unpin))
 
     async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[memoryview]:

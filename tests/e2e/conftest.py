@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -58,10 +57,12 @@ def otlp() -> Iterator[OtlpReceiver]:
 
 
 @contextlib.contextmanager
-def running_stack(argv: list[str], log: Path) -> Iterator[Stack]:
+def running_stack(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Stack]:
     """`tandem up ARGV` through the launcher's own code, ready; its output goes to `log`,
-    whose tail is printed if a service ended badly."""
+    whose tail is printed if a service ended badly. `env`: extra environment for every
+    service, restarted ones included."""
     s = Stack(build_parser().parse_args(["up", *argv]))
+    s.env.update(env or {})
     with log.open("w") as out:
         s.out = out
         s.start()
@@ -77,14 +78,15 @@ def running_stack(argv: list[str], log: Path) -> Iterator[Stack]:
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Stack]:
     """Exports traces to a real OTLP receiver, so every e2e test also runs with tracing on."""
-    # Children inherit these: spans export within 0.2 s; SIGUSR1/2 hang and release a
-    # node's engine thread (test_engine_hang.py), found out after 5 s instead of 20.
+    # Every service (restarted ones too) gets these: spans export within 0.2 s; SIGUSR1/2
+    # hang and release a node's engine thread (test_engine_hang.py), found out after 5 s
+    # instead of 20. (In os.environ they reached only the first start of each service: a
+    # node a test restarted died of SIGUSR1.)
     testing_env = {
         "OTEL_BSP_SCHEDULE_DELAY": "200",
         "TANDEM_FAULT_INJECTION": "1",
         "TANDEM_ENGINE_STALL_TIMEOUT": "5",
     }
-    os.environ.update(testing_env)
     argv = [
         "--prefill", "2",
         "--decode", "2",
@@ -95,15 +97,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Itera
         "--otlp-endpoint", otlp.url,
     ]  # fmt: skip
     log: Path = tmp_path_factory.mktemp("stack") / "stack.log"
-    try:
-        with running_stack(argv, log) as s:
-            for name in testing_env:
-                os.environ.pop(name, None)
-            wait_for_every_node(s, timeout=300)
-            yield s
-    finally:
-        for name in testing_env:
-            os.environ.pop(name, None)
+    with running_stack(argv, log, testing_env) as s:
+        wait_for_every_node(s, timeout=300)
+        yield s
 
 
 @pytest.fixture(scope="package")

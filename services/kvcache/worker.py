@@ -20,6 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.kvcache.pins import CheckpointPins
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
 from services.kvcache.tails import TailStore
 from shared.buffers import uninitialised
@@ -48,7 +49,6 @@ from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import extract_context
 from shared.errors import WireFormatError
-from shared.runtime.cancels import RecentCancels
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, TransferRejected, Transport
@@ -69,12 +69,6 @@ MAX_PENDING_PUTS = 4096
 # Gets being sent: each holds a copy of its blocks until the transfer ends. Beyond this a
 # get is answered with no hits (the asker recomputes): bounded memory under a get storm.
 MAX_SENDING_BYTES = 1 << 30
-# Pins of running sequences' checkpoints: released when the sequence ends (KVUnpin) or its
-# lease runs out (its decode node died and no failover took it within the lease). At most a
-# share of the memory tier is pinned, so puts always find room.
-PIN_LEASE = 60.0
-PINNABLE_SHARE = 0.5
-MAX_PINNED_ATTEMPTS = 65536
 
 
 class KVCacheWorker:
@@ -98,12 +92,7 @@ class KVCacheWorker:
         self.lookups = 0
         self._sends: set[asyncio.Task[None]] = set()
         self._sending_bytes = 0  # payload copies held by the sends in `_sends`
-        # attempt → decode node → (hashes it pinned, lease end)
-        self.pinned: dict[str, dict[str, tuple[set[bytes], float]]] = {}
-        # Ended requests: a pin that overtook its unpin (they are separate subscriptions)
-        # must not pin them again.
-        self.ended = RecentCancels(keep=PIN_LEASE)
-        self.pins_refused = 0
+        self.pins = CheckpointPins(store)
         self.metrics = _metrics(store, self.tails, lambda: self.lookups)
 
     async def subscribe(self) -> None:
@@ -233,28 +222,7 @@ class KVCacheWorker:
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             return
-        self.pin(pin.attempt_id, pin.node_id[:128], pin.block_hashes)
-
-    def pin(self, attempt_id: str, node_id: str, hashes: list[bytes]) -> None:
-        """Keep the stored ones of `hashes` for `attempt_id` on `node_id`'s behalf and renew
-        the lease, within the share of memory that may be pinned."""
-        if attempt_id in self.ended:
-            return
-        by_node = self.pinned.get(attempt_id)
-        if by_node is None:
-            if len(self.pinned) >= MAX_PINNED_ATTEMPTS:
-                self.pins_refused += 1
-                return
-            by_node = self.pinned[attempt_id] = {}
-        held, _ = by_node.get(node_id, (set(), 0.0))
-        new = [h for h in dict.fromkeys(hashes) if h not in held and h in self.store]
-        arena = self.store.arenas[MEMORY] if self.store.arenas else None
-        room = int(arena.num_slabs * PINNABLE_SHARE) if arena is not None else 0
-        if len(self.store.pins) + len(new) > room:
-            self.pins_refused += 1
-            new = []
-        held.update(h for h in new if self.store.pin([h]))
-        by_node[node_id] = (held, time.monotonic() + PIN_LEASE)
+        self.pins.pin(pin.attempt_id, pin.node_id[:128], pin.block_hashes)
 
     async def on_unpin(self, msg: Msg) -> None:
         try:
@@ -263,33 +231,7 @@ class KVCacheWorker:
             self.bus.count_drop(msg.subject, str(exc))
             return
         for attempt_id in unpin.attempt_ids[:MAX_BLOCKS_PER_REQUEST]:
-            self.unpin(attempt_id, unpin.node_id[:128], unpin.over)
-
-    def unpin(self, attempt_id: str, node_id: str, over: bool) -> None:
-        """Release `node_id`'s pins of `attempt_id` (it left that node), or every node's
-        (`over`: the request ended; a pin arriving late for it is ignored)."""
-        by_node = self.pinned.get(attempt_id, {})
-        if over:
-            self.ended.add(attempt_id)
-            nodes = list(by_node)
-        else:
-            nodes = [node_id] if node_id in by_node else []
-        for node in nodes:
-            held, _ = by_node.pop(node)
-            self.store.unpin(held)
-        if not by_node:
-            self.pinned.pop(attempt_id, None)
-
-    def expire_pins(self) -> None:
-        """Release the pins whose lease ran out (their node is gone, and no failover took
-        the request over within the lease). Every heartbeat."""
-        now = time.monotonic()
-        for attempt_id, by_node in list(self.pinned.items()):
-            for node in [n for n, (_, end) in by_node.items() if end < now]:
-                held, _ = by_node.pop(node)
-                self.store.unpin(held)
-            if not by_node:
-                del self.pinned[attempt_id]
+            self.pins.unpin(attempt_id, unpin.node_id[:128], unpin.over)
 
     async def on_purge(self, msg: Msg) -> None:
         purge = await self._read(msg, KVPurge, lambda why: encode(KVPurgeReply(error=why)))
@@ -403,7 +345,7 @@ class KVCacheWorker:
 
     def info(self) -> NodeInfo:
         self.tails.expire()  # called every heartbeat: stale tails go within a lease
-        self.expire_pins()
+        self.pins.expire()
         return node_info(
             self.node_id,
             "kvcache",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from services.kvcache import pins
 from services.kvcache import worker as kv
 from services.kvcache.store import BlockStore
 from shared.bus.client import Bus
@@ -83,14 +84,14 @@ def stored_worker(blocks: int) -> tuple[kv.KVCacheWorker, list[bytes]]:
 
 def test_checkpoint_pins_are_per_node_until_the_request_ends() -> None:
     w, hs = stored_worker(4)
-    w.pin("cmpl-a", "decode-1", hs[:2])
-    w.pin("cmpl-a", "decode-2", hs[1:3])  # a failover's next node pins what it loads
+    w.pins.pin("cmpl-a", "decode-1", hs[:2])
+    w.pins.pin("cmpl-a", "decode-2", hs[1:3])  # a failover's next node pins what it loads
     assert w.store.pins == {hs[0]: 1, hs[1]: 2, hs[2]: 1}
-    w.unpin("cmpl-a", "decode-1", over=False)  # it left decode-1: decode-2's stay
+    w.pins.unpin("cmpl-a", "decode-1", over=False)  # it left decode-1: decode-2's stay
     assert w.store.pins == {hs[1]: 1, hs[2]: 1}
-    w.unpin("cmpl-a", "decode-2", over=True)  # it ended: everything of it goes
-    assert w.store.pins == {} and w.pinned == {}
-    w.pin("cmpl-a", "decode-2", hs)  # a pin that overtook its unpin: ignored
+    w.pins.unpin("cmpl-a", "decode-2", over=True)  # it ended: everything of it goes
+    assert w.store.pins == {} and w.pins.held == {}
+    w.pins.pin("cmpl-a", "decode-2", hs)  # a pin that overtook its unpin: ignored
     assert w.store.pins == {}
 
 
@@ -98,19 +99,19 @@ def test_pinned_blocks_survive_eviction_and_leases_run_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     now = [100.0]
-    monkeypatch.setattr(kv.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(pins.time, "monotonic", lambda: now[0])
     w, hs = stored_worker(4)
-    w.pin("cmpl-b", "decode-1", hs[:1])
+    w.pins.pin("cmpl-b", "decode-1", hs[:1])
     for i in range(100):  # 64 blocks fit: the rest push the unpinned ones out
         w.store.put((1000 + i).to_bytes(16, "little"), memoryview(bytearray(BLOCK)))
     assert hs[0] in w.store and hs[1] not in w.store
-    now[0] += kv.PIN_LEASE + 1  # its node died and nobody took the request over
+    now[0] += pins.PIN_LEASE + 1  # its node died and nobody took the request over
     w.info()  # every heartbeat
-    assert w.store.pins == {} and w.pinned == {}
+    assert w.store.pins == {} and w.pins.held == {}
 
 
 def test_at_most_a_share_of_memory_is_pinned() -> None:
     w, hs = stored_worker(64)
-    w.pin("cmpl-c", "decode-1", hs[:32])  # half of 64 slabs
-    w.pin("cmpl-d", "decode-1", hs[32:33])
-    assert len(w.store.pins) == 32 and w.pins_refused == 1
+    w.pins.pin("cmpl-c", "decode-1", hs[:32])  # half of 64 slabs
+    w.pins.pin("cmpl-d", "decode-1", hs[32:33])
+    assert len(w.store.pins) == 32 and w.pins.refused == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from shared.runtime import faults
@@ -74,6 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     from shared.kvclient.prefix_cache import PrefixCache
     from shared.kvclient.tails import TailUploader
     from shared.kvclient.uploader import BlockUploader
+    from shared.kvclient.warm import keep_warm
     from shared.runtime.engine import start_engine
     from shared.transport.pending import PendingTransfers, SplitHandler
 
@@ -111,10 +113,13 @@ async def serve(args: argparse.Namespace) -> None:
         stall_timeout=args.engine_stall_timeout,
     )
     faults.install(thread)
+    warming: asyncio.Task[None] | None = None
     try:
         await rt.transport.start(SplitHandler(pending, worker.receiver))
         await worker.subscribe()
         await rt.live(worker.info, worker.metrics, worker.health)
+        if client is not None:  # checkpoint and prefix loads' first gets find it open
+            warming = asyncio.create_task(keep_warm(client, rt.stop))
         log.info(
             "decode node %s ready: %d KV blocks, data plane %s",
             rt.node_id,
@@ -123,6 +128,8 @@ async def serve(args: argparse.Namespace) -> None:
         )
         await worker.run(rt.stop)
     finally:
+        if warming is not None:
+            warming.cancel()
         await rt.close()
         worker.close()
 

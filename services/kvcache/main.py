@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from pathlib import Path
 
 from services.kvcache.store import BlockStore
 from services.kvcache.tails import TAIL_TTL, TailStore
-from services.kvcache.warm import keep_warm
 from services.kvcache.worker import KVCacheWorker
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_data_plane_options, add_node_options, add_option
@@ -64,13 +62,10 @@ async def serve(args: argparse.Namespace) -> None:
     tail_mb = args.tail_mb or max(64, args.capacity_mb // 8)
     tails = TailStore(tail_mb << 20, args.tail_ttl)
     worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id, tails)
-    warming: asyncio.Task[None] | None = None
     try:
         await rt.transport.start(worker)
         await worker.subscribe()
         await rt.live(worker.info, worker.metrics)
-        assert rt.registry is not None
-        warming = asyncio.create_task(keep_warm(rt.registry, rt.transport, rt.stop))
         log.info(
             "kvcache node %s ready: %d MiB memory, %d MiB disk, at %s",
             rt.node_id,
@@ -80,8 +75,6 @@ async def serve(args: argparse.Namespace) -> None:
         )
         await rt.stop.wait()
     finally:
-        if warming is not None:
-            warming.cancel()
         await worker.close()
         await rt.close()
         store.close()

@@ -1,41 +1,79 @@
-"""Connections to the nodes a kvcache node answers, opened before a get needs them.
+"""Warm connections: a one-byte transfer, on request, over the connection gets will take.
 
 A get's blocks travel from the kvcache node to the asking node's data-plane listener, so
 the first get from a node pays for the connection (~0.1 s with UCX on these machines), and
 a failover's checkpoint load on a node that never loaded a prefix is exactly such a first
-get. Every few seconds the kvcache node opens one pooled connection to each prefill and
-decode node in the registry it has none to.
+get. So the prefill and decode nodes ask each kvcache node to warm a connection to them
+(`shared.kvclient.warm`), naming a transfer id and secret they expect: the kvcache node
+sends one byte under them over its pooled connection, which stays pooled for the gets.
+
+Why a transfer and not just a connection opened ahead of need (as this node once did): a
+listener cannot tell a silent connection of a peer from a stranger's, so it had to let
+every silent connection idle until a first transfer might come (30 s). A connection that
+carries an admitted transfer at once is proven (`shared/transport/admission.py`), and
+strangers need no longer be given time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
-from shared.bus.registry import NodeRegistry
-from shared.transport.base import Transport
+from nats.aio.msg import Msg
+
+from shared.bus.client import Bus
+from shared.bus.messages import KVWarm, accepted, decode, refused
+from shared.errors import WireFormatError
+from shared.transport.base import TransferError, Transport
+from shared.transport.frames import make_header
 
 log = logging.getLogger("tandem.kvcache")
 
-WARM_EVERY = 2.0  # seconds between looks at the registry
-CONNECT_TIMEOUT = 5.0
+WARM_TIMEOUT = 5.0  # connect and send one byte
+MAX_WARMING = 64  # warm transfers at once; beyond, a request is refused (asked again later)
+MAX_FIELD = 256  # transfer ids and addresses are short; a long one is no node's
+PAYLOAD = memoryview(b"\x00")
 
 
-async def keep_warm(registry: NodeRegistry, transport: Transport, stop: asyncio.Event) -> None:
-    while not stop.is_set():
+class WarmSender:
+    """Answers `tandem.kvcache.<node>.warm` requests (KVWarm)."""
+
+    def __init__(self, bus: Bus, transport: Transport) -> None:
+        self.bus = bus
+        self.transport = transport
+        self.sent = 0
+        self.failed = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def on_warm(self, msg: Msg) -> None:
         try:
-            nodes = list((await registry.nodes()).values())
-        except Exception as exc:  # NATS away: try again later
-            log.debug("registry not readable: %r", exc)
-            nodes = []
-        live = {n.data_address for n in nodes if n.role in ("prefill", "decode")}
-        for address in sorted(live - {""}):  # warm() skips peers it has a live connection to
-            if stop.is_set():
-                return
-            try:
-                await asyncio.wait_for(transport.warm(address), CONNECT_TIMEOUT)
-            except Exception as exc:  # unreachable now: the next round tries again
-                log.debug("no connection to %s yet: %r", address, exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), WARM_EVERY)
+            warm = decode(msg.data, KVWarm)
+            if not warm.transfer_id or not warm.reply_address or not warm.transfer_secret:
+                raise WireFormatError("warm needs a transfer id, a reply address and a secret")
+            if max(len(warm.transfer_id), len(warm.reply_address)) > MAX_FIELD:
+                raise WireFormatError("transfer id or reply address too long")
+        except WireFormatError as exc:
+            self.bus.count_drop(msg.subject, str(exc))
+            await msg.respond(refused(str(exc)))
+            return
+        if len(self._tasks) >= MAX_WARMING:
+            self.bus.count_drop(msg.subject, "too many warm transfers at once")
+            await msg.respond(refused("busy; ask again later"))
+            return
+        await msg.respond(accepted())
+        task = asyncio.create_task(self._send(warm))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, warm: KVWarm) -> None:
+        header = make_header("kvcache-warm", warm.transfer_id, PAYLOAD, secret=warm.transfer_secret)
+        try:
+            await self.transport.send(warm.reply_address, header, PAYLOAD, timeout=WARM_TIMEOUT)
+            self.sent += 1
+        except TransferError as exc:  # the asker times out and asks again later
+            self.failed += 1
+            log.debug("warm transfer to %s failed: %s", warm.reply_address, exc)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()

@@ -23,6 +23,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.kvcache.pins import CheckpointPins
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
 from services.kvcache.tails import TailStore
+from services.kvcache.warm import WarmSender
 from shared.buffers import uninitialised
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
@@ -93,6 +94,7 @@ class KVCacheWorker:
         self._sends: set[asyncio.Task[None]] = set()
         self._sending_bytes = 0  # payload copies held by the sends in `_sends`
         self.pins = CheckpointPins(store)
+        self.warm = WarmSender(bus, transport)
         self.metrics = _metrics(store, self.tails, lambda: self.lookups)
 
     async def subscribe(self) -> None:
@@ -105,12 +107,14 @@ class KVCacheWorker:
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "get_tail"), cb=self.on_get_tail)
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "pin"), cb=self.on_pin)
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "unpin"), cb=self.on_unpin)
+        await self.bus.nc.subscribe(kvcache_subject(self.node_id, "warm"), cb=self.warm.on_warm)
         # Operators only: no node role may publish here (shared/bus/permissions.py).
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "purge"), cb=self.on_purge)
         self.events.cleared()  # a fresh store: whatever an earlier run announced is gone
         self.events.start()
 
     async def close(self) -> None:
+        self.warm.close()
         await self.events.close()
 
     async def on_put(self, msg: Msg) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from shared.runtime.node import NodeRuntime
@@ -22,6 +23,7 @@ async def serve(args: argparse.Namespace) -> None:
     # that names this command also runs the router, which must not pay for them.
     from services.prefill.worker import PrefillWorker
     from shared.kvclient.client import KVCacheClient
+    from shared.kvclient.warm import keep_warm
     from shared.runtime.engine import start_engine
     from shared.transport.pending import PendingTransfers
 
@@ -33,12 +35,17 @@ async def serve(args: argparse.Namespace) -> None:
     worker = PrefillWorker(
         engine, rt.bus, rt.transport, rt.registry, rt.node_id, cache=cache, thread=thread
     )
+    warming: asyncio.Task[None] | None = None
     try:
         await rt.transport.start(pending)
         await rt.live(worker.info, worker.metrics)
+        if cache is not None:  # prefix loads' first gets find it open
+            warming = asyncio.create_task(keep_warm(cache, rt.stop))
         log.info("prefill node %s ready", rt.node_id)
         await worker.run(rt.stop)
     finally:
+        if warming is not None:
+            warming.cancel()
         await rt.close()
         worker.close()
 

@@ -251,6 +251,16 @@ class KVGet(Message, frozen=True, tag="kv_get"):
     transfer_secret: str = ""  # the reply transfer carries it back
 
 
+class KVWarm(Message, frozen=True, tag="kv_warm"):
+    """Node → kvcache node: send a one-byte transfer `transfer_id` to `reply_address` now,
+    over the connection later gets will take, so it is open and proven before one needs it
+    (`services/kvcache/warm.py`). Answered with a Reply."""
+
+    transfer_id: str = ""
+    reply_address: str = ""
+    transfer_secret: str = ""
+
+
 class KVGetReply(Message, frozen=True, tag="kv_get_reply"):
     """← kvcache node: how many leading blocks it has and will send (0: nothing follows)."""
 

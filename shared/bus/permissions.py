@@ -117,6 +117,7 @@ def permissions(role: str) -> Permissions:
                 "tandem.decode.*.assign",
                 "tandem.kvcache.*.get",
                 "tandem.kvcache.*.put",
+                "tandem.kvcache.*.warm",
                 f"{KV_EVENTS_SUBJECT}.*",
                 f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.*",
                 f"{API}.CONSUMER.CREATE.{PREFILL_STREAM}.*.>",
@@ -134,7 +135,7 @@ def permissions(role: str) -> Permissions:
                 "tandem.tokens.*",
                 *(
                     f"tandem.kvcache.*.{op}"
-                    for op in ("get", "put", "put_tails", "get_tail", "pin", "unpin")
+                    for op in ("get", "put", "put_tails", "get_tail", "pin", "unpin", "warm")
                 ),
                 f"{KV_EVENTS_SUBJECT}.*",
                 f"{API}.STREAM.INFO.KV_{JOURNAL_BUCKET}",

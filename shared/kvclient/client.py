@@ -31,6 +31,7 @@ from shared.bus.messages import (
     KVTail,
     KVTailReply,
     KVUnpin,
+    KVWarm,
     Message,
     NodeInfo,
     decode,
@@ -130,6 +131,21 @@ class KVCacheClient:
             data = await asyncio.wait_for(arrived, TRANSFER_TIMEOUT)
         size = reply.block_bytes
         return [data[i * size : (i + 1) * size] for i in range(reply.hits)]  # views: no copy
+
+    async def warm(self, node_id: str, timeout: float = TRANSFER_TIMEOUT) -> None:
+        """Have kvcache node `node_id` open (or reuse) the connection its gets to this node
+        take, proven by a one-byte transfer (`services/kvcache/warm.py`); raises
+        KVCacheError if it refuses, TimeoutError if the byte does not come in time."""
+        with self._incoming("warm", 1) as (transfer_id, secret, arrived):
+            ask = KVWarm(
+                transfer_id=transfer_id,
+                reply_address=self.transport.address,
+                transfer_secret=secret,
+            )
+            reply = read_reply(await self._ask(node_id, "warm", ask))
+            if not reply.accepted:
+                raise KVCacheError(f"kvcache {node_id} refused to warm: {reply.reason}")
+            await asyncio.wait_for(arrived, timeout)
 
     @contextlib.contextmanager
     def _incoming(

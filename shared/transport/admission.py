@@ -8,10 +8,9 @@ What a stranger may hold is bounded four ways:
 
 - once it starts a frame, its whole header must arrive within `header_deadline` seconds
   (a slow trickle of header bytes holds nothing for long);
-- it may stay silent at most `stranger_idle` seconds: long enough for a connection another
-  node opened ahead of need (the kvcache node keeps one to each node, re-opened every few
-  seconds when gone) to carry its first transfer, short enough that a silent stranger
-  does not stay;
+- it may stay silent at most `stranger_idle` seconds: every node sends its header the
+  moment it connects (a connection kept ahead of need is opened by a one-byte transfer,
+  `services/kvcache/warm.py`), so a silent connection is no node's and goes soon;
 - at most `per_address` strangers per remote address and `max_strangers` in all: a new one
   beyond either evicts the oldest stranger (of its own address first), so a flood churns
   the flooder's own connections, and a peer's fresh connection, which sends its header
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 HEADER_DEADLINE = 5.0
-STRANGER_IDLE = 30.0
+STRANGER_IDLE = 5.0
 MAX_STRANGERS = 256
 PER_ADDRESS = 64
 MAX_CONNECTIONS = 1024

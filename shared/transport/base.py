@@ -62,10 +62,6 @@ class Transport(Protocol):
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None: ...
 
-    async def warm(self, peer: str) -> None:
-        """Have a connection to `peer` ready before the first send needs it."""
-        ...
-
     async def close(self) -> None: ...
 
 

@@ -50,10 +50,6 @@ class PeerPool(Generic[Conn]):
             self._discard(conn)
         return await self._connect(peer)
 
-    async def warm(self, peer: str) -> None:
-        """One idle connection to `peer` ready (a live idle one, or a new one)."""
-        self.idle[peer].append(await self.checkout(peer))
-
     @contextlib.asynccontextmanager
     async def lease(self, peer: str) -> AsyncIterator[Conn]:
         """A connection to `peer` for one transfer, within the peer's slots; back to the

@@ -180,9 +180,6 @@ class TcpTransport:
             table.remove(entry)
             conn.close()
 
-    async def warm(self, peer: str) -> None:
-        """Nothing to do: a TCP connection is made in about a millisecond."""
-
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:

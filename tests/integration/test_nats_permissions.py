@@ -94,6 +94,21 @@ async def test_each_role_does_its_own_work(cluster: tuple[NatsServer, ClusterAut
         await journal.put_checkpoint(record_in)
         record = await (await RequestJournal(buses["router"]).start()).checkpoint("cmpl-1")
         assert record is not None and record.output_ids == [1, 2]
+        # prefill and decode nodes ask a kvcache node to warm its connection to them (a
+        # refusal here would only be logged at debug level by the nodes themselves)
+        kv_nc = buses["kvcache"].nc
+        assert kv_nc is not None
+
+        async def on_warm(msg: nats.aio.msg.Msg) -> None:
+            await msg.respond(b"warm")
+
+        await kv_nc.subscribe("tandem.kvcache.kvcache-1.warm", cb=on_warm)
+        await kv_nc.flush()
+        for role in ("prefill", "decode"):
+            nc = buses[role].nc
+            assert nc is not None
+            reply = await nc.request("tandem.kvcache.kvcache-1.warm", b"", timeout=5)
+            assert reply.data == b"warm", role
     finally:
         for bus in buses.values():
             await bus.close()

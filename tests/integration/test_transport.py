@@ -513,20 +513,21 @@ async def test_a_ucx_receive_outlives_its_cancelled_caller_until_the_abort() -> 
         await peer.close()
 
 
-async def test_warm_opens_the_endpoint_the_first_transfer_then_uses() -> None:
+async def test_a_pooled_endpoint_carries_the_next_transfer_and_a_dead_one_is_dropped() -> None:
     from shared.transport.ucx import transport as ucx
 
     peer = Peer("receive", "ucx")
     transport = ucx.UcxTransport()
     try:
         address = (await peer.next("address"))["address"]
-        await transport.warm(address)
-        await transport.warm(address)  # one is enough: no second endpoint
+        one = memoryview(b"\x00")  # as a kvcache node's warm transfer
+        await transport.send(address, make_header("req", "warm", one), one, timeout=30)
+        assert (await peer.next("digest"))["transfer_id"] == "warm"
         [ep] = transport._pool.idle[address]
         payload = memoryview(bytearray(os.urandom(MiB)))
         await transport.send(address, make_header("req", "w", payload), payload, timeout=30)
         assert (await peer.next("digest"))["transfer_id"] == "w"
-        assert transport._pool.idle[address] == [ep]  # the warmed endpoint carried it
+        assert transport._pool.idle[address] == [ep]  # the pooled endpoint carried it
         peer.kill()
         for _ in range(200):  # UCX marks the endpoint once it notices the peer is gone
             if ep.closed:

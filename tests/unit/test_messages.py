@@ -32,6 +32,7 @@ SAMPLES: list[m.Message] = [
     m.KVPutTails(transfer_id="t", tails=[m.KVTail("r", 16, b"\x03" * 16, [5, 6], 1)], row_bytes=64),
     m.KVPutTailsReply(missing=["r"]),
     m.KVGetTail(transfer_id="t", attempt_id="r", reply_address="tcp://127.0.0.1:9"),
+    m.KVWarm(transfer_id="w", reply_address="tcp://127.0.0.1:9", transfer_secret="s"),
     m.KVTailReply(tail=m.KVTail("r", 0, b"\x00" * 16, [5]), nbytes=64),
     m.Prefetch(attempt_id="r", token_ids=[1, 2, 3]),
 ]

@@ -51,20 +51,18 @@ async def test_a_lease_that_raises_discards_its_connection() -> None:
     assert discarded == made and pool.idle["a"] == []
 
 
+async def used_once(pool: PeerPool[Conn], peer: str) -> None:
+    async with pool.lease(peer):
+        pass
+
+
 async def test_an_unusable_idle_connection_is_discarded_not_handed_out() -> None:
     pool, made, discarded = make_pool()
-    await pool.warm("a")
+    await used_once(pool, "a")
     [dead] = pool.idle["a"]
     dead.alive = False
     conn = await pool.checkout("a")
     assert conn is not dead and discarded == [dead] and made == [dead, conn]
-
-
-async def test_warm_twice_keeps_one_connection() -> None:
-    pool, made, _ = make_pool()
-    await pool.warm("a")
-    await pool.warm("a")
-    assert pool.idle["a"] == made and len(made) == 1
 
 
 async def test_a_peer_has_at_most_its_slots_in_use() -> None:
@@ -90,7 +88,7 @@ async def test_a_peer_has_at_most_its_slots_in_use() -> None:
 
 async def test_close_discards_every_idle_connection() -> None:
     pool, made, discarded = make_pool()
-    await pool.warm("a")
-    await pool.warm("b")
+    await used_once(pool, "a")
+    await used_once(pool, "b")
     pool.close()
     assert discarded == made and not pool.idle

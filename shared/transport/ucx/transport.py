@@ -249,11 +249,6 @@ class UcxTransport:
             with contextlib.suppress(*errors):
                 ep.abort()
 
-    async def warm(self, peer: str) -> None:
-        """One pooled endpoint to `peer` (made now: ~0.1 s here, which a first transfer,
-        such as a failover's checkpoint load, would otherwise wait for)."""
-        await self._pool.warm(peer)
-
     async def send(
         self, peer: str, header: TransferHeader, payload: memoryview, timeout: float
     ) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
 from shared.bus.client import Bus
@@ -90,17 +91,28 @@ class NodeRegistry:
         await self.kv.delete(entry_key(role, node_id))
 
     async def nodes(self) -> dict[str, NodeInfo]:
-        """The registry's current live entries."""
+        """The registry's current live entries ({} if it cannot be read now). An entry that
+        goes while they are read (a node leaving) is skipped, not the rest with it."""
         assert self.kv is not None
         out: dict[str, NodeInfo] = {}
-        with contextlib.suppress(Exception):  # NoKeysError when empty
-            for key in await self.kv.keys():
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return out
+        except Exception as exc:  # NATS away or slow: no view now (callers keep theirs)
+            log.warning("registry not readable: %r", exc)
+            return out
+        for key in keys:
+            try:
                 entry = await self.kv.get(key)
-                if entry.value:
-                    with contextlib.suppress(WireFormatError):
-                        info = decode(entry.value, NodeInfo)
-                        if key == entry_key(info.role, info.node_id):  # else: forged
-                            out[info.node_id] = info
+            except Exception as exc:  # deleted since it was listed, or one slow read
+                log.debug("registry entry %s not read: %r", key, exc)
+                continue
+            if entry.value:
+                with contextlib.suppress(WireFormatError):
+                    info = decode(entry.value, NodeInfo)
+                    if key == entry_key(info.role, info.node_id):  # else: forged
+                        out[info.node_id] = info
         return out
 
     async def watch(self) -> AsyncIterator[RegistryEvent]:

@@ -172,6 +172,28 @@ async def test_registry_join_update_and_leave_by_ttl(nats_server: NatsServer) ->
     await bus.close()
 
 
+async def test_a_registry_entry_gone_between_listing_and_reading_skips_only_itself(
+    nats_server: NatsServer,
+) -> None:
+    """A node leaving while the registry is read: its entry is listed, then gone when read
+    (NATS answers the read with "deleted"). The read skips it and still returns the others
+    (it once gave up on the rest, and a node read after the gone one went missing)."""
+    bus = await connect(nats_server, "reader")
+    registry = await NodeRegistry(bus, ttl=30).start()
+    for name in ("decode-1", "decode-2", "decode-3"):
+        await registry.heartbeat(node_info(name, "decode"))
+    assert registry.kv is not None
+    listed = await registry.kv.keys()
+    await registry.remove("decode", "decode-1")  # first in the listing, gone when read
+
+    async def stale_listing() -> list[str]:
+        return listed
+
+    registry.kv.keys = stale_listing  # type: ignore[method-assign]
+    assert set(await registry.nodes()) == {"decode-2", "decode-3"}
+    await bus.close()
+
+
 async def test_journal_survives_clients(nats_server: NatsServer) -> None:
     bus = await connect(nats_server, "router-1")
     journal = await RequestJournal(bus).start()

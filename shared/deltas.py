@@ -21,4 +21,6 @@ def delta_from_output(out: StepOutput, node_id: str, handoff: int) -> TokenDelta
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_output_tokens,
         handoff=handoff,
+        logprobs=out.logprobs,
+        prompt_logprobs=out.prompt_logprobs,
     )

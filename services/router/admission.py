@@ -180,6 +180,8 @@ def journal_entry(
         include_usage=parsed.include_usage,
         created=created,
         owner=owner,
+        echo=parsed.echo,
+        hide_output=parsed.hide_output,
     )
 
 

@@ -227,7 +227,7 @@ async def serve(args: argparse.Namespace) -> None:
     nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
     bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()
-    parts = RouterParts.of(config_of(args, node_id), bus, nodes, journal)
+    parts = RouterParts.of(config_of(args, node_id), bus, nodes, journal, tokenizer)
     router = Router(parts, tokenizer, await kv_routing(args, bus, nodes))
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.

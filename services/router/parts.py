@@ -16,6 +16,7 @@ from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
+from shared.model.tokenizer import TokenizerInfo
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,16 @@ class RouterParts:
     metrics: RouterMetrics
     dispatch: Dispatch
     inflight: InFlight
+    tokenizer: TokenizerInfo | None = None  # token texts (logprobs); None: ids as text
 
     @classmethod
     def of(
-        cls, config: RouterConfig, bus: Bus, nodes: NodeTable, journal: RequestJournal
+        cls,
+        config: RouterConfig,
+        bus: Bus,
+        nodes: NodeTable,
+        journal: RequestJournal,
+        tokenizer: TokenizerInfo | None = None,
     ) -> RouterParts:
         return cls(
             config=config,
@@ -40,4 +47,5 @@ class RouterParts:
             metrics=RouterMetrics(),
             dispatch=Dispatch(config, bus, nodes, journal),
             inflight=InFlight(config.max_inflight),
+            tokenizer=tokenizer,
         )

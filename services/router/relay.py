@@ -20,12 +20,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.router.errors import error_body, error_response
+from services.router.logprobs import LogprobsWriter, merge
 from services.router.parts import RouterParts
 from services.router.request import ServedRequest
 from services.router.responses import chunk, completion
@@ -54,6 +56,8 @@ class Progress:
     last_t: float = 0.0  # monotonic time of the latest delta
     decode_by: str = ""  # the decode node that made the tokens
     stream_span: trace.Span | None = None
+    logprobs: LogprobsWriter | None = None  # the request asked for them
+    echo: str = ""  # the prompt's text, shown before the output (completions' `echo`)
 
 
 async def relay(
@@ -62,7 +66,9 @@ async def relay(
     """Stream (or collect) the request's deltas; errors end it with an OpenAI error body."""
     parts.inflight.watch(served.rid, served.failover)
     response: web.StreamResponse | None = None
-    progress = Progress(last_t=served.start)
+    progress = Progress(
+        last_t=served.start, logprobs=logprobs_writer(parts, served), echo=echo_text(parts, served)
+    )
     finished = False
     try:
         if served.parsed.stream:
@@ -81,6 +87,21 @@ async def relay(
         if progress.stream_span is not None:
             progress.stream_span.end()
         await release(parts, served, finished)
+
+
+def logprobs_writer(parts: RouterParts, served: ServedRequest) -> LogprobsWriter | None:
+    if served.parsed.params.logprobs is None:
+        return None
+    tok = parts.tokenizer
+    text_of = (lambda t: tok.decode([t])) if tok is not None else str
+    return LogprobsWriter(served.parsed.chat, text_of)
+
+
+def echo_text(parts: RouterParts, served: ServedRequest) -> str:
+    parsed = served.parsed
+    if not parsed.echo or parts.tokenizer is None:
+        return ""
+    return parts.tokenizer.decode(parsed.prompt_ids)
 
 
 def as_tandem_error(exc: Exception, parts: RouterParts) -> TandemError:
@@ -111,9 +132,34 @@ async def stream_deltas(
         served.journal.delivered(delta, stream.token_ids)
         if not failover.standby:
             await failover.warm_standby()
-        await send_event(served, response, delta)
-        progress.texts.append(delta.text)
+        text, part = shown(served, progress, delta)
+        await send_event(served, response, delta, text, part)
+        progress.texts.append(text)
         first = False
+
+
+def shown(
+    served: ServedRequest, progress: Progress, delta: TokenDelta
+) -> tuple[str, dict[str, Any] | None]:
+    """What the client sees of a delta: its text and its tokens' logprobs (if asked), an
+    echo's prompt before the first, nothing of an output `max_tokens: 0` hid."""
+    parsed, writer = served.parsed, progress.logprobs
+    if delta.seq <= served.skip_through:  # the client has it (send_event says so)
+        return delta.text, None
+    echo = parsed.echo and delta.seq == 0
+    prompt_part = None
+    if echo and writer is not None:  # first: offsets count the prompt's text
+        prompt_part = writer.add_prompt(parsed.prompt_ids, delta.prompt_logprobs)
+    text, part = "", None
+    if not parsed.hide_output:
+        text = delta.text
+        if writer is not None:
+            part = writer.add(delta.token_ids, delta.logprobs)
+    if echo:
+        text = progress.echo + text
+        if prompt_part is not None:
+            part = prompt_part if part is None else merge(prompt_part, part)
+    return text, part
 
 
 def observe(
@@ -144,19 +190,24 @@ def observe(
 
 
 async def send_event(
-    served: ServedRequest, response: web.StreamResponse | None, delta: TokenDelta
+    served: ServedRequest,
+    response: web.StreamResponse | None,
+    delta: TokenDelta,
+    text: str,
+    logprobs: dict[str, Any] | None = None,
 ) -> None:
-    """The delta's text to a streaming client (not what a resumed client has already)."""
-    text = delta.text
+    """The delta's `text` (and its tokens' `logprobs`, if asked; `shown` makes both) to a
+    streaming client (not what a resumed client has already)."""
     if delta.seq <= served.skip_through:  # the client has it (regenerated on resume)
         if not delta.finished:
             return
         text = ""  # it may not have seen the end: say it, without the text
     opening = delta.seq == 0
-    if response is None or not (text or delta.finished or opening):
+    if response is None or not (text or delta.finished or opening or logprobs):
         return
     reason = delta.finish_reason if delta.finished else None
-    body = chunk(served.parsed, served.rid, served.shape.created, text, reason, opening)
+    shape = served.shape
+    body = chunk(served.parsed, served.rid, shape.created, text, reason, opening, logprobs)
     await response.write(sse(delta.seq if served.shape.resumable else None, body))
 
 
@@ -173,7 +224,9 @@ async def finish(
     parsed, rid, created = served.parsed, served.rid, served.shape.created
     if response is None:
         text = "".join(progress.texts)
-        return web.json_response(completion(parsed, rid, created, text, progress.reason, usage))
+        logprobs = progress.logprobs.whole() if progress.logprobs is not None else None
+        body = completion(parsed, rid, created, text, progress.reason, usage, logprobs)
+        return web.json_response(body)
     if parsed.include_usage:
         tail = chunk(parsed, rid, created, "", None, False)
         tail["choices"] = []
@@ -187,6 +240,7 @@ async def finish(
 def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress) -> dict[str, int]:
     """Metrics, span and log line of a finished request; returns its usage."""
     metrics, tokens = parts.metrics, progress.completion_tokens
+    shown = 0 if served.parsed.hide_output else tokens  # what the client is told it got
     if progress.stream_span is not None:
         progress.stream_span.set_attribute("tandem.completion_tokens", tokens)
     if progress.decode_by and (tokens > 1 or served.route == "local"):
@@ -202,8 +256,8 @@ def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress)
     log.info("finished: %d tokens (%s) in %.3fs", tokens, progress.reason, elapsed)
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": tokens,
-        "total_tokens": prompt_tokens + tokens,
+        "completion_tokens": shown,
+        "total_tokens": prompt_tokens + shown,
     }
 
 

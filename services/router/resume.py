@@ -184,6 +184,8 @@ async def resubmit(
         params=job.params,
         stream=True,
         include_usage=claimed.include_usage,
+        echo=claimed.echo,
+        hide_output=claimed.hide_output,
     )
     return ServedRequest(
         rid=claimed.request_id,

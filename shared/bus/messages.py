@@ -77,6 +77,15 @@ class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
     handoff: int = 0  # the job's handoff: every token delta of this node carries it
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One generated token's log-probability under the model (before penalties and
+    temperature), and the most likely tokens' at its position (`SamplingParams.logprobs`)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class TokenDelta(Message, frozen=True, tag="token_delta"):
     """Node → router: the next tokens of a request; `seq` counts deltas per request from 0."""
 
@@ -94,6 +103,8 @@ class TokenDelta(Message, frozen=True, tag="token_delta"):
     # node the request failed over from may still be running it), and a superseded
     # handoff's error (a job still queued when its request went on elsewhere) does not end it.
     handoff: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first delta's, when asked
 
 
 class Reply(Message, frozen=True, tag="reply"):
@@ -200,6 +211,8 @@ class JournalEntry(Message, frozen=True, tag="journal"):
     created: int = 0
     output_ids: list[int] = []
     owner: str = ""  # digest of the API key that created it ("" on an open API): resumes
+    echo: bool = False  # the response shows the prompt first (completions' `echo`)
+    hide_output: bool = False  # an echo with `max_tokens: 0`: its one token is not shown
 
 
 class KVPut(Message, frozen=True, tag="kv_put"):

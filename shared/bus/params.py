@@ -17,6 +17,7 @@ MASK64 = (1 << 64) - 1  # seeds are unsigned 64-bit
 
 
 MAX_CACHE_SALT = 512  # with the router's key digest prefixed (65 characters)
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,6 +42,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # with the same salt share cached prefixes. The router may prefix it with a digest of
     # the API key (--cache-isolation key).
     cache_salt: str = ""
+    # Log-probabilities to return with each generated token (shared/engine/logprobs.py):
+    # None, none; k >= 0, the sampled token's and the k most likely tokens'.
+    logprobs: int | None = None
+    # The same for every prompt token after the first (completions' `echo`): computed at
+    # prefill, delivered with the first token. Such a prompt is prefilled whole, no cache.
+    prompt_logprobs: int | None = None
+    # An llguidance grammar the output must follow (response_format; shared/engine/guided.py)
+    guide: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +97,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad("logit_bias", "token ids must not be negative")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "min_tokens must be between 0 and max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise bad(name, f"{name} must be between 0 and {MAX_LOGPROBS}")
         if len(self.cache_salt) > MAX_CACHE_SALT:
             raise bad("cache_salt", f"cache_salt must be at most {MAX_CACHE_SALT} characters")
 

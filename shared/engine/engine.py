@@ -15,12 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.bus.messages import SequenceSnapshot
+from shared.bus.messages import SequenceSnapshot, TokenLogprob
 from shared.bus.params import SamplingParams, new_seed
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
+from shared.engine.guided import Guides
 from shared.engine.limits import RequestLimits
 from shared.engine.logits import process_batch
+from shared.engine.logprobs import (
+    chosen_logprobs,
+    fill_prompt_logprobs,
+    model_logprobs,
+    wants_prompt_logprobs,
+)
 from shared.engine.outputs import EngineStats, StepOutput
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -85,6 +92,8 @@ class Engine:
         self.scheduler.on_commit = self.exchange.on_commit
         self.tails = TailExchange(self.layout, self.cache, self.scheduler, hash_extra)
         self.vocab_size = int(model.config.vocab_size)
+        vocab = int(model.hf_model.config.vocab_size)
+        self.guides = Guides(model.tokenizer, vocab, model.eos_token_ids)
         self.limits = RequestLimits(
             model.max_model_len, self.vocab_size, self.config.block_size, num_blocks
         )
@@ -253,7 +262,11 @@ class Engine:
         items = [
             PackedItem(s.pending_ids[:n], s.num_computed, s.block_ids) for s, n in plan.prefills
         ]
-        logits = self.runner.forward_packed(items)
+        if any(wants_prompt_logprobs(s) for s, _ in plan.prefills):
+            logits, hidden = self.runner.forward_packed_hidden(items)
+            fill_prompt_logprobs(plan.prefills, hidden, self.runner.logits_of)
+        else:
+            logits = self.runner.forward_packed(items)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += plan.prefill_tokens
         if not plan.chunked:
@@ -277,33 +290,40 @@ class Engine:
         return self._after_forward(batch, logits)
 
     def _after_forward(self, batch: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        rows, raw = model_logprobs(logits, batch)  # before processing changes the logits
         process_batch(logits, batch, self.model.eos_token_ids)
+        self.guides.constrain(logits, batch)
         positions = [s.num_tokens for s in batch]
         tokens = sample(logits, [s.params for s in batch], [s.seed for s in batch], positions)
+        logprobs = chosen_logprobs(rows, raw, batch, tokens)
         outputs = []
-        for seq, tok in zip(batch, tokens, strict=True):
+        for seq, tok, lp in zip(batch, tokens, logprobs, strict=True):
             seq.num_computed = seq.num_tokens
             self.scheduler.commit_full_blocks(seq)
-            outputs.append(self._append_token(seq, tok))
+            outputs.append(self._append_token(seq, tok, lp))
         return outputs
 
-    def _append_token(self, seq: Sequence, tok: int) -> StepOutput:
+    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> StepOutput:
         seq.output_ids.append(tok)
         reason: str | None = None
         if tok in self.model.eos_token_ids and not seq.params.ignore_eos:
             reason = "stop"
         elif tok in seq.params.stop_token_ids:
             reason = "stop"  # its text is not part of the output, as EOS's is not
-        elif seq.detok is not None:
-            seq.detok.add(tok)
-            if seq.detok.stopped:
-                reason = "stop"
+        else:
+            if seq.detok is not None:
+                seq.detok.add(tok)
+                if seq.detok.stopped:
+                    reason = "stop"
+            if self.guides.advance(seq, tok):
+                reason = "stop"  # the response format is complete
         if reason is None and (
             len(seq.output_ids) >= seq.params.max_tokens
             or seq.num_tokens >= self.model.max_model_len
         ):
             reason = "length"
         text = seq.detok.delta(final=reason is not None) if seq.detok is not None else ""
+        prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # out with the first token
         if reason is not None:
             self._finish(seq, reason)
         return StepOutput(
@@ -315,6 +335,8 @@ class Engine:
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=None if lp is None else [lp],
+            prompt_logprobs=prompt_lps,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

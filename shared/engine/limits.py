@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared.bus.params import SamplingParams
 from shared.errors import CapacityError, InvalidRequestError
+from shared.grammar import check as check_guide
 
 
 @dataclass(frozen=True)
@@ -71,5 +72,7 @@ class RequestLimits:
                 request_id=request_id,
                 param="logit_bias" if params.logit_bias else "stop_token_ids",
             )
+        if params.guide:
+            check_guide(params.guide)
         if request_id in known:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.bus.messages import TokenLogprob
+
 
 @dataclass
 class StepOutput:
@@ -18,6 +20,9 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asks
+    # with the first token, if asked: prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -99,6 +99,8 @@ class Scheduler:
         """Cached blocks covering the longest prefix of the sequence (leaving ≥1 token pending)."""
         if not self.config.enable_prefix_caching or seq.block_ids:
             return [], []
+        if seq.params.prompt_logprobs is not None and not seq.output_ids:
+            return [], []  # every prompt position is computed: its logprobs come from there
         hashes = block_hashes(
             seq.all_ids[: seq.num_tokens - 1],
             self.config.block_size,

@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from shared.bus.ids import AttemptId
-from shared.bus.messages import SequenceSnapshot
+from shared.bus.messages import SequenceSnapshot, TokenLogprob
 from shared.bus.params import SamplingParams
 from shared.engine.detokenize import IncrementalDetokenizer
 from shared.kv.block_hash import BlockHash
@@ -46,6 +47,9 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)  # of its full computed blocks
     tail: TailBlock | None = None  # a resume's stored partial block, placed at admission
+    # Entry j: prompt token j+1's logprob (params.prompt_logprobs), filled chunk by chunk
+    prompt_logprobs: list[TokenLogprob] | None = None
+    guide: Any = None  # its grammar's matcher (shared/engine/guided.py), made on first use
 
     @property
     def all_ids(self) -> list[int]:

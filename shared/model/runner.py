@@ -189,9 +189,19 @@ class ModelRunner:
             x = ops.add_rms_norm(h, m, nxt.weight, nxt.variance_epsilon)
         return x
 
-    @torch.inference_mode()
     def forward_packed(self, items: list[PackedItem]) -> torch.Tensor:
         """KV for every item's tokens into the cache; logits `[len(items), vocab]` of each last."""
+        return self.forward_packed_hidden(items)[0]
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final hidden states `[n, hidden]` (`forward_packed_hidden`)."""
+        return self._linear(self.lm_head, hidden).float()
+
+    @torch.inference_mode()
+    def forward_packed_hidden(self, items: list[PackedItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_packed`'s logits, and the final hidden state of every token, item after
+        item `[sum of tokens, hidden]`: what prompt logprobs are computed from (`logits_of`)."""
         ids = [t for it in items for t in it.token_ids]
         positions = torch.tensor(
             [it.start + i for it in items for i in range(len(it.token_ids))], device=self.device
@@ -217,7 +227,7 @@ class ModelRunner:
 
         h = self._layers(ids, positions, slots, attend)
         last = torch.tensor([b - 1 for _, b in bounds], device=self.device)
-        return self._linear(self.lm_head, h[last]).float()
+        return self.logits_of(h[last]), h
 
     def _attend_prefix(
         self, layer_idx: int, item: PackedItem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -41,6 +41,7 @@ TOPICS = [
 class Request:
     prompt_ids: list[int]
     max_tokens: int
+    logprobs: int | None = None  # ask for them (completions' `logprobs`)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Stream:
     rid: str = ""
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # monotonic arrival per event
+    logprobs: list[float] = field(default_factory=list)  # per token, if asked
     events: int = 0
 
     @property
@@ -108,6 +110,8 @@ async def stream_one(
         "ignore_eos": True,
         "stream": True,
     }
+    if request.logprobs is not None:
+        body["logprobs"] = request.logprobs
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:
@@ -119,6 +123,9 @@ async def stream_one(
             into.rid = data["id"]
             into.times.append(time.monotonic())
             into.texts.append(data["choices"][0]["text"] if data["choices"] else "")
+            logprobs = data["choices"][0].get("logprobs") if data["choices"] else None
+            if logprobs:
+                into.logprobs.extend(logprobs["token_logprobs"])
             into.events += 1
 
 

@@ -328,9 +328,12 @@ BAD = [
             ("stop_token_ids", [1, "x"]),
             ("stop_token_ids", [10**7]),
             ("user", 5),
-            ("logprobs", 2),  # not supported yet: refused, not silently ignored
-            ("echo", True),
-            ("response_format", {"type": "json_object"}),
+            ("logprobs", 21),  # beyond the 20 alternatives served
+            ("logprobs", True),  # a completion's is a count, a chat's a boolean
+            ("echo", "yes"),
+            ("n", 2),  # not supported yet: refused, not silently ignored
+            ("response_format", {"type": "xml"}),
+            ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}),
         ]
     ],
 ]

@@ -8,7 +8,6 @@ KV through (both decode nodes are attacked, so its KV lands on an attacked one).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
@@ -21,7 +20,8 @@ from shared.transport.base import BufferHandler, TransferError, TransferRejected
 from shared.transport.factory import make_transport
 from shared.transport.frames import make_header, new_secret
 from tandem.launcher import Stack
-from tests.e2e.test_api import MODEL, reference, text_of
+from tests.e2e.streaming import complete
+from tests.e2e.test_api import reference, text_of
 
 pytestmark = pytest.mark.e2e
 
@@ -43,20 +43,6 @@ async def data_ports(stack: Stack) -> dict[str, str]:
     finally:
         await bus.close()
     return {n.node_id: n.data_address for n in nodes.values() if n.role in ("decode", "kvcache")}
-
-
-async def complete(session: aiohttp.ClientSession, url: str, ids: list[int], n: int) -> str:
-    body = {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True}
-    text = []
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode()
-            if line.startswith("data: {"):
-                data = json.loads(line[6:])
-                assert "error" not in data, data
-                text.append(data["choices"][0]["text"] if data["choices"] else "")
-    return "".join(text)
 
 
 async def flood(addresses: list[str]) -> list[asyncio.StreamWriter]:

@@ -14,6 +14,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.bus.params import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.chaos import Request, Stream, run_streams
 from tests.e2e.conftest import wait_for_every_node
@@ -74,20 +77,33 @@ async def test_decode_node_stopped_gracefully_finishes_its_streams(
         await asyncio.sleep(0.2)
 
 
+def logprobs_of(model: LoadedModel, request: Request) -> list[float]:
+    """The uninterrupted run's token logprobs, from an in-process engine."""
+    params = SamplingParams(
+        max_tokens=request.max_tokens, temperature=0, ignore_eos=True, logprobs=request.logprobs
+    )
+    engine = Engine(model, EngineConfig(num_blocks=256))
+    engine.add_request(request.prompt_ids, params)
+    out = []
+    while engine.has_unfinished():
+        out += [lp.logprob for o in engine.step() for lp in o.logprobs or []]
+    return out
+
+
 def node_metric(stack: Stack, node: str, name: str) -> float:
     return metric(str(stack.metrics_ports[node]), name)
 
 
 async def test_a_decode_node_killed_resumes_on_its_standby_which_loaded_the_context_first(
-    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]]
+    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]], real_model: LoadedModel
 ) -> None:
     """A stream past `--standby-after` tokens has a standby: the other decode node loads the
     stream's stored KV ahead of any failure. SIGKILL the stream's node: it resumes on the
     standby, which loads only the blocks stored since (not the whole context), and the text
-    equals the uninterrupted run."""
+    equals the uninterrupted run; so do the logprobs it asked for, one per token."""
     requests, pieces = chaos_reference
     i = max(range(len(requests)), key=lambda j: len(requests[j].prompt_ids))  # ~300 tokens
-    request, expected = Request(requests[i].prompt_ids, 96), "".join(pieces[i][:96])
+    request, expected = Request(requests[i].prompt_ids, 96, logprobs=1), "".join(pieces[i][:96])
     context_blocks = len(request.prompt_ids) // 16
     decode = ["decode-1", "decode-2"]
     loaded, prefetched = "tandem_prefix_cache_loaded_blocks", "tandem_standby_prefetched_blocks"
@@ -114,6 +130,7 @@ async def test_a_decode_node_killed_resumes_on_its_standby_which_loaded_the_cont
     try:
         await asyncio.gather(run_streams(stack.url, [request], [stream]), kill())
         assert stream.text == expected
+        assert stream.logprobs == pytest.approx(logprobs_of(real_model, request), abs=2e-3)
         # The resume loaded what was stored after the prefetch: a few blocks of generated
         # tokens at most (the context is ~20 blocks); the tail came on its own.
         assert node_metric(stack, standby, loaded) - loaded_before <= 6

@@ -130,7 +130,7 @@ async def test_a_decode_node_killed_resumes_on_its_standby_which_loaded_the_cont
     try:
         await asyncio.gather(run_streams(stack.url, [request], [stream]), kill())
         assert stream.text == expected
-        assert stream.logprobs == pytest.approx(logprobs_of(real_model, request), abs=2e-3)
+        assert stream.logprobs == pytest.approx(logprobs_of(real_model, request), abs=1e-4)
         # The resume loaded what was stored after the prefetch: a few blocks of generated
         # tokens at most (the context is ~20 blocks); the tail came on its own.
         assert node_metric(stack, standby, loaded) - loaded_before <= 6

@@ -15,7 +15,7 @@ from tests.e2e.test_api import MODEL, client
 pytestmark = pytest.mark.e2e
 
 N = 12
-TOL = 2e-3  # float32: a batched, paged forward against transformers' plain one
+TOL = 1e-4  # float32: a batched, paged forward against transformers' plain one
 
 
 def reference(model: LoadedModel, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:

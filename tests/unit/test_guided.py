@@ -124,3 +124,68 @@ def test_a_matcher_in_error_lets_only_the_end_through(tiny_model: LoadedModel) -
     assert len(outs) == 1 and outs[0].finish_reason == "stop"
     assert outs[0].new_token_ids[0] in tiny_model.eos_token_ids
     assert engine.guides.failed == 1
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, object]:
+    """A random bounded schema: every value has a bounded length, so the output must end."""
+    kinds = ["integer", "enum", "boolean", "array", "pattern"] + (["object"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "integer":
+        low = rng.randrange(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randrange(1, 500)}
+    if kind == "enum":
+        words = ["red", "green", "blue", "cat", "dog", "a b", "x-y", "42"]
+        return {"type": "string", "enum": rng.sample(words, rng.randrange(1, 5))}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "pattern":
+        return {"type": "string", "pattern": f"^[a-z]{{1,{rng.randrange(1, 6)}}}$"}
+    if kind == "array":
+        n = rng.randrange(0, 4)
+        return {
+            "type": "array",
+            "items": random_schema(rng, depth + 1),
+            "minItems": n,
+            "maxItems": n,
+        }
+    names = rng.sample(["id", "name", "tags", "ok", "size", "kind", "child"], rng.randrange(1, 4))
+    return {
+        "type": "object",
+        "properties": {name: random_schema(rng, depth + 1) for name in names},
+        "required": names,
+        "additionalProperties": False,
+    }
+
+
+def test_twenty_random_schemas_always_give_output_that_validates(tiny_model: LoadedModel) -> None:
+    """A random model drawing at temperature 1 goes wherever the grammar lets it: each of
+    20 random schemas' outputs ends (finish "stop"), parses, and validates (jsonschema)."""
+    import jsonschema
+
+    rng = random.Random(25)
+    schemas = []
+    for _ in range(20):
+        schema = random_schema(rng)
+        if schema.get("type") != "object":  # a top-level object, as APIs ask for
+            schema = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+        schema["additionalProperties"] = False
+        schema["x-guidance"] = {"whitespace_flexible": False}
+        schemas.append(schema)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=512))
+    ids = {}
+    for i, schema in enumerate(schemas):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        params = SamplingParams(max_tokens=400, temperature=1.0, seed=i, guide=grammar_for(fmt))
+        ids[engine.add_request(prompt(100 + i), params)] = i
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    reasons = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    for rid, i in ids.items():
+        text = tiny_model.tokenizer.decode(tokens[rid])
+        assert reasons[rid] == "stop", (schemas[i], text)
+        schema = {k: v for k, v in schemas[i].items() if k != "x-guidance"}
+        jsonschema.validate(json.loads(text), schema)

@@ -18,7 +18,7 @@ from shared.model.loader import LoadedModel
 pytestmark = pytest.mark.unit
 
 N = 8
-TOL = 1e-3  # float32, batched against unbatched
+TOL = 1e-4  # float32, batched against unbatched (the bar)
 
 
 def prompt(seed: int, n: int = 12) -> list[int]:

@@ -27,6 +27,7 @@ from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord
 from shared.engine.block_exchange import CheckpointPoint
 from shared.engine.engine import Engine
+from shared.engine.sequence import SequenceStatus
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader
 from shared.tasks import WakeLoop
@@ -51,6 +52,7 @@ class CheckpointWriter:
         # keeps a recorded checkpoint's blocks in the kvcache service while the request runs
         self.pin = pin
         self.latest: dict[str, CheckpointPoint] = {}
+        self.covered: dict[str, int] = {}  # request -> tokens its last written record covers
         self.written = 0
         self.failed = 0
         self._loop = WakeLoop(self._round)
@@ -84,6 +86,8 @@ class CheckpointWriter:
             try:
                 await asyncio.wait_for(self.journal.put_checkpoint(record), WRITE_TIMEOUT)
                 self.written += 1
+                if self.running(rid):  # (it may have ended while the record was written)
+                    self.covered[rid] = point.num_tokens
                 if self.pin is not None:  # the blocks a failover would load: not evicted
                     await asyncio.wait_for(self.pin(record.attempt_id, record.block_hashes), 2)
             except Exception as exc:  # a later record supersedes it
@@ -124,6 +128,13 @@ class Checkpointing:
             tails.on_lost = engine.tails.resend
 
     def add_metrics(self, metrics: NodeMetrics) -> None:
+        if self.records is not None:
+            metrics.gauge(
+                "tandem_checkpoint_lag_tokens",
+                "Most tokens of one running sequence not covered by its last checkpoint "
+                "record (a resume recomputes them, less what its stored tail covers)",
+                self.checkpoint_lag,
+            )
         tails = self.tails
         if tails is None:
             return
@@ -134,6 +145,24 @@ class Checkpointing:
             "tandem_checkpoint_tails_lost",
             "Partial blocks the store could not extend: sent again whole",
             lambda: tails.lost,
+        )
+
+    def checkpoint_lag(self) -> int:
+        """Read from the metrics server's thread: a copy of the running requests, and a
+        racing change only makes this scrape a step stale."""
+        assert self.records is not None
+        covered = self.records.covered
+        try:
+            running = list(self.engine.requests.values())
+        except RuntimeError:  # the engine thread changed the table mid-copy
+            return 0
+        return max(
+            (
+                s.num_tokens - covered.get(s.request_id, 0)
+                for s in running
+                if s.status is SequenceStatus.RUNNING  # not the queued: nothing to lose yet
+            ),
+            default=0,
         )
 
     def start(self) -> None:
@@ -176,6 +205,8 @@ class Checkpointing:
         (`over`: the request ended)."""
         if self.tails is not None:
             self.tails.forget(request_id)
+        if self.records is not None:
+            self.records.covered.pop(request_id, None)
         if self.records is not None and self.records.pin is not None:
             self.unpinning[over].add(AttemptId(request_id))
             self._unpins.wake()

@@ -38,7 +38,7 @@ NATS_CONF = ROOT / "deploy" / "nats.conf"
 TRACING_SOURCE = ROOT / "shared" / "telemetry" / "tracing.py"
 
 TANDEM_COMMANDS = {"router", "prefill", "decode", "kvcache"}
-INFRASTRUCTURE = {"nats", "jaeger"}
+INFRASTRUCTURE = {"nats", "jaeger", "prometheus", "grafana"}
 # TANDEM_* variables that code reads directly instead of through an option, and where.
 DIRECT_TANDEM_VARS = {"TANDEM_CACHE": ROOT / "shared" / "model" / "convert.py"}
 # Compose variables that hold the NATS password: the only values .env.example may change.

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -20,6 +21,7 @@ from shared.kv.block_hash import BlockHash
 from shared.kv.sharding import shard
 from shared.kv.tail import TailBlock
 from shared.kvclient.client import KVCacheClient, KVCacheError
+from shared.transport.base import Transport
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
 from tests.otlp_receiver import OtlpReceiver
@@ -54,25 +56,36 @@ def h(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
+def start_node(url: str, kind: str, *argv: str, env: dict[str, str] | None = None) -> Any:
+    """A kvcache node `kv-1` as its own process."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", url, "--node-id", "kv-1",
+         "--transport", kind, *argv],
+        cwd=ROOT,
+        env=env,
+    )  # fmt: skip
+
+
+async def client_side(url: str, kind: str) -> tuple[Bus, Transport, PendingTransfers]:
+    """A client's bus (topology made) and a data-plane listener for the gets' replies."""
+    bus = await Bus(url, "client").connect()
+    assert bus.js is not None
+    await ensure_topology(bus.js)
+    transport = make_transport(kind)
+    pending = PendingTransfers()
+    await transport.start(pending)
+    return bus, transport, pending
+
+
 @pytest.mark.parametrize("kind", ["ucx", "tcp"])
 async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) -> None:
     capacity_blocks = 16
     otlp = OtlpReceiver()
     otlp.start()
     env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url, OTEL_BSP_SCHEDULE_DELAY="100")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
-         "--node-id", "kv-1", "--transport", kind, "--capacity-mb", "1",
-         "--heartbeat-ttl", "2"],
-        cwd=ROOT,
-        env=env,
-    )  # fmt: skip
-    bus = await Bus(nats_server.url, "client").connect()
-    assert bus.js is not None
-    await ensure_topology(bus.js)
-    transport = make_transport(kind)
-    pending = PendingTransfers()
-    await transport.start(pending)
+    argv = ("--capacity-mb", "1", "--heartbeat-ttl", "2")
+    proc = start_node(nats_server.url, kind, *argv, env=env)
+    bus, transport, pending = await client_side(nats_server.url, kind)
     try:
         registry = await NodeRegistry(bus).start()
         for _ in range(200):

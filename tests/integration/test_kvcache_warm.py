@@ -5,22 +5,24 @@ once and can close silent strangers within seconds (shared/transport/admission.p
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 from nats.errors import NoRespondersError
 
-from shared.bus.client import Bus
 from shared.bus.messages import KVWarm, encode, read_reply
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import NatsServer
-from shared.bus.topology import ensure_topology, kvcache_subject
+from shared.bus.topology import kvcache_subject
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.warm import keep_warm
-from shared.transport.factory import make_transport
-from shared.transport.pending import PendingTransfers
-from tests.integration.test_kvcache_service import BLOCK, ROOT, h, stop, wait_for_nodes
+from tests.integration.test_kvcache_service import (
+    BLOCK,
+    client_side,
+    h,
+    start_node,
+    stop,
+    wait_for_nodes,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -30,17 +32,8 @@ async def test_a_warmed_connection_is_a_peer_at_once_and_carries_the_gets(
     nats_server: NatsServer, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TANDEM_DATA_STRANGER_IDLE", "1")  # this process's listener
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "kvcache", "--nats", nats_server.url,
-         "--node-id", "kv-1", "--transport", kind, "--capacity-mb", "4"],
-        cwd=ROOT,
-    )  # fmt: skip
-    bus = await Bus(nats_server.url, "client").connect()
-    assert bus.js is not None
-    await ensure_topology(bus.js)
-    transport = make_transport(kind)
-    pending = PendingTransfers()
-    await transport.start(pending)
+    proc = start_node(nats_server.url, kind, "--capacity-mb", "4")
+    bus, transport, pending = await client_side(nats_server.url, kind)
     table = transport.connections  # type: ignore[attr-defined]
     stopping = asyncio.Event()
     try:

@@ -217,8 +217,11 @@ async def start(
     parsed: ParsedRequest,
     endpoint: str,
     span: trace.Span,
+    beside: str = "",
 ) -> ServedRequest:
-    """Plan and submit an admitted request; nothing of it stays anywhere if this fails."""
+    """Plan and submit an admitted request; nothing of it stays anywhere if this fails.
+    `beside`: a decode node that holds this prompt's KV (another choice of the request
+    runs there): prefill locally there if it takes it, the usual way otherwise."""
     rid = new_request_id(parsed.chat)
     trace.get_current_span().set_attribute("tandem.request_id", rid)  # the request's span
     bind(request_id=rid)
@@ -228,6 +231,9 @@ async def start(
     where = plan(
         parts.nodes, routing, parsed.prompt_ids, params.max_tokens, span, params.cache_salt
     )
+    holder = parts.nodes.nodes.get(beside)
+    if holder is not None and not holder.draining and not parts.config.colocated:
+        where = dataclasses.replace(where, decode_node=holder, local=True)
     stream = await RequestStream(parts.bus, rid).open()
     parts.inflight.claim(rid)  # from its first journal write on, the janitor leaves it alone
     try:

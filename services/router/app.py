@@ -17,6 +17,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.router import admission
+from services.router.admission import resumable_requested
+from services.router.choices import serve_choices
 from services.router.errors import error_response
 from services.router.parts import RouterParts
 from services.router.relay import relay
@@ -24,7 +26,7 @@ from services.router.resume import resume_stream
 from services.router.routing import PrefixRouter
 from services.router.tokens_api import TokensApi
 from shared.bus.workqueue import purge_steered
-from shared.errors import RateLimitError, TandemError
+from shared.errors import InvalidRequestError, RateLimitError, TandemError
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.tracing import tracer
 
@@ -93,6 +95,14 @@ class Router:
             parts.metrics.inflight.inc()
             try:
                 try:
+                    if parsed.n > 1:
+                        if resumable_requested(request):
+                            raise InvalidRequestError(
+                                "a response with n > 1 choices is not resumable", param="n"
+                            )
+                        return await serve_choices(
+                            parts, self.routing, request, parsed, endpoint, admission_span, span
+                        )
                     served = await admission.start(
                         parts, self.routing, request, parsed, endpoint, admission_span
                     )

@@ -30,7 +30,7 @@ from services.router.errors import error_body, error_response
 from services.router.logprobs import LogprobsWriter, merge
 from services.router.parts import RouterParts
 from services.router.request import ServedRequest
-from services.router.responses import chunk, completion
+from services.router.responses import Output, chunk, completion
 from services.router.streams import StreamTimeout
 from shared.bus.messages import TokenDelta
 from shared.errors import DeadlineError, GenerationError, TandemError
@@ -58,31 +58,60 @@ class Progress:
     stream_span: trace.Span | None = None
     logprobs: LogprobsWriter | None = None  # the request asked for them
     echo: str = ""  # the prompt's text, shown before the output (completions' `echo`)
+    usage: dict[str, int] = field(default_factory=dict)  # once finished
 
 
 async def relay(
     parts: RouterParts, http: web.Request, served: ServedRequest, span: trace.Span
 ) -> web.StreamResponse:
     """Stream (or collect) the request's deltas; errors end it with an OpenAI error body."""
+    response = await open_stream(parts, http, served) if served.parsed.stream else None
+    try:
+        progress = await run_choice(parts, served, response, span)
+        return await finish(parts, [(served, progress)], response)
+    except (TandemError, StreamTimeout, TimeoutError) as exc:
+        return await fail(parts, served, response, span, as_tandem_error(exc, parts))
+
+
+async def open_stream(
+    parts: RouterParts, http: web.Request, served: ServedRequest
+) -> web.StreamResponse:
+    """The event stream's response, headers sent; if the client is gone already, the
+    request leaves every node."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await response.prepare(http)
+    except BaseException:
+        await release(parts, served, finished=False)
+        raise
+    return response
+
+
+async def run_choice(
+    parts: RouterParts,
+    served: ServedRequest,
+    response: web.StreamResponse | None,
+    span: trace.Span,
+) -> Progress:
+    """One request's (or one choice's) deltas to their end, its events written to a
+    streaming `response` as they come; recorded and forgotten once complete. Raises what
+    ended it otherwise (the request is then cancelled on every node)."""
     parts.inflight.watch(served.rid, served.failover)
-    response: web.StreamResponse | None = None
     progress = Progress(
         last_t=served.start, logprobs=logprobs_writer(parts, served), echo=echo_text(parts, served)
     )
     finished = False
     try:
-        if served.parsed.stream:
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-            )
-            await response.prepare(http)
         deadline = parts.config.request_timeout - (time.monotonic() - served.start)
         async with asyncio.timeout(deadline):  # the whole request, however it streams
             await stream_deltas(parts, served, response, span, progress)
         finished = True
-        return await finish(parts, served, response, progress)
-    except (TandemError, StreamTimeout, TimeoutError) as exc:
-        return await fail(parts, served, response, span, as_tandem_error(exc, parts))
+        progress.usage = record_finish(parts, served, progress)
+        await served.journal.settle()
+        await parts.journal.delete(served.rid, served.job.attempt_id)
+        return progress
     finally:
         if progress.stream_span is not None:
             progress.stream_span.end()
@@ -185,6 +214,8 @@ def observe(
     progress.last_t = now
     if delta.seq > 0 or served.route == "local":
         progress.decode_by = delta.node_id
+        if served.kv_placed is not None:  # its decode node holds its prompt's KV now
+            served.kv_placed.set()
     progress.completion_tokens = max(progress.completion_tokens, delta.completion_tokens)
     progress.reason = delta.finish_reason if delta.finished else None
 
@@ -207,26 +238,33 @@ async def send_event(
         return
     reason = delta.finish_reason if delta.finished else None
     shape = served.shape
-    body = chunk(served.parsed, served.rid, shape.created, text, reason, opening, logprobs)
+    body = chunk(served.parsed, served.response_id, shape.created, text, reason, opening, logprobs)
+    body["choices"][0]["index"] = served.choice
     await response.write(sse(delta.seq if served.shape.resumable else None, body))
 
 
 async def finish(
     parts: RouterParts,
-    served: ServedRequest,
+    choices: list[tuple[ServedRequest, Progress]],
     response: web.StreamResponse | None,
-    progress: Progress,
 ) -> web.StreamResponse:
-    """The request is complete: record it, forget it, and send the last events or the body."""
-    usage = record_finish(parts, served, progress)
-    await served.journal.settle()
-    await parts.journal.delete(served.rid, served.job.attempt_id)
-    parsed, rid, created = served.parsed, served.rid, served.shape.created
+    """Every choice is complete: count the request and send the last events (usage, if
+    asked, summed over the choices) or the whole body."""
+    served = choices[0][0]
+    parsed, rid, created = served.parsed, served.response_id, served.shape.created
+    parts.metrics.requests.labels(served.shape.endpoint, "200").inc()
+    usage = dict(choices[0][1].usage)
+    for _, progress in choices[1:]:  # one prompt, n outputs
+        usage["completion_tokens"] += progress.usage["completion_tokens"]
+        usage["total_tokens"] += progress.usage["completion_tokens"]
     if response is None:
-        text = "".join(progress.texts)
-        logprobs = progress.logprobs.whole() if progress.logprobs is not None else None
-        body = completion(parsed, rid, created, text, progress.reason, usage, logprobs)
-        return web.json_response(body)
+        outputs = [
+            Output(
+                "".join(p.texts), p.reason, p.logprobs.whole() if p.logprobs is not None else None
+            )
+            for _, p in choices
+        ]
+        return web.json_response(completion(parsed, rid, created, outputs, usage))
     if parsed.include_usage:
         tail = chunk(parsed, rid, created, "", None, False)
         tail["choices"] = []
@@ -252,7 +290,6 @@ def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress)
     metrics.output_tokens.inc(tokens)
     if tokens > 1:
         metrics.tpot.observe((progress.last_t - served.start) / tokens)
-    metrics.requests.labels(served.shape.endpoint, "200").inc()
     log.info("finished: %d tokens (%s) in %.3fs", tokens, progress.reason, elapsed)
     return {
         "prompt_tokens": prompt_tokens,

@@ -86,6 +86,18 @@ class ServedRequest:
     blocks: int  # KV blocks the request can come to fill
     start: float  # monotonic
     skip_through: int = -1  # deltas up to this seq were delivered already (a resumed stream)
+    # One of a request's `n` choices (services/router/choices.py): its index, the id the
+    # client knows (the first choice's), and set at its first token from its decode node
+    # (which then holds its prompt's KV, for the later choices to share; a prefill node
+    # sends the first token before the KV).
+    choice: int = 0
+    shared_id: str = ""
+    kv_placed: asyncio.Event | None = None
+
+    @property
+    def response_id(self) -> str:
+        """The id in the client's events and body."""
+        return self.shared_id or self.rid
 
     @property
     def job(self) -> PrefillJob:

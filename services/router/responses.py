@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from services.router.validation import ParsedRequest
@@ -40,32 +41,48 @@ def chunk(
     }
 
 
+@dataclass
+class Output:
+    """One choice's whole output."""
+
+    text: str
+    reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
 def completion(
     parsed: ParsedRequest,
     rid: str,
     created: int,
-    text: str,
-    reason: str | None,
+    outputs: list[Output],
     usage: dict[str, int],
-    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The body of a non-streamed response."""
-    if parsed.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
-        obj = "text_completion"
+    """The body of a non-streamed response: a choice per output (`n`), in order."""
+    choices: list[dict[str, Any]] = []
+    for i, out in enumerate(outputs):
+        if parsed.chat:
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": out.logprobs,
+                    "finish_reason": out.reason,
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": i,
+                    "text": out.text,
+                    "finish_reason": out.reason,
+                    "logprobs": out.logprobs,
+                }
+            )
     return {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if parsed.chat else "text_completion",
         "created": created,
         "model": parsed.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
     }

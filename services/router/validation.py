@@ -32,6 +32,7 @@ class Limits:
     default_max_tokens: int = 16  # completions default, as OpenAI
     max_stop: int = 4
     max_stop_len: int = 256
+    max_n: int = 16  # choices of one request (each a request inside the cluster)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # independent samples (choices) of the prompt (services/router/choices.py)
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output
     hide_output: bool = False  # `max_tokens: 0` with echo: one token made, none shown
 
@@ -219,8 +221,11 @@ def parse_request(
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
     model = _model(body, served)
-    if integer(body, "n", 1) != 1:
-        raise bad("only n=1 is supported", "n")
+    n = integer(body, "n", 1)
+    if n is None:  # null: the default
+        n = 1
+    if not 1 <= n <= limits.max_n:
+        raise bad(f"'n' must be between 1 and {limits.max_n}", "n")
     prompt_ids = _prompt_ids(body, chat, tok, limits)
     max_tokens = _max_tokens(body, chat, len(prompt_ids), tok, limits)
     hide_output = max_tokens == 0  # an echo alone: a token is made (the engine makes at
@@ -235,5 +240,6 @@ def parse_request(
         stream,
         _include_usage(body),
         echo=echo_option(body, chat),
+        n=n,
         hide_output=hide_output,
     )

@@ -331,7 +331,8 @@ BAD = [
             ("logprobs", 21),  # beyond the 20 alternatives served
             ("logprobs", True),  # a completion's is a count, a chat's a boolean
             ("echo", "yes"),
-            ("n", 2),  # not supported yet: refused, not silently ignored
+            ("n", 0),
+            ("n", 17),  # more choices than one request may ask
             ("response_format", {"type": "xml"}),
             ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}),
         ]

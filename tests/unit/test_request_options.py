@@ -1,5 +1,6 @@
-"""The router's reading of logprobs and echo (services/router/validation.py): what each
-endpoint accepts, what it maps to on the wire, and the clear 400s."""
+"""The router's reading of logprobs, echo, n and response_format
+(services/router/validation.py, options.py): what each endpoint accepts, what it maps to on
+the wire, and the clear 400s."""
 
 from __future__ import annotations
 
@@ -62,3 +63,32 @@ def test_echo_maps_to_prompt_logprobs_and_max_tokens_zero_hides_one_token(
     long = "word " * 2000  # ~2,000 tokens: fine with 0 alternatives, too many with 20
     assert parse(tok, prompt=long, echo=True, logprobs=0).params.prompt_logprobs == 0
     refused(tok, "logprobs", prompt=long, echo=True, logprobs=20)
+
+
+def test_n_and_each_choices_seed(tok: TokenizerInfo) -> None:
+    from services.router.choices import choice_request
+
+    assert parse(tok).n == 1
+    parsed = parse(tok, n=4, seed=10, temperature=0.8)
+    assert parsed.n == 4
+    seeds = [choice_request(parsed, i).params.seed for i in range(4)]
+    assert seeds == [10, 11, 12, 13] and all(choice_request(parsed, i).n == 1 for i in range(4))
+    top = parse(tok, n=2, seed=2**63 - 1)
+    assert choice_request(top, 1).params.seed == 0  # wraps within the 63-bit seed range
+    assert choice_request(parse(tok, n=3), 2).params.seed is None  # each job draws its own
+    refused(tok, "n", n=0)
+    refused(tok, "n", n=17)
+    refused(tok, "n", n="2")
+
+
+def test_response_format_becomes_a_checked_grammar(tok: TokenizerInfo) -> None:
+    assert parse(tok).params.guide == ""
+    assert parse(tok, response_format={"type": "text"}).params.guide == ""
+    assert parse(tok, True, response_format={"type": "json_object"}).params.guide
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert '"a"' in parse(tok, response_format=fmt).params.guide
+    refused(tok, "response_format", response_format="json")
+    refused(tok, "response_format", response_format={"type": "yaml"})
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+    refused(tok, "response_format", response_format=bad)

@@ -1,0 +1,107 @@
+"""`n` > 1 through the disaggregated stack: n choices of one prompt, each sampled with its
+own seed (the request's seed plus its index) exactly as the engine alone samples them, in
+one body or one interleaved stream; the later choices share the first one's prompt KV."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.bus.params import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.model.loader import LoadedModel
+from tandem.launcher import Stack
+from tests.e2e.test_api import MODEL, client
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle. "
+    "The story should mention the sea, the wind, an old map and a gull. "
+) * 4  # ~150 tokens: several full blocks to share
+
+
+def engine_samples(model: LoadedModel, n: int, seed: int, max_tokens: int) -> list[list[int]]:
+    engine = Engine(model, EngineConfig(num_blocks=256))
+    ids = model.encode(PROMPT)
+    return [
+        engine.generate(
+            [ids], SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed + i)
+        )[0]
+        for i in range(n)
+    ]
+
+
+def decode_hits(stack: Stack) -> float:
+    """Prompt tokens the decode nodes found in their caches, all told."""
+    total = 0.0
+    for name, port in stack.metrics_ports.items():
+        if name.startswith("decode"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                for family in text_string_to_metric_families(r.read().decode()):
+                    for s in family.samples:
+                        if s.name == "tandem_prefix_cache_hit_tokens_total":
+                            total += s.value
+    return total
+
+
+def local_routes(stack: Stack) -> float:
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == "tandem_router_routes_total" and s.labels.get("route") == "local":
+                    return float(s.value)
+    return 0.0
+
+
+def test_n_choices_are_the_engines_samples_with_distinct_seeds(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    samples = engine_samples(real_model, 4, seed=7, max_tokens=12)
+    want = [str(real_model.tokenizer.decode(t, skip_special_tokens=True)) for t in samples]
+    assert len(set(want)) > 1  # the seeds differ, so do the samples
+    local_before, hits_before = local_routes(stack), decode_hits(stack)
+    with client(stack) as c:
+        resp = c.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=7, n=4
+        )
+        assert [ch.index for ch in resp.choices] == [0, 1, 2, 3]
+        assert [ch.text for ch in resp.choices] == want
+        assert resp.usage is not None  # one prompt, four outputs
+        assert resp.usage.prompt_tokens == len(real_model.encode(PROMPT))
+        assert resp.usage.completion_tokens == sum(len(t) for t in samples)
+        # The later three prefilled where the first one's prompt KV was: locally.
+        assert local_routes(stack) - local_before >= 3
+        full_blocks = len(real_model.encode(PROMPT)) // 16 * 16
+        assert decode_hits(stack) - hits_before >= 3 * full_blocks  # shared, not recomputed
+        stream = c.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=7, n=4,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        texts = [""] * 4
+        usage = None
+        for ch in stream:
+            for choice in ch.choices:
+                texts[choice.index] += choice.text
+            usage = ch.usage or usage
+        assert texts == want
+        assert usage is not None and usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_chat_choices_stream_interleaved(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with client(stack) as c:
+        whole = c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=3, n=3,  # type: ignore[arg-type]
+        )  # fmt: skip
+        stream = c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=3, n=3,  # type: ignore[arg-type]
+            stream=True,
+        )  # fmt: skip
+        texts = [""] * 3
+        for ch in stream:
+            for choice in ch.choices:
+                texts[choice.index] += choice.delta.content or ""
+    assert texts == [ch.message.content for ch in whole.choices]

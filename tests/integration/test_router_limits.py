@@ -155,7 +155,7 @@ def test_valid_keys_pass_and_probes_stay_open(router: Router) -> None:
     [
         ({"prompt": "word " * 60}, 400, "prompt"),  # over --max-prompt-tokens 50
         ({"max_tokens": 65}, 400, "max_tokens"),  # over --max-tokens-limit 64
-        ({"n": 2}, 400, "n"),
+        ({"n": 17}, 400, "n"),  # over the 16 choices one request may ask
         ({"stop": ["a", "b", "c"]}, 400, "stop"),  # over --max-stop 2
         ({"stop": "123456789"}, 400, "stop"),  # over --max-stop-len 8
         ({"prompt": "x" * 5000}, 413, None),  # body over --max-body-bytes 4096

@@ -62,8 +62,8 @@ async def serve_choices(
     admission_span: trace.Span,
     span: trace.Span,
 ) -> web.StreamResponse:
-    """Start the choices (the first, then the rest after its first token), relay them
-    into one response."""
+    """Start the choices (the first, then the rest once its decode node holds its KV) and
+    relay them into one response."""
     first = await admission.start(
         parts, routing, http, choice_request(parsed, 0), endpoint, admission_span
     )

@@ -98,9 +98,9 @@ def echo_option(body: dict[str, Any], chat: bool) -> bool:
     return boolean(body, "echo", False)
 
 
-def prompt_logprobs_option(body: dict[str, Any], prompt_tokens: int, k: int | None) -> int | None:
+def prompt_logprobs_option(echo: bool, prompt_tokens: int, k: int | None) -> int | None:
     """`echo` with `logprobs: k`: the prompt's tokens' logprobs too (None: not asked)."""
-    if k is None or not echo_option(body, chat=False):
+    if k is None or not echo:
         return None
     if prompt_tokens * (20 + 12 * k) > MAX_PROMPT_LOGPROB_BYTES:
         raise bad(

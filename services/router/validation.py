@@ -132,7 +132,12 @@ def _prompt_ids(body: dict[str, Any], chat: bool, tok: TokenizerInfo, limits: Li
 
 
 def _max_tokens(
-    body: dict[str, Any], chat: bool, prompt_tokens: int, tok: TokenizerInfo, limits: Limits
+    body: dict[str, Any],
+    chat: bool,
+    echo: bool,
+    prompt_tokens: int,
+    tok: TokenizerInfo,
+    limits: Limits,
 ) -> int:
     """Tokens to generate at most: as asked, within limits and the model's context (a chat
     that asks nothing gets the room left, a completion OpenAI's default; an echo may ask 0,
@@ -143,7 +148,7 @@ def _max_tokens(
     room = tok.max_model_len - prompt_tokens
     if max_tokens is None:
         max_tokens = min(room, limits.max_tokens)
-    if max_tokens == 0 and echo_option(body, chat):
+    if max_tokens == 0 and echo:
         return 0
     if max_tokens <= 0 or max_tokens > limits.max_tokens:
         raise bad(f"'{key}' must be between 1 and {limits.max_tokens}", key)
@@ -159,6 +164,7 @@ def _max_tokens(
 def _sampling(
     body: dict[str, Any],
     chat: bool,
+    echo: bool,
     max_tokens: int,
     prompt_tokens: int,
     limits: Limits,
@@ -187,7 +193,7 @@ def _sampling(
         cache_salt=cache_salt_option(body),
         guide=guide_option(body),
         logprobs=(k := logprobs_option(body, chat)),
-        prompt_logprobs=None if chat else prompt_logprobs_option(body, prompt_tokens, k),
+        prompt_logprobs=prompt_logprobs_option(echo, prompt_tokens, k),
         **processing_options(body, vocab),
     )
     params.validate()  # the ranges every node checks too
@@ -226,11 +232,12 @@ def parse_request(
         n = 1
     if not 1 <= n <= limits.max_n:
         raise bad(f"'n' must be between 1 and {limits.max_n}", "n")
+    echo = echo_option(body, chat)
     prompt_ids = _prompt_ids(body, chat, tok, limits)
-    max_tokens = _max_tokens(body, chat, len(prompt_ids), tok, limits)
+    max_tokens = _max_tokens(body, chat, echo, len(prompt_ids), tok, limits)
     hide_output = max_tokens == 0  # an echo alone: a token is made (the engine makes at
     max_tokens = max_tokens or 1  # least one) and not shown
-    params = _sampling(body, chat, max_tokens, len(prompt_ids), limits, tok.vocab_size)
+    params = _sampling(body, chat, echo, max_tokens, len(prompt_ids), limits, tok.vocab_size)
     stream = boolean(body, "stream", False)
     return ParsedRequest(
         chat,
@@ -239,7 +246,7 @@ def parse_request(
         params,
         stream,
         _include_usage(body),
-        echo=echo_option(body, chat),
+        echo=echo,
         n=n,
         hide_output=hide_output,
     )

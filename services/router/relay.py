@@ -238,8 +238,10 @@ async def send_event(
         return
     reason = delta.finish_reason if delta.finished else None
     shape = served.shape
-    body = chunk(served.parsed, served.response_id, shape.created, text, reason, opening, logprobs)
-    body["choices"][0]["index"] = served.choice
+    body = chunk(
+        served.parsed, served.response_id, shape.created, text, reason, opening, logprobs,
+        served.choice,
+    )  # fmt: skip
     await response.write(sse(delta.seq if served.shape.resumable else None, body))
 
 
@@ -278,7 +280,7 @@ async def finish(
 def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress) -> dict[str, int]:
     """Metrics, span and log line of a finished request; returns its usage."""
     metrics, tokens = parts.metrics, progress.completion_tokens
-    shown = 0 if served.parsed.hide_output else tokens  # what the client is told it got
+    visible = 0 if served.parsed.hide_output else tokens  # what the client is told it got
     if progress.stream_span is not None:
         progress.stream_span.set_attribute("tandem.completion_tokens", tokens)
     if progress.decode_by and (tokens > 1 or served.route == "local"):
@@ -293,8 +295,8 @@ def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress)
     log.info("finished: %d tokens (%s) in %.3fs", tokens, progress.reason, elapsed)
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": shown,
-        "total_tokens": prompt_tokens + shown,
+        "completion_tokens": visible,
+        "total_tokens": prompt_tokens + visible,
     }
 
 

@@ -16,9 +16,11 @@ def chunk(
     reason: str | None,
     first: bool,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One server-sent event's body; a chat stream's first chunk carries the role, and
-    `logprobs` (services/router/logprobs.py) the event's tokens' when the request asked."""
+    """One server-sent event's body, of choice `index`; a chat stream's first chunk carries
+    the role, and `logprobs` (services/router/logprobs.py) the event's tokens' when the
+    request asked."""
     if parsed.chat:
         delta: dict[str, Any] = {"content": text} if text or not first else {}
         if first:
@@ -29,7 +31,7 @@ def chunk(
             "created": created,
             "model": parsed.model,
             "choices": [
-                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             ],
         }
     return {
@@ -37,7 +39,7 @@ def chunk(
         "object": "text_completion",
         "created": created,
         "model": parsed.model,
-        "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}],
+        "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}],
     }
 
 

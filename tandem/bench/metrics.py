@@ -11,10 +11,16 @@ Definitions (also in docs/benchmarks.md):
   lower swept rate included (one lucky point above a failing one is noise, not capacity).
 Percentiles interpolate linearly between closest ranks (numpy's default), so small
 samples give the numbers other tools print too.
+
+A simulated hour of a cluster delivers too many tokens to list each one's arrival, so a
+record may keep its gaps as runs of equal gaps instead (`itl_runs`); every metric reads
+both forms alike (`itl_distribution`).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +34,9 @@ class RequestRecord:
     max_tokens: int
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)  # arrival of each content chunk
+    # The gaps after the first chunk as runs [gap seconds, how many], instead of chunks[1:]
+    # (None: `chunks` lists every arrival). `tandem plan simulate` records this way.
+    itl_runs: list[list[float]] | None = None
     done: float = 0.0  # the stream ended ([DONE], or the error)
     output_tokens: int = 0  # usage.completion_tokens when reported, else len(chunks)
     error: str | None = None
@@ -97,6 +106,37 @@ def summarize(values: Sequence[float]) -> Summary:
     )
 
 
+def weighted_percentile(values: Sequence[float], counts: Sequence[int], q: float) -> float:
+    """`percentile` of the list holding each of `values` (ascending) `counts` times,
+    without making that list."""
+    total = sum(counts)
+    if not total:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} outside 0-100")
+    pos = (total - 1) * q / 100
+    lo = math.floor(pos)
+    cumulative = list(itertools.accumulate(counts))
+    i = bisect.bisect_right(cumulative, lo)  # the value at rank lo (0-based)
+    j = bisect.bisect_right(cumulative, min(lo + 1, total - 1))
+    return values[i] + (values[j] - values[i]) * (pos - lo)
+
+
+def summarize_counted(values: Sequence[float], counts: Sequence[int]) -> Summary:
+    """`summarize` of each of `values` (ascending, distinct) repeated `counts` times."""
+    total = sum(counts)
+    if not total:
+        return Summary(0, None, None, None, None, None)
+    return Summary(
+        n=total,
+        mean=sum(v * c for v, c in zip(values, counts, strict=True)) / total,
+        p50=weighted_percentile(values, counts, 50),
+        p90=weighted_percentile(values, counts, 90),
+        p99=weighted_percentile(values, counts, 99),
+        max=values[-1],
+    )
+
+
 def ttft(r: RequestRecord) -> float:
     return r.chunks[0] - r.sent
 
@@ -112,7 +152,33 @@ def tpot(r: RequestRecord) -> float | None:
 
 
 def itls(r: RequestRecord) -> list[float]:
+    if r.itl_runs is not None:
+        return [gap for gap, count in r.itl_runs for _ in range(int(count))]
     return [b - a for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
+
+
+def add_gap(r: RequestRecord, gap: float, count: int = 1) -> None:
+    """`count` more gaps of `gap` seconds in a record kept as runs (`itl_runs`)."""
+    runs = r.itl_runs if r.itl_runs is not None else []
+    r.itl_runs = runs
+    if runs and runs[-1][0] == gap:
+        runs[-1][1] += count
+    else:
+        runs.append([gap, count])
+
+
+def itl_distribution(records: Sequence[RequestRecord]) -> tuple[list[float], list[int]]:
+    """Every gap of these records: the distinct values ascending, and how often each."""
+    counts: dict[float, int] = {}
+    for r in records:
+        if r.itl_runs is not None:
+            for gap, count in r.itl_runs:
+                counts[gap] = counts.get(gap, 0) + int(count)
+        else:
+            for gap in itls(r):
+                counts[gap] = counts.get(gap, 0) + 1
+    values = sorted(counts)
+    return values, [counts[v] for v in values]
 
 
 def meets_ttft(r: RequestRecord, slo: Slo) -> bool:
@@ -146,7 +212,7 @@ def run_metrics(records: Sequence[RequestRecord], slo: Slo) -> RunMetrics:
         total_token_throughput=(output + sum(r.prompt_tokens for r in done)) * per_s,
         ttft=summarize([ttft(r) for r in done]),
         tpot=summarize([t for r in done if (t := tpot(r)) is not None]),
-        itl=summarize([gap for r in done for gap in itls(r)]),
+        itl=summarize_counted(*itl_distribution(done)),
         e2e=summarize([e2e(r) for r in done]),
         slo_attainment=good / len(records) if records else 0.0,
         good_request_rate=good * per_s,

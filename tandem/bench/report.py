@@ -9,12 +9,13 @@ rate; only for paced points).
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.metrics import RequestRecord, e2e, itls, tpot, ttft
+from tandem.bench.metrics import RequestRecord, e2e, itl_distribution, tpot, ttft
 from tandem.bench.sweep import Sweep, rate_label
 
 
@@ -29,6 +30,7 @@ def record_json(r: RequestRecord) -> dict[str, Any]:
         "e2e": round(e2e(r), 6),
         "error": r.error,
         "chunk_offsets": [round(c - r.sent, 5) for c in r.chunks],  # CDFs can be redrawn
+        **({} if r.itl_runs is None else {"itl_runs": [[round(g, 6), n] for g, n in r.itl_runs]}),
     }
 
 
@@ -104,17 +106,24 @@ def plot(sweeps: list[Sweep], json_path: Path) -> list[Path]:
     metrics = [
         ("TTFT (s)", lambda r: [ttft(r)]),
         ("TPOT (ms)", lambda r: [t * 1e3] if (t := tpot(r)) is not None else []),
-        ("ITL (ms)", lambda r: [g * 1e3 for g in itls(r)]),
+        ("ITL (ms)", None),
         ("E2E latency (s)", lambda r: [e2e(r)]),
     ]
     styles = ["-", "--", ":", "-."]
     for ax, (name, values_of) in zip(axes.flat, metrics, strict=True):
         for k, s in enumerate(sweeps):
             for j, p in enumerate(s.points):
-                values = sorted(v for r in p.records if r.ok for v in values_of(r))
+                done = [r for r in p.records if r.ok]
+                if values_of is None:  # gaps: counted by value (a simulation's are many)
+                    values, counts = itl_distribution(done)
+                    values = [v * 1e3 for v in values]
+                else:
+                    values = sorted(v for r in done for v in values_of(r))
+                    counts = [1] * len(values)
                 if not values:
                     continue
-                ys = [(i + 1) / len(values) for i in range(len(values))]
+                total = sum(counts)
+                ys = [c / total for c in itertools.accumulate(counts)]
                 ax.step(values, ys, where="post", color=f"C{j}", linestyle=styles[k % 4],
                         label=f"{s.label} @ {rate_label(p.rate)} req/s")  # fmt: skip
         ax.set_xlabel(name)

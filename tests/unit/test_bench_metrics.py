@@ -10,8 +10,10 @@ import pytest
 from tandem.bench.metrics import (
     RequestRecord,
     Slo,
+    add_gap,
     e2e,
     goodput,
+    itl_distribution,
     itls,
     meets,
     percentile,
@@ -19,6 +21,7 @@ from tandem.bench.metrics import (
     summarize,
     tpot,
     ttft,
+    weighted_percentile,
 )
 
 pytestmark = pytest.mark.unit
@@ -153,3 +156,30 @@ def test_goodput_from_timelines_of_a_sweep() -> None:
         points.append((rate, run_metrics(records, slo).slo_attainment))
     assert [a for _, a in points] == [1.0, 0.9, 0.5]
     assert goodput(points, slo.attainment) == 1.0
+
+
+def test_gaps_kept_as_runs_summarise_as_listed_gaps() -> None:
+    """A simulated record keeps its gaps as runs of equal gaps; its ITL summary (and the
+    percentiles between repeated values) must be the listed gaps' exactly."""
+    rng = random.Random(9)
+    listed, runs = [], []
+    for i in range(40):
+        sent, t = float(i), float(i) + 0.5
+        chunks, compact = [t], RequestRecord(100, 1, sent=sent, chunks=[t], itl_runs=[])
+        for _ in range(rng.randint(1, 6)):
+            gap, count = rng.choice([0.01, 0.02, 0.25]), rng.randint(1, 50)
+            add_gap(compact, gap, count)
+            for _ in range(count):
+                chunks.append(chunks[-1] + gap)
+        compact.done, compact.output_tokens = chunks[-1], len(chunks)
+        listed.append(record(sent, chunks))
+        runs.append(compact)
+    assert [itls(r) for r in runs] == [pytest.approx(itls(r)) for r in listed]
+    a, b = run_metrics(runs, Slo()).itl, run_metrics(listed, Slo()).itl
+    assert a.n == b.n and a.max == pytest.approx(b.max)
+    for q in ("mean", "p50", "p90", "p99"):
+        assert getattr(a, q) == pytest.approx(getattr(b, q), abs=1e-9), q
+    values, counts = itl_distribution(runs)
+    assert values == sorted(set(values)) and sum(counts) == a.n
+    assert weighted_percentile([1.0, 2.0], [3, 1], 50) == percentile([1.0, 1.0, 1.0, 2.0], 50)
+    assert weighted_percentile([1.0, 2.0], [3, 1], 90) == percentile([1.0, 1.0, 1.0, 2.0], 90)

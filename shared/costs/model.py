@@ -82,6 +82,17 @@ class CostModel:
             self._decode_memo[key] = value
         return value
 
+    def decode_run(self, batch: int, context: float, steps: int) -> list[tuple[float, int]]:
+        """`steps` decode steps in a row of the same batch, from `context` (one more token of
+        KV per step): runs of (seconds of each step, steps), as `decode` times each step."""
+        runs: list[tuple[float, int]] = []
+        c = int(context)  # int(context + j) // 16 == (c + j) // 16: the same memo keys
+        while steps > 0:
+            n = min(steps, 16 - c % 16)
+            runs.append((self.decode(batch, c), n))
+            c, steps = c + n, steps - n
+        return runs
+
     def transfer(self, nbytes: int) -> float:
         """Moving `nbytes` of KV between two nodes (0 without transfer points: same node)."""
         if nbytes <= 0 or not self._transfer[0]:

@@ -247,6 +247,37 @@ class Scheduler:
         # A sequence scheduled early may have been preempted to make room for a later one.
         return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
 
+    def steady_decode_steps(self, limit: int) -> int:
+        """How many decode steps in a row (at most `limit`) the running batch can take with
+        no decision to make: nothing waits or prefills (no admission, no chunk), and the
+        pool holds every block they need (no preemption). `plan_step` would plan each of
+        them as a decode of the whole batch; `tandem plan simulate` takes them at once."""
+        if self.waiting or self.prefilling or not self.running or limit < 1:
+            return 0
+        if self.pool.can_allocate(self._decode_blocks(limit)):
+            return limit
+        lo, hi = 0, limit  # lo steps fit, hi do not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.pool.can_allocate(self._decode_blocks(mid)) else (lo, mid)
+        return lo
+
+    def _decode_blocks(self, steps: int) -> int:
+        """New blocks the running batch takes over `steps` decode steps (a step's token
+        goes at position num_computed, as `schedule_decode` places it)."""
+        bs = self.config.block_size
+        return sum(
+            max(0, (s.num_computed + steps - 1) // bs + 1 - len(s.block_ids)) for s in self.running
+        )
+
+    def allocate_decodes(self, steps: int) -> None:
+        """The blocks of `steps` steady decode steps (`steady_decode_steps`), all at once."""
+        bs = self.config.block_size
+        for seq in self.running:
+            need = (seq.num_computed + steps - 1) // bs + 1 - len(seq.block_ids)
+            if need > 0:
+                seq.block_ids.extend(self.pool.allocate(need))
+
     def _preempt_last(self, keep: Sequence) -> bool:
         for victim in reversed(self.running):
             if victim is not keep:

@@ -12,12 +12,14 @@ arriving meanwhile wait for the next step, as they do behind a node's engine thr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.bus.params import SamplingParams
 from shared.costs.model import CostModel
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.errors import CapacityError
 from shared.kv.block_pool import BlockPool
 
 SIM_TOKEN = 7  # every simulated output token: its value never matters, its count does
@@ -30,11 +32,47 @@ class EngineShape(SchedulerConfig):
     num_blocks: int = 4096
 
 
+class CountingPool(BlockPool):
+    """A block pool that only counts its free blocks, for engines without prefix caching:
+    no block is then ever found by its content, so which ids a sequence holds never
+    matters to a decision, only how many are free (and a simulated hour of a cluster
+    allocates a few hundred million blocks; tests hold it to the real pool)."""
+
+    def __init__(self, num_blocks: int) -> None:  # not the real pool's per-block state
+        if num_blocks <= 0:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.free_count = num_blocks
+        self.ref_counts, self.block_hash, self.hash_to_block_id = [], [], {}
+        self.on_evict = None
+
+    @property
+    def num_free(self) -> int:
+        return self.free_count
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.free_count
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= self.free_count
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise CapacityError(f"need {n} KV blocks, {self.free_count} free")
+        self.free_count -= n
+        return [0] * n
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self.free_count += len(block_ids if isinstance(block_ids, list) else list(block_ids))
+
+
 class SimEngine:
     def __init__(self, shape: EngineShape, costs: CostModel) -> None:
         self.shape = shape
         self.costs = costs
-        self.scheduler = Scheduler(shape, BlockPool(shape.num_blocks), b"sim")
+        pool = BlockPool if shape.enable_prefix_caching else CountingPool
+        self.scheduler = Scheduler(shape, pool(shape.num_blocks), b"sim")
 
     @staticmethod
     def new_sequence(request_id: str, prompt_ids: list[int], max_tokens: int) -> Sequence:
@@ -92,6 +130,33 @@ class SimEngine:
                 seq.status = SequenceStatus.FINISHED
             out.append(seq)
         return out
+
+    def steady_run(self, limit: int) -> tuple[list[Sequence], int, list[tuple[float, int]]] | None:
+        """Decode steps the scheduler would plan one by one with nothing to decide
+        (`Scheduler.steady_decode_steps`), up to `limit` and to the first sequence's last
+        token: the batch, the number of steps and their times (runs of (seconds, steps)).
+        None when the next step has something to decide (or only one step would run)."""
+        running = self.scheduler.running
+        if not running:
+            return None
+        left = min(s.params.max_tokens - len(s.output_ids) for s in running)
+        steps = self.scheduler.steady_decode_steps(min(limit, left))
+        if steps < 2:
+            return None
+        context = sum(s.num_tokens for s in running) / len(running)
+        return list(running), steps, self.costs.decode_run(len(running), context, steps)
+
+    def advance(self, batch: list[Sequence], steps: int) -> None:
+        """`steps` steps of a steady run: their blocks, then a token each per step (as
+        `begin` appends them one step at a time); those reaching max_tokens finish."""
+        self.scheduler.allocate_decodes(steps)
+        for seq in batch:
+            seq.output_ids.extend([SIM_TOKEN] * steps)
+            seq.num_computed = seq.num_tokens - 1
+            self.scheduler.commit_full_blocks(seq)
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
 
     def release(self, seq: Sequence) -> None:
         """Its KV left for a decode node (prefill node): blocks freed, cached ones kept."""

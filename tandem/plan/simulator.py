@@ -14,8 +14,16 @@ Time comes from a profile (shared/costs/model.py); every decision is the real co
   its next jobs once every hand-off is done, retrying (with the node's backoff) a decode
   node that has no room, then any other, as `services/prefill/handoff.py` does.
 
-Output: the `RequestRecord`s `tandem bench serve` would have measured (send, every token's
-arrival, end), so the same metrics code summarises both.
+Decode steps that decide nothing (the batch only decodes: nothing waits, nothing
+prefills, every block it needs is free) are taken as one run up to the first sequence's
+last token (`SimEngine.steady_run`), not one event each. Anything that changes the node
+meanwhile (a request arriving, a hand-off, a heartbeat reading its state) first cuts the
+run: the steps a stepwise node would have begun by then are applied, and the change joins
+at the next step, as it would. `Topology.macro_steps=False` steps one event a step (the
+reference the tests hold runs to).
+
+Output: the `RequestRecord`s `tandem bench serve` would have measured (send, first token,
+every later gap as runs of equal gaps, end), so the same metrics code summarises both.
 """
 
 from __future__ import annotations
@@ -39,11 +47,12 @@ from shared.costs.model import CostModel
 from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
-from tandem.bench.metrics import RequestRecord
+from tandem.bench.metrics import RequestRecord, add_gap
 from tandem.plan.simengine import EngineShape, SimEngine
 
 HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
 DEFAULT_TIMEOUT = 300.0  # a request's client gives up after this (bench serve's --timeout)
+RUN_LIMIT = 4096  # steady decode steps taken as one run at most
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,7 @@ class Topology:
     # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks.md),
     # the commands' default (--admission-latency 0.05); none unless given here.
     admission_latency: float = 0.0
+    macro_steps: bool = True  # steady decode steps as one run (False: an event a step)
 
     def check(self) -> str | None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -90,12 +100,57 @@ class _Job:
     decode_node: str
 
 
+@dataclass
+class _Run:
+    """Steady decode steps in a row (`SimEngine.steady_run`) from `start`, applied to the
+    engine and the records lazily: when cut, or at the end."""
+
+    start: float
+    batch: list[Sequence]
+    steps: list[tuple[float, int]]  # (seconds of each step, steps), in order
+    total: int
+    applied: int = 0
+
+    def elapsed(self, steps: int) -> float:
+        """Seconds from the start to the end of step `steps`."""
+        seconds = 0.0
+        for each, count in self.steps:
+            if steps <= 0:
+                break
+            seconds += each * min(count, steps)
+            steps -= count
+        return seconds
+
+    def begun(self, now: float) -> int:
+        """Steps a stepwise node has begun by `now` (its tokens are in the batch's
+        sequences from a step's start): every step ended by then, and the next."""
+        steps, at = 0, self.start
+        for each, count in self.steps:
+            whole = min(count, int((now - at) / each) if each > 0 else count)
+            steps, at = steps + whole, at + each * whole
+            if whole < count:
+                break
+        return min(self.total, steps + 1)
+
+    def gaps(self, first: int, last: int) -> list[tuple[float, int]]:
+        """The step durations of steps `first`+1 .. `last` (1-based), as runs."""
+        out, seen = [], 0
+        for each, count in self.steps:
+            lo, hi = max(first, seen), min(last, seen + count)
+            if hi > lo:
+                out.append((each, hi - lo))
+            seen += count
+        return out
+
+
 class _Decode:
     def __init__(self, node_id: str, engine: SimEngine) -> None:
         self.node_id = node_id
         self.engine = engine
         self.stepping = False
         self.records: dict[str, RequestRecord] = {}
+        self.run: _Run | None = None
+        self.generation = 0  # of the run whose end is scheduled (a cut one's is stale)
 
 
 class _Prefill:
@@ -116,6 +171,7 @@ class Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._order = itertools.count()
+        self.events = 0  # handled so far (what the simulation's time goes with)
         colocated = topology.colocated > 0
         count = topology.colocated or topology.decode
         self.decoders = {
@@ -156,6 +212,7 @@ class Simulation:
         # id() of the record of each request not yet ended -> its request id ("" until the
         # router has planned it): its end drops its prefill backlog, as relay.release does
         self._open: dict[int, str] = {}
+        self._last_token: dict[int, float] = {}  # id() of an open record -> its last token
         self._request_ids = itertools.count()  # distinct across nodes, as attempt ids are
 
     # ---- the event loop ---------------------------------------------------------------------
@@ -177,6 +234,7 @@ class Simulation:
         while self._events and (self._in_flight or self._pending):
             when, _, fn, args = heapq.heappop(self._events)
             self.now = when
+            self.events += 1
             fn(*args)
         return self.records
 
@@ -201,6 +259,7 @@ class Simulation:
         """Its registry entry, with the fields the decode and prefill workers fill in."""
         role: NodeRole
         if node_id in self.decoders:
+            self._cut(self.decoders[node_id])
             role, sched = "decode", self.decoders[node_id].engine.scheduler
             running = sched.num_running
             load = running + len(sched.waiting)
@@ -245,24 +304,37 @@ class Simulation:
         track_backlog(self.nodes, cast(RequestId, seq.request_id), where, route, len(prompt))
         if where.local:
             decoder.records[seq.request_id] = record
+            self._cut(decoder)
             decoder.engine.add(seq)
             self._kick(decoder)
             return
         self.queue.append(_Job(seq, record, decoder.node_id))
         for node in self.prefillers.values():
+            if not self.queue:
+                break  # taken: the other nodes have nothing to look at
             self._take_jobs(node)
 
     def _token(self, record: RequestRecord, last: bool) -> None:
         """One token reaches the client (its first: no longer queued for a prefill)."""
-        rid = self._open.get(id(record))
+        key = id(record)
+        rid = self._open.get(key)
         if rid is None:
             return  # the client gave up on it
         if not record.chunks:
             self.nodes.prefill_done(rid)
-        record.chunks.append(self.now)
+            record.chunks.append(self.now)
+            record.itl_runs = []
+        else:
+            add_gap(record, self.now - self._last_token[key])
+        self._last_token[key] = self.now
         if last:
-            record.done, record.output_tokens = self.now, len(record.chunks)
-            self._ended(record)
+            self._done(record)
+
+    def _done(self, record: RequestRecord) -> None:
+        """Its last token has come: the stream ends."""
+        record.done = self.now
+        record.output_tokens = 1 + sum(int(n) for _, n in record.itl_runs or ())
+        self._ended(record)
 
     def _fail(self, record: RequestRecord, error: str) -> None:
         if id(record) in self._open:
@@ -274,6 +346,7 @@ class Simulation:
 
     def _ended(self, record: RequestRecord) -> None:
         self.nodes.prefill_done(self._open.pop(id(record)))  # ended before a first token
+        self._last_token.pop(id(record), None)
         self._in_flight -= 1
         self._release_arrivals()
 
@@ -282,11 +355,64 @@ class Simulation:
     def _kick(self, node: _Decode) -> None:
         if node.stepping or not node.engine.scheduler.has_unfinished():
             return
+        if self.topology.macro_steps and (run := node.engine.steady_run(RUN_LIMIT)) is not None:
+            batch, total, steps = run
+            node.run = _Run(self.now, batch, steps, total)
+            node.stepping = True
+            node.generation += 1
+            self.at(self.now + node.run.elapsed(total), self._run_end, node, node.generation)
+            return
         plan, seconds, decoded = node.engine.begin()
         if not plan.decodes and not plan.prefills:
             return  # nothing fits now; the next arrival or hand-off kicks again
         node.stepping = True
         self.at(self.now + seconds, self._step_done, node, plan, decoded)
+
+    def _cut(self, node: _Decode) -> None:
+        """Before the node changes mid-run: apply the steps a stepwise node has begun by
+        now, and end the run with the one in progress (the change joins the next step)."""
+        run = node.run
+        if run is None:
+            return
+        begun = run.begun(self.now)
+        self._apply(node, run, begun)
+        if begun < run.total:
+            run.total = begun
+            node.generation += 1
+            self.at(run.start + run.elapsed(begun), self._run_end, node, node.generation)
+
+    def _apply(self, node: _Decode, run: _Run, upto: int) -> None:
+        """Steps run.applied+1 .. `upto` into the engine and the records (their tokens'
+        times are known; they reach the client at those times, after this)."""
+        if upto <= run.applied:
+            return
+        node.engine.advance(run.batch, upto - run.applied)
+        first_end = run.start + run.elapsed(run.applied + 1)
+        last_end = run.start + run.elapsed(upto)
+        rest = run.gaps(run.applied + 1, upto)
+        for seq in run.batch:
+            record = node.records[seq.request_id]
+            key = id(record)
+            if key not in self._open:
+                continue  # the client gave up on it
+            add_gap(record, first_end - self._last_token[key])
+            for each, count in rest:
+                add_gap(record, each, count)
+            self._last_token[key] = last_end
+        run.applied = upto
+
+    def _run_end(self, node: _Decode, generation: int) -> None:
+        if generation != node.generation or node.run is None:
+            return  # cut meanwhile: its end is the cut's
+        run, node.run = node.run, None
+        self._apply(node, run, run.total)
+        node.stepping = False
+        for seq in run.batch:
+            if seq.status is SequenceStatus.FINISHED:
+                record = node.records.pop(seq.request_id)
+                if id(record) in self._open:
+                    self._done(record)
+        self._kick(node)
 
     def _step_done(self, node: _Decode, plan: StepPlan, decoded: list[Sequence]) -> None:
         node.stepping = False
@@ -348,6 +474,7 @@ class Simulation:
         """The preferred decode node if it has room, else any other; else retry later."""
         order = sorted(self.decoders.values(), key=lambda d: d.node_id != job.decode_node)
         for decoder in order:
+            self._cut(decoder)
             if decoder.engine.add_prefilled(job.seq):
                 decoder.records[job.seq.request_id] = job.record
                 self._kick(decoder)

@@ -4,6 +4,7 @@ and its command against `tandem bench serve`'s document."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -20,9 +21,11 @@ from shared.costs.profile import (
     Profile,
     TransferPoint,
 )
+from shared.kv.block_pool import BlockPool
 from tandem.bench.loadgen import arrival_times
-from tandem.plan import simulate
-from tandem.plan.simengine import EngineShape
+from tandem.bench.metrics import RequestRecord, itls
+from tandem.plan import simengine, simulate
+from tandem.plan.simengine import CountingPool, EngineShape
 from tandem.plan.simulator import Arrival, Simulation, Topology
 
 PREFILL_PER_TOKEN = 0.001  # s: a 500-token prompt prefills in 0.5 s
@@ -86,9 +89,7 @@ def test_one_request_colocated() -> None:
     assert rec.ok and rec.output_tokens == 10
     assert rec.chunks[0] == pytest.approx(0.5)  # alone: its prompt prefills whole
     assert rec.done == pytest.approx(0.5 + 9 * DECODE_STEP)
-    assert [b - a for a, b in zip(rec.chunks, rec.chunks[1:], strict=False)] == pytest.approx(
-        [DECODE_STEP] * 9
-    )
+    assert itls(rec) == pytest.approx([DECODE_STEP] * 9)
 
 
 def test_one_request_split_pays_the_transfer() -> None:
@@ -96,7 +97,7 @@ def test_one_request_split_pays_the_transfer() -> None:
     (rec,) = sim.run([Arrival(0.0, 500, 10)])
     transfer = 500 * KV_PER_TOKEN / LINK
     assert rec.chunks[0] == pytest.approx(0.5)  # the prefill node publishes it
-    assert rec.chunks[1] == pytest.approx(0.5 + transfer + DECODE_STEP)
+    assert rec.chunks[0] + itls(rec)[0] == pytest.approx(0.5 + transfer + DECODE_STEP)
     assert rec.done == pytest.approx(0.5 + transfer + 9 * DECODE_STEP)
 
 
@@ -108,7 +109,7 @@ def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
     def worst_gap(budget: int) -> float:
         sim = Simulation(Topology(colocated=1, decode_engine=shape(budget)), costs)
         first, _ = sim.run([Arrival(0.0, 100, 60), Arrival(0.3, 2000, 2)])
-        return max(b - a for a, b in zip(first.chunks, first.chunks[1:], strict=False))
+        return max(itls(first))
 
     assert worst_gap(0) == pytest.approx(2.0 + DECODE_STEP, rel=0.01)
     assert worst_gap(256) == pytest.approx(255 * PREFILL_PER_TOKEN + DECODE_STEP, rel=0.01)
@@ -149,7 +150,8 @@ def test_decode_node_without_room_makes_the_hand_off_wait() -> None:
     sim = Simulation(tight, CostModel(profile()))
     a, b = sim.run([Arrival(0.0, 500, 100), Arrival(0.0, 500, 100)])
     assert a.ok and b.ok and a.output_tokens == b.output_tokens == 100
-    assert b.chunks[1] >= a.done  # its decoding began only once the first freed its blocks
+    # its decoding began only once the first freed its blocks
+    assert b.chunks[0] + itls(b)[0] >= a.done
 
 
 def test_topology_is_checked() -> None:
@@ -233,7 +235,7 @@ def test_hand_offs_to_another_decode_node_keep_each_stream_its_own() -> None:
         [Arrival(0.01 * i, 500, 30) for i in range(6)]
     )
     assert [r.output_tokens for r in records] == [30] * 6
-    assert all(r.ok and len(r.chunks) == 30 for r in records)
+    assert all(r.ok and 1 + len(itls(r)) == 30 for r in records)
 
 
 def test_a_request_that_cannot_finish_times_out() -> None:
@@ -249,3 +251,75 @@ def test_admission_latency_comes_before_the_node_sees_the_request() -> None:
     (rec,) = Simulation(topo, CostModel(profile())).run([Arrival(0.0, 500, 3)])
     assert rec.chunks[0] == pytest.approx(0.55)
     assert rec.done == pytest.approx(0.55 + 2 * DECODE_STEP)
+
+
+def mixed_arrivals() -> list[Arrival]:
+    """80 requests over a minute: short, medium and long prompts, 1-200 tokens out."""
+    rng = random.Random(3)
+    return [
+        Arrival(rng.uniform(0, 60), rng.choice([40, 300, 900]), rng.randint(1, 200))
+        for _ in range(80)
+    ]
+
+
+def timeline(r: RequestRecord) -> list[float]:
+    """Its outcome, then its first token, every gap after it and its end."""
+    return [float(r.ok), float(r.output_tokens), *r.chunks[:1], *itls(r), r.done]
+
+
+@pytest.mark.parametrize(
+    ("topology", "tight"),
+    [
+        (
+            Topology(colocated=2, decode_engine=EngineShape(num_blocks=400, step_token_budget=256)),
+            False,
+        ),
+        (Topology(colocated=1, decode_engine=EngineShape(num_blocks=200, max_num_seqs=8)), True),
+        (Topology(prefill=2, decode=2, decode_engine=EngineShape(num_blocks=300)), False),
+        (Topology(prefill=1, decode=2, decode_engine=shape(256), conditional=True), False),
+    ],
+    ids=["colocated-chunked", "colocated-preempting", "split", "conditional"],
+)
+def test_steady_runs_give_the_stepwise_timelines(topology: Topology, tight: bool) -> None:
+    """Runs of steady decode steps, cut by whatever arrives, give every request the
+    timeline the simulation stepping one event a step gives, in fewer events; also where
+    a tight pool preempts and requests time out."""
+    arrivals = mixed_arrivals()
+    costs = CostModel(profile())
+    runs = Simulation(topology, costs)
+    fast = runs.run(arrivals, timeout=30)
+    stepwise = Simulation(dataclasses.replace(topology, macro_steps=False), costs)
+    slow = stepwise.run(arrivals, timeout=30)
+    assert [r.ok for r in fast] == [r.ok for r in slow]
+    for a, b in zip(fast, slow, strict=True):
+        assert timeline(a) == pytest.approx(timeline(b), abs=1e-9)
+    assert runs.events < stepwise.events
+    preempted = sum(d.engine.scheduler.num_preemptions for d in runs.decoders.values())
+    if tight:
+        assert preempted > 0 and not all(r.ok for r in fast)
+    else:
+        assert all(r.ok for r in fast) and runs.events < stepwise.events / 2
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_counting_pool_decides_as_the_real_pool(
+    colocated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without prefix caching the simulator's engines count free blocks instead of keeping
+    the real pool's ids: the same timelines, preemptions and timeouts as the real pool."""
+    engine = EngineShape(num_blocks=200, max_num_seqs=8, enable_prefix_caching=False)
+    topology = Topology(colocated=1, decode_engine=engine) if colocated else split()
+    topology = dataclasses.replace(topology, decode_engine=engine)
+    costs = CostModel(profile())
+    counted = Simulation(topology, costs)
+    assert isinstance(counted.decoders["decode-0"].engine.scheduler.pool, CountingPool)
+    fast = counted.run(mixed_arrivals(), timeout=30)
+    monkeypatch.setattr(simengine, "CountingPool", BlockPool)
+    real = Simulation(topology, costs)
+    assert type(real.decoders["decode-0"].engine.scheduler.pool) is BlockPool
+    slow = real.run(mixed_arrivals(), timeout=30)
+    assert [timeline(a) for a in fast] == [timeline(b) for b in slow]
+    preempted = [
+        sim.decoders["decode-0"].engine.scheduler.num_preemptions for sim in (counted, real)
+    ]
+    assert preempted[0] == preempted[1] > 0

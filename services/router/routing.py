@@ -81,6 +81,8 @@ class PrefixRouter:
         def hashes_for(node: NodeInfo) -> list[bytes] | None:
             if not node.hash_key or node.block_size <= 0:
                 return None
+            if not self.index.by_node:
+                return None  # no node holds a block: no prefix to find (hashing is the cost)
             key = (node.hash_key, node.block_size)
             if key not in hashes_by_key:
                 # As the engine does: the last prompt token is always computed.

@@ -1,11 +1,14 @@
 """`n` > 1 through the disaggregated stack: n choices of one prompt, each sampled with its
 own seed (the request's seed plus its index) exactly as the engine alone samples them, in
-one body or one interleaved stream; the later choices share the first one's prompt KV."""
+one body or one interleaved stream; the later choices share the first one's prompt KV. The
+node decoding them is SIGKILLed mid-stream: every choice resumes elsewhere, exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,7 +16,11 @@ from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
+from tests.e2e.conftest import wait_for_every_node
+from tests.e2e.streaming import complete_choices
 from tests.e2e.test_api import MODEL, client
+from tests.e2e.test_engine_hang import registry, wait_for
+from tests.e2e.test_failover import failovers
 
 pytestmark = pytest.mark.e2e
 
@@ -23,12 +30,17 @@ PROMPT = (
 ) * 4  # ~150 tokens: several full blocks to share
 
 
-def engine_samples(model: LoadedModel, n: int, seed: int, max_tokens: int) -> list[list[int]]:
+def engine_samples(
+    model: LoadedModel, n: int, seed: int, max_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
     engine = Engine(model, EngineConfig(num_blocks=256))
     ids = model.encode(PROMPT)
     return [
         engine.generate(
-            [ids], SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed + i)
+            [ids],
+            SamplingParams(
+                max_tokens=max_tokens, temperature=0.9, seed=seed + i, ignore_eos=ignore_eos
+            ),
         )[0]
         for i in range(n)
     ]
@@ -105,3 +117,38 @@ def test_chat_choices_stream_interleaved(stack: Stack) -> None:
             for choice in ch.choices:
                 texts[choice.index] += choice.delta.content or ""
     assert texts == [ch.message.content for ch in whole.choices]
+
+
+async def test_choices_resume_exactly_when_their_decode_node_is_killed(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """Each choice is its own request inside the cluster, so each fails over on its own
+    (from its checkpoint, with its own seed) and the client still gets one whole stream."""
+    samples = engine_samples(real_model, 2, seed=11, max_tokens=120, ignore_eos=True)
+    want = [str(real_model.tokenizer.decode(t, skip_special_tokens=True)) for t in samples]
+    before = failovers(stack)
+    events: list[str] = []
+    holder: list[str] = []
+
+    async def serving() -> bool:  # both choices on one node (the second shares its KV)
+        running = {node: r for node, (r, _) in (await registry(stack)).items() if r > 0}
+        holder[:] = list(running)
+        return list(running.values()) == [2] and len(events) >= 30
+
+    victim = ""
+    try:
+        async with aiohttp.ClientSession() as session:
+            extra = {"n": 2, "seed": 11, "temperature": 0.9, "ignore_eos": True}
+            ids = real_model.encode(PROMPT)
+            stream = asyncio.ensure_future(
+                complete_choices(session, stack.url, ids, 120, extra, events)
+            )
+            await wait_for("both choices to be a few tokens in", serving)
+            victim = holder[0]
+            await asyncio.to_thread(stack.kill, victim)
+            assert await asyncio.wait_for(stream, 180) == want
+        assert failovers(stack) >= before + 2  # one per choice
+    finally:
+        if victim:
+            stack.restart(victim)
+    await asyncio.to_thread(wait_for_every_node, stack, 300)

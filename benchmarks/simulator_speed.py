@@ -39,7 +39,8 @@ def main() -> None:
     from tandem.plan.profile import cpu_flags
     from tandem.plan.project import load_hardware, load_model_shape, project
     from tandem.plan.simengine import EngineShape
-    from tandem.plan.simulator import Arrival, Simulation, Topology
+    from tandem.plan.simulator import Simulation
+    from tandem.plan.topology import Arrival, Topology
 
     profile = project(load_hardware("h100"), load_model_shape("llama-8b"))
     costs = CostModel(profile)

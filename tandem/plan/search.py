@@ -36,7 +36,7 @@ from tandem.bench.metrics import (
 from tandem.bench.report import write_json
 from tandem.bench.serve import check, slo_of
 from tandem.plan import simulate
-from tandem.plan.simulator import Arrival
+from tandem.plan.topology import Arrival
 
 DEFAULTS = Defaults("tandem-plan-search.json", 200, "1", None, 2.0, 0.1)
 SWEEP_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)

@@ -32,6 +32,49 @@ class EngineShape(SchedulerConfig):
     num_blocks: int = 4096
 
 
+@dataclass
+class SteadyRun:
+    """Steady decode steps in a row (`SimEngine.steady_run`) from `start`: the simulator
+    applies them to the engine and the records lazily, when cut or at the end."""
+
+    start: float
+    batch: list[Sequence]
+    steps: list[tuple[float, int]]  # (seconds of each step, steps), in order
+    total: int
+    applied: int = 0
+
+    def elapsed(self, steps: int) -> float:
+        """Seconds from the start to the end of step `steps`."""
+        seconds = 0.0
+        for each, count in self.steps:
+            if steps <= 0:
+                break
+            seconds += each * min(count, steps)
+            steps -= count
+        return seconds
+
+    def begun(self, now: float) -> int:
+        """Steps a stepwise node has begun by `now` (its tokens are in the batch's
+        sequences from a step's start): every step ended by then, and the next."""
+        steps, at = 0, self.start
+        for each, count in self.steps:
+            whole = min(count, int((now - at) / each) if each > 0 else count)
+            steps, at = steps + whole, at + each * whole
+            if whole < count:
+                break
+        return min(self.total, steps + 1)
+
+    def gaps(self, first: int, last: int) -> list[tuple[float, int]]:
+        """The step durations of steps `first`+1 .. `last` (1-based), as runs."""
+        out, seen = [], 0
+        for each, count in self.steps:
+            lo, hi = max(first, seen), min(last, seen + count)
+            if hi > lo:
+                out.append((each, hi - lo))
+            seen += count
+        return out
+
+
 class CountingPool(BlockPool):
     """A block pool that only counts its free blocks, for engines without prefix caching:
     no block is then ever found by its content, so which ids a sequence holds never

@@ -28,7 +28,8 @@ from tandem.bench.serve import check, slo_of, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.bench.workload import sample_lengths
 from tandem.plan.simengine import EngineShape
-from tandem.plan.simulator import DEFAULT_TIMEOUT, Arrival, Simulation, Topology
+from tandem.plan.simulator import DEFAULT_TIMEOUT, Simulation
+from tandem.plan.topology import Arrival, Topology
 
 DEFAULTS = Defaults("tandem-plan-simulate.json", 32, "inf", None, 2.0, 0.1)
 

@@ -32,7 +32,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from services.router.admission import plan as plan_route
@@ -48,49 +48,12 @@ from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
 from tandem.bench.metrics import RequestRecord, add_gap
-from tandem.plan.simengine import EngineShape, SimEngine
+from tandem.plan.simengine import SimEngine, SteadyRun
+from tandem.plan.topology import Arrival, Topology
 
 HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
 DEFAULT_TIMEOUT = 300.0  # a request's client gives up after this (bench serve's --timeout)
 RUN_LIMIT = 4096  # steady decode steps taken as one run at most
-
-
-@dataclass(frozen=True)
-class Topology:
-    """What is deployed. `colocated` > 0: that many decode nodes prefilling everything
-    themselves (`tandem router --colocated`); else `prefill` + `decode` nodes."""
-
-    colocated: int = 0
-    prefill: int = 0
-    decode: int = 0
-    decode_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
-    prefill_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
-    prefill_max_batch: int = 8  # `tandem prefill --max-batch`
-    local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
-    heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
-    conditional: bool = False  # `tandem router --conditional`, with the decode profile's costs
-    # From a request's send to its planning by the router and on to a node: HTTP, journal
-    # write, NATS. Software, not hardware: measured 40-60 ms on the 2-core machine by
-    # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks.md),
-    # the commands' default (--admission-latency 0.05); none unless given here.
-    admission_latency: float = 0.0
-    macro_steps: bool = True  # steady decode steps as one run (False: an event a step)
-
-    def check(self) -> str | None:
-        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
-            return "node counts cannot be negative"
-        if self.colocated and (self.prefill or self.decode):
-            return "either colocated nodes or prefill and decode nodes, not both"
-        if not self.colocated and (self.prefill < 1 or self.decode < 1):
-            return "a split deployment needs at least one prefill and one decode node"
-        return None
-
-
-@dataclass(frozen=True)
-class Arrival:
-    at: float  # seconds from the start
-    prompt_tokens: int
-    max_tokens: int
 
 
 @dataclass
@@ -100,56 +63,13 @@ class _Job:
     decode_node: str
 
 
-@dataclass
-class _Run:
-    """Steady decode steps in a row (`SimEngine.steady_run`) from `start`, applied to the
-    engine and the records lazily: when cut, or at the end."""
-
-    start: float
-    batch: list[Sequence]
-    steps: list[tuple[float, int]]  # (seconds of each step, steps), in order
-    total: int
-    applied: int = 0
-
-    def elapsed(self, steps: int) -> float:
-        """Seconds from the start to the end of step `steps`."""
-        seconds = 0.0
-        for each, count in self.steps:
-            if steps <= 0:
-                break
-            seconds += each * min(count, steps)
-            steps -= count
-        return seconds
-
-    def begun(self, now: float) -> int:
-        """Steps a stepwise node has begun by `now` (its tokens are in the batch's
-        sequences from a step's start): every step ended by then, and the next."""
-        steps, at = 0, self.start
-        for each, count in self.steps:
-            whole = min(count, int((now - at) / each) if each > 0 else count)
-            steps, at = steps + whole, at + each * whole
-            if whole < count:
-                break
-        return min(self.total, steps + 1)
-
-    def gaps(self, first: int, last: int) -> list[tuple[float, int]]:
-        """The step durations of steps `first`+1 .. `last` (1-based), as runs."""
-        out, seen = [], 0
-        for each, count in self.steps:
-            lo, hi = max(first, seen), min(last, seen + count)
-            if hi > lo:
-                out.append((each, hi - lo))
-            seen += count
-        return out
-
-
 class _Decode:
     def __init__(self, node_id: str, engine: SimEngine) -> None:
         self.node_id = node_id
         self.engine = engine
         self.stepping = False
         self.records: dict[str, RequestRecord] = {}
-        self.run: _Run | None = None
+        self.run: SteadyRun | None = None
         self.generation = 0  # of the run whose end is scheduled (a cut one's is stale)
 
 
@@ -357,7 +277,7 @@ class Simulation:
             return
         if self.topology.macro_steps and (run := node.engine.steady_run(RUN_LIMIT)) is not None:
             batch, total, steps = run
-            node.run = _Run(self.now, batch, steps, total)
+            node.run = SteadyRun(self.now, batch, steps, total)
             node.stepping = True
             node.generation += 1
             self.at(self.now + node.run.elapsed(total), self._run_end, node, node.generation)
@@ -381,7 +301,7 @@ class Simulation:
             node.generation += 1
             self.at(run.start + run.elapsed(begun), self._run_end, node, node.generation)
 
-    def _apply(self, node: _Decode, run: _Run, upto: int) -> None:
+    def _apply(self, node: _Decode, run: SteadyRun, upto: int) -> None:
         """Steps run.applied+1 .. `upto` into the engine and the records (their tokens'
         times are known; they reach the client at those times, after this)."""
         if upto <= run.applied:

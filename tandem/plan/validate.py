@@ -28,7 +28,7 @@ from tandem.bench.metrics import run_metrics
 from tandem.bench.serve import check, workload_of, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.plan import simulate
-from tandem.plan.simulator import Arrival
+from tandem.plan.topology import Arrival
 
 # what is compared: a metric of a point's `metrics` (as in the JSON), and a summary's field
 COMPARED: dict[str, tuple[str, str | None]] = {

@@ -26,7 +26,8 @@ from tandem.bench.loadgen import arrival_times
 from tandem.bench.metrics import RequestRecord, itls
 from tandem.plan import simengine, simulate
 from tandem.plan.simengine import CountingPool, EngineShape
-from tandem.plan.simulator import Arrival, Simulation, Topology
+from tandem.plan.simulator import Simulation
+from tandem.plan.topology import Arrival, Topology
 
 PREFILL_PER_TOKEN = 0.001  # s: a 500-token prompt prefills in 0.5 s
 DECODE_STEP = 0.05  # s, at any batch and context

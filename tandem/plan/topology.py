@@ -1,0 +1,46 @@
+"""What a simulation (simulator.py) runs: the deployment, with its nodes' engine options,
+and the requests, with their send times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.plan.simengine import EngineShape
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What is deployed. `colocated` > 0: that many decode nodes prefilling everything
+    themselves (`tandem router --colocated`); else `prefill` + `decode` nodes."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+    decode_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
+    prefill_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
+    prefill_max_batch: int = 8  # `tandem prefill --max-batch`
+    local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
+    heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
+    conditional: bool = False  # `tandem router --conditional`, with the decode profile's costs
+    # From a request's send to its planning by the router and on to a node: HTTP, journal
+    # write, NATS. Software, not hardware: measured 40-60 ms on the 2-core machine by
+    # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks.md),
+    # the commands' default (--admission-latency 0.05); none unless given here.
+    admission_latency: float = 0.0
+    macro_steps: bool = True  # steady decode steps as one run (False: an event a step)
+
+    def check(self) -> str | None:
+        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
+            return "node counts cannot be negative"
+        if self.colocated and (self.prefill or self.decode):
+            return "either colocated nodes or prefill and decode nodes, not both"
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            return "a split deployment needs at least one prefill and one decode node"
+        return None
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds from the start
+    prompt_tokens: int
+    max_tokens: int

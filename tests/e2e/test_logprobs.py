@@ -1,16 +1,24 @@
 """Logprobs through the disaggregated stack (the prefill node samples the first token, a
 decode node the rest), with the real openai client, against transformers' log-softmax of
-the same model: the completions shape (legacy lists) and the chat shape, streamed and not."""
+the same model: the completions shape (legacy lists) and the chat shape, streamed and not;
+an echoed prompt's logprobs across a decode node's failover."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import aiohttp
 import openai
 import pytest
 import torch
 
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
+from tests.e2e.conftest import wait_for_every_node
 from tests.e2e.test_api import MODEL, client
+from tests.e2e.test_engine_hang import registry, wait_for
+from tests.e2e.test_failover import failovers
 
 pytestmark = pytest.mark.e2e
 
@@ -149,3 +157,63 @@ def test_echo_scores_the_prompt_as_transformers_does(stack: Stack, real_model: L
                 extra_body={"echo": True},
             )  # fmt: skip
         assert "echo" in str(err.value)
+
+
+async def echo_stream(
+    session: aiohttp.ClientSession, url: str, ids: list[int], events: list[str]
+) -> tuple[str, list[float | None]]:
+    """A streamed greedy completion with `echo` and `logprobs`: its text and every token
+    logprob (the prompt's first, which has none, included), as the chunks bring them."""
+    body = {
+        "model": MODEL, "prompt": ids, "max_tokens": 100, "temperature": 0, "stream": True,
+        "echo": True, "logprobs": 0, "ignore_eos": True,
+    }  # fmt: skip
+    text: list[str] = []
+    logprobs: list[float | None] = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode()
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                for choice in data["choices"]:
+                    text.append(choice["text"])
+                    logprobs += choice["logprobs"]["token_logprobs"]
+                    events.append(choice["text"])
+    return "".join(text), logprobs
+
+
+async def test_echoed_prompt_logprobs_come_once_across_a_decode_failover(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """The prompt's logprobs come with the first token (from the prefill node). SIGKILL the
+    decode node mid-stream: the resumed stream does not send them again, and the whole
+    stream, text and logprobs, is the uninterrupted run's."""
+    ids = real_model.encode("Paris is the capital of France. Write about its history.")
+    async with aiohttp.ClientSession() as session:
+        want_text, want = await echo_stream(session, stack.url, ids, [])
+        assert len(want) == len(ids) + 100 and want[0] is None
+        before = failovers(stack)
+        events: list[str] = []
+        holder: list[str] = []
+
+        async def serving() -> bool:
+            running = [node for node, (r, _) in (await registry(stack)).items() if r > 0]
+            holder[:] = running
+            return len(running) == 1 and len(events) >= 20
+
+        victim = ""
+        try:
+            stream = asyncio.ensure_future(echo_stream(session, stack.url, ids, events))
+            await wait_for("the stream to be a few tokens in", serving)
+            victim = holder[0]
+            await asyncio.to_thread(stack.kill, victim)
+            text, got = await asyncio.wait_for(stream, 180)
+        finally:
+            if victim:
+                stack.restart(victim)
+    assert text == want_text and len(got) == len(want) and got[0] is None
+    assert got[1:] == pytest.approx(want[1:], abs=TOL)
+    assert failovers(stack) > before
+    await asyncio.to_thread(wait_for_every_node, stack, 300)

@@ -1,14 +1,18 @@
 """What features cost requests that do not use them: the engine at HEAD against the engine
 at a base commit (before the features), side by side, on plain greedy requests.
 
-The base commit is checked out into a temporary git worktree; each round runs the same
-workload once in each tree (separate processes, the order alternating between rounds), so
-machine noise spreads over both. The workload: `--batch` requests of a 128-token prompt,
+Both commits are checked out into temporary git worktrees side by side (the same kind of
+directory for each: run from the checkout itself, one and the same commit measured 0.91x
+against its own worktree copy); each round runs the same workload once in each tree
+(separate processes, the order alternating between rounds), so machine noise spreads over
+both. `--head` equal to `--base` is the control: its ratio shows what the method alone
+gives. The workload: `--batch` requests of a 128-token prompt,
 `--tokens` output tokens each, continuous batching with detokenisation on (as a node
 runs), no logprobs, no echo, no response format. The table shows medians over rounds of
 output tokens/s and of the decode step, and the ratio HEAD/base.
 
-    python benchmarks/feature_cost.py --base b409563 [--rounds 5] [--batch 16] [--tokens 64]
+    python benchmarks/feature_cost.py --base b409563 [--head HEAD] [--rounds 5] [--batch 16]
+        [--tokens 64]
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def run(tree: Path, batch: int, tokens: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the commit before the features")
+    ap.add_argument("--head", default="HEAD", help="the commit with them (default HEAD)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
@@ -77,14 +82,15 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from tandem.plan.profile import cpu_flags
 
-    with tempfile.TemporaryDirectory(prefix="tandem-base-") as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(base), args.base],
-            cwd=ROOT, check=True, capture_output=True,
-        )  # fmt: skip
+    head, base = f"head {args.head}", f"base {args.base}"
+    with tempfile.TemporaryDirectory(prefix="tandem-feature-cost-") as tmp:
+        trees = {head: Path(tmp) / "head", base: Path(tmp) / "base"}
+        for tree, commit in zip(trees.values(), (args.head, args.base), strict=True):
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", str(tree), commit],
+                cwd=ROOT, check=True, capture_output=True,
+            )  # fmt: skip
         try:
-            trees = {"HEAD": ROOT, args.base: base}
             results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
             order = list(trees)
             for r in range(args.rounds):
@@ -92,9 +98,10 @@ def main() -> None:
                     results[name].append(run(trees[name], args.batch, args.tokens))
                     print(f"  [round {r + 1}] {name}: {results[name][-1]}", flush=True)
         finally:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False
-            )
+            for tree in trees.values():
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False
+                )
     print(f"\nCPU flags: {' '.join(cpu_flags())}")
     print(f"{args.batch} plain greedy requests x {args.tokens} tokens, medians of {args.rounds}\n")
     print("| tree | output tok/s | decode step ms |")
@@ -108,7 +115,7 @@ def main() -> None:
     }
     for name, (tok_s, step) in med.items():
         print(f"| {name} | {tok_s:.1f} | {step:.1f} |")
-    (head_tok, head_step), (base_tok, base_step) = med["HEAD"], med[args.base]
+    (head_tok, head_step), (base_tok, base_step) = med[head], med[base]
     print(f"| HEAD/base | {head_tok / base_tok:.3f}x | {head_step / base_step:.3f}x |")
 
 

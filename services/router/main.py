@@ -25,6 +25,7 @@ from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVIndex
 from shared.bus.registry import NodeRegistry, node_info
+from shared.bus.topology import TopologyConfig
 from shared.costs.model import CostModel
 from shared.costs.profile import read_profile
 from shared.model.tokenizer import load_tokenizer
@@ -223,7 +224,8 @@ async def serve(args: argparse.Namespace) -> None:
     keys = api_keys(args)
     tokenizer = load_tokenizer(args.model)
     stop = stop_on_signals()
-    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), stop=stop)
+    topology = TopologyConfig(replicas=args.nats_replicas)
+    bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), topology, stop=stop)
     nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
     bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()

@@ -78,7 +78,9 @@ class Bus:
         # under compose), but wrong credentials never get better: fail fast on those.
         connecting = asyncio.ensure_future(
             nats.connect(
-                self.url,
+                # Several servers of one cluster, comma-separated: any one will do (the
+                # cluster then tells the client of the others as well).
+                [u.strip() for u in self.url.split(",")] if "," in self.url else self.url,
                 name=self.name,
                 connect_timeout=timeout,
                 reconnect_time_wait=0.2,

@@ -9,6 +9,9 @@
 - `tandem-nodes`: KV bucket, the node registry; entries expire by per-message TTL unless
   refreshed by heartbeats, and expiry leaves a marker watchers see as a leave.
 - `tandem-journal`: KV bucket, request id → JournalEntry, file storage (survives routers).
+
+Each is kept on `TopologyConfig.replicas` servers of a clustered NATS (3 on Kubernetes:
+any one server may be lost with no job or journal entry lost); 1 for a single server.
 """
 
 from __future__ import annotations
@@ -115,6 +118,9 @@ class TopologyConfig:
     node_ttl: float = 6.0  # registry entries vanish this long after the last heartbeat
     journal_ttl: float = 3600.0
     node_consumer_idle: float = 3600.0  # a prefill node's own consumer, unused, is deleted
+    # Servers of a NATS cluster holding each stream and bucket (`--nats-replicas`); a
+    # single server refuses more than 1. Every service of a deployment must say the same.
+    replicas: int = 1
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -161,6 +167,7 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
             storage=StorageType.FILE,
             duplicate_window=cfg.duplicate_window,
             max_msgs=100_000,
+            num_replicas=cfg.replicas,
         ),
     )
     await ensure_job_consumer(js, PREFILL_CONSUMER, PREFILL_SUBJECT, cfg)
@@ -173,6 +180,7 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
             storage=StorageType.FILE,
             max_age=cfg.kv_events_max_age,
             max_msgs=1_000_000,
+            num_replicas=cfg.replicas,
         ),
     )
     await js.create_key_value(
@@ -181,10 +189,15 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
             history=1,
             storage=StorageType.MEMORY,
             limit_marker_ttl=cfg.node_ttl,
+            replicas=cfg.replicas,
         )
     )
     await js.create_key_value(
         KeyValueConfig(
-            bucket=JOURNAL_BUCKET, history=1, storage=StorageType.FILE, ttl=cfg.journal_ttl
+            bucket=JOURNAL_BUCKET,
+            history=1,
+            storage=StorageType.FILE,
+            ttl=cfg.journal_ttl,
+            replicas=cfg.replicas,
         )
     )

@@ -104,7 +104,10 @@ class NodeRuntime:
         setup_tracing(role, node_id)
         rt = cls(role, node_id, args)
         rt.stop = stop_on_signals()
-        rt.bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), stop=rt.stop)
+        topology = TopologyConfig(replicas=args.nats_replicas)
+        rt.bus = await connect_bus(
+            args.nats, node_id, BusAuth.from_args(args), topology, stop=rt.stop
+        )
         rt.registry = await NodeRegistry(rt.bus, ttl=args.heartbeat_ttl).start()
         rt.transport = make_transport(args.transport, args.data_host, args.data_port)
         return rt

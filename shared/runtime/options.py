@@ -60,8 +60,21 @@ def add_nats_auth_options(p: argparse.ArgumentParser) -> None:
 def add_node_options(
     p: argparse.ArgumentParser, model: bool = True, metrics_port: bool = True
 ) -> None:
-    add_option(p, "--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    add_option(
+        p,
+        "--nats",
+        default="nats://127.0.0.1:4222",
+        help="NATS server URL (a cluster's: several, comma-separated)",
+    )
     add_nats_auth_options(p)
+    add_option(
+        p,
+        "--nats-replicas",
+        type=int,
+        default=1,
+        help="servers of a NATS cluster keeping each stream (3 on Kubernetes; the same "
+        "for every service)",
+    )
     add_option(p, "--node-id", default=None, help="unique node name (default: role-host-random)")
     add_option(p, "--log-level", default="INFO")
     if metrics_port:  # the router serves /metrics on its API port instead

@@ -27,7 +27,7 @@ lint: install
 	$(BIN)/mypy
 
 test: install lint
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -rs --durations=25
 
 bench: install
 	$(BIN)/python benchmarks/engine.py

@@ -19,6 +19,7 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from shared.bus.permissions import compose_authorization
+from shared.bus.server import nats_server_binary
 from tandem.cli import build_parser
 from tests.unit.test_compose import (
     DIRECT_TANDEM_VARS,
@@ -199,3 +200,17 @@ def test_nats_gets_every_roles_identity_from_permissions() -> None:
     conf = (KUBE / "base" / "nats.conf").read_text()
     assert compose_authorization() in conf, "run: python -m shared.bus.permissions"
     assert "cluster {" in conf and "jetstream {" in conf
+
+
+def test_nats_config_passes_nats_server_with_the_statefulsets_environment() -> None:
+    """The real nats-server checks the file (`-t`) with the variables the StatefulSet sets,
+    and refuses it when one of them is missing."""
+    nats = named(render(KUBE / "base"), "StatefulSet", "nats")
+    (container,) = nats["spec"]["template"]["spec"]["containers"]
+    env = {v["name"]: "x" for v in container["env"]}
+    conf = str(KUBE / "base" / "nats.conf")
+    ok = subprocess.run([nats_server_binary(), "-t", "-c", conf], env=env, capture_output=True)
+    assert ok.returncode == 0, ok.stderr
+    env.pop("NATS_DECODE_PASSWORD")
+    bad = subprocess.run([nats_server_binary(), "-t", "-c", conf], env=env, capture_output=True)
+    assert bad.returncode != 0 and b"NATS_DECODE_PASSWORD" in bad.stderr + bad.stdout

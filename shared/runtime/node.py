@@ -27,12 +27,18 @@ from shared.transport.factory import make_transport
 log = logging.getLogger("tandem.node")
 
 
+def host_part(hostname: str) -> str:
+    """The hostname as a self-named node id holds it: alphanumerics kept, the rest "-",
+    at most 63 characters (a DNS label: a Kubernetes pod's hostname is its whole name,
+    which the autoscaler's backends match node ids against)."""
+    return "".join(c if c.isalnum() else "-" for c in hostname)[:63]
+
+
 def make_node_id(role: str, given: str | None = None) -> str:
-    """`<role>-<host>-<short uuid>` unless given; safe as a NATS KV key."""
+    """`<role>-<host>-<6 hex>` unless given; safe as a NATS KV key."""
     if given:
         return given
-    host = "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:20]
-    return f"{role}-{host}-{uuid.uuid4().hex[:6]}"
+    return f"{role}-{host_part(socket.gethostname())}-{uuid.uuid4().hex[:6]}"
 
 
 def setup_logging(service: str, node_id: str, level: str = "INFO") -> None:

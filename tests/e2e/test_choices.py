@@ -17,9 +17,8 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.conftest import wait_for_every_node
-from tests.e2e.streaming import complete_choices
+from tests.e2e.streaming import complete_choices, kill_its_decode_node
 from tests.e2e.test_api import MODEL, client
-from tests.e2e.test_engine_hang import registry, wait_for
 from tests.e2e.test_failover import failovers
 
 pytestmark = pytest.mark.e2e
@@ -128,13 +127,6 @@ async def test_choices_resume_exactly_when_their_decode_node_is_killed(
     want = [str(real_model.tokenizer.decode(t, skip_special_tokens=True)) for t in samples]
     before = failovers(stack)
     events: list[str] = []
-    holder: list[str] = []
-
-    async def serving() -> bool:  # both choices on one node (the second shares its KV)
-        running = {node: r for node, (r, _) in (await registry(stack)).items() if r > 0}
-        holder[:] = list(running)
-        return list(running.values()) == [2] and len(events) >= 30
-
     victim = ""
     try:
         async with aiohttp.ClientSession() as session:
@@ -143,9 +135,8 @@ async def test_choices_resume_exactly_when_their_decode_node_is_killed(
             stream = asyncio.ensure_future(
                 complete_choices(session, stack.url, ids, 120, extra, events)
             )
-            await wait_for("both choices to be a few tokens in", serving)
-            victim = holder[0]
-            await asyncio.to_thread(stack.kill, victim)
+            # both choices on one node (the second shares the first's KV there)
+            victim = await kill_its_decode_node(stack, events, after=30, running=2)
             assert await asyncio.wait_for(stream, 180) == want
         assert failovers(stack) >= before + 2  # one per choice
     finally:

@@ -8,37 +8,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import aiohttp
 import pytest
 
-from shared.bus.client import Bus
-from shared.bus.registry import NodeRegistry
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
-from tests.e2e.streaming import complete
+from tests.e2e.streaming import complete, registry, wait_for
 from tests.e2e.test_api import reference, text_of
 from tests.e2e.test_failover import router_metric
 
 pytestmark = pytest.mark.e2e
-
-
-async def registry(stack: Stack) -> dict[str, tuple[int, bool]]:
-    """Decode node → (running sequences, draining), from the registry."""
-    bus = await Bus(stack.nats_url, "e2e-hang", stack.auth).connect()
-    try:
-        nodes = await (await NodeRegistry(bus).start()).nodes()
-    finally:
-        await bus.close()
-    return {n.node_id: (n.running, n.draining) for n in nodes.values() if n.role == "decode"}
-
-
-async def wait_for(what: str, check: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def test_a_hung_engine_is_found_out_and_its_stream_moves(

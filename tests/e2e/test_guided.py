@@ -18,9 +18,8 @@ from shared.grammar import grammar_for
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.conftest import wait_for_every_node
-from tests.e2e.streaming import complete
+from tests.e2e.streaming import complete, kill_its_decode_node
 from tests.e2e.test_api import MODEL, client
-from tests.e2e.test_engine_hang import registry, wait_for
 from tests.e2e.test_failover import failovers
 
 pytestmark = pytest.mark.e2e
@@ -87,21 +86,12 @@ async def test_a_guided_stream_resumes_under_its_grammar(
     assert len(json.loads(want)) == 48
     before = failovers(stack)
     events: list[str] = []
-    holder: list[str] = []
-
-    async def serving() -> bool:
-        running = [node for node, (r, _) in (await registry(stack)).items() if r > 0]
-        holder[:] = running
-        return len(running) == 1 and len(events) >= 20
-
     victim = ""
     try:
         async with aiohttp.ClientSession() as session:
             extra = {"response_format": fmt}
             stream = asyncio.ensure_future(complete(session, stack.url, ids, 400, extra, events))
-            await wait_for("the stream to be a few tokens in", serving)
-            victim = holder[0]
-            await asyncio.to_thread(stack.kill, victim)
+            victim = await kill_its_decode_node(stack, events, after=20)
             assert await asyncio.wait_for(stream, 180) == want
         assert failovers(stack) > before
     finally:

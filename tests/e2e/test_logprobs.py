@@ -6,7 +6,6 @@ an echoed prompt's logprobs across a decode node's failover."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import openai
@@ -16,8 +15,8 @@ import torch
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
 from tests.e2e.conftest import wait_for_every_node
+from tests.e2e.streaming import kill_its_decode_node, stream_events
 from tests.e2e.test_api import MODEL, client
-from tests.e2e.test_engine_hang import registry, wait_for
 from tests.e2e.test_failover import failovers
 
 pytestmark = pytest.mark.e2e
@@ -170,17 +169,11 @@ async def echo_stream(
     }  # fmt: skip
     text: list[str] = []
     logprobs: list[float | None] = []
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode()
-            if line.startswith("data: {"):
-                data = json.loads(line[6:])
-                assert "error" not in data, data
-                for choice in data["choices"]:
-                    text.append(choice["text"])
-                    logprobs += choice["logprobs"]["token_logprobs"]
-                    events.append(choice["text"])
+    async for data in stream_events(session, url, body):
+        for choice in data["choices"]:
+            text.append(choice["text"])
+            logprobs += choice["logprobs"]["token_logprobs"]
+            events.append(choice["text"])
     return "".join(text), logprobs
 
 
@@ -196,19 +189,10 @@ async def test_echoed_prompt_logprobs_come_once_across_a_decode_failover(
         assert len(want) == len(ids) + 100 and want[0] is None
         before = failovers(stack)
         events: list[str] = []
-        holder: list[str] = []
-
-        async def serving() -> bool:
-            running = [node for node, (r, _) in (await registry(stack)).items() if r > 0]
-            holder[:] = running
-            return len(running) == 1 and len(events) >= 20
-
         victim = ""
         try:
             stream = asyncio.ensure_future(echo_stream(session, stack.url, ids, events))
-            await wait_for("the stream to be a few tokens in", serving)
-            victim = holder[0]
-            await asyncio.to_thread(stack.kill, victim)
+            victim = await kill_its_decode_node(stack, events, after=20)
             text, got = await asyncio.wait_for(stream, 180)
         finally:
             if victim:

@@ -263,19 +263,19 @@ class Scheduler:
         return lo
 
     def _decode_blocks(self, steps: int) -> int:
-        """New blocks the running batch takes over `steps` decode steps (a step's token
-        goes at position num_computed, as `schedule_decode` places it)."""
-        bs = self.config.block_size
-        return sum(
-            max(0, (s.num_computed + steps - 1) // bs + 1 - len(s.block_ids)) for s in self.running
-        )
+        """New blocks the running batch takes over `steps` decode steps."""
+        return sum(self._blocks_to_add(s, steps) for s in self.running)
+
+    def _blocks_to_add(self, seq: Sequence, steps: int) -> int:
+        """Blocks `seq` lacks for `steps` more decode steps (a step's token goes at position
+        num_computed, as `schedule_decode` places it)."""
+        last = (seq.num_computed + steps - 1) // self.config.block_size
+        return max(0, last + 1 - len(seq.block_ids))
 
     def allocate_decodes(self, steps: int) -> None:
         """The blocks of `steps` steady decode steps (`steady_decode_steps`), all at once."""
-        bs = self.config.block_size
         for seq in self.running:
-            need = (seq.num_computed + steps - 1) // bs + 1 - len(seq.block_ids)
-            if need > 0:
+            if need := self._blocks_to_add(seq, steps):
                 seq.block_ids.extend(self.pool.allocate(need))
 
     def _preempt_last(self, keep: Sequence) -> bool:

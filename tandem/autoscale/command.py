@@ -7,7 +7,7 @@
 reads the cluster from NATS (credentials as for every service: TANDEM_NATS_USER/PASSWORD)
 and scales `prefill` and `decode`: the compose services through the Docker SDK, or the
 Deployments through the Kubernetes API (in a pod, with its service account:
-deploy/kubernetes/autoscaler). With `tandem up --autoscale` the same controller scales the
+deploy/kubernetes/base/autoscaler.yaml). With `tandem up --autoscale` the same controller scales the
 local stack's processes instead.
 """
 

@@ -12,7 +12,7 @@ exactly those when the replicas then go down; each gets SIGTERM, drains (a decod
 finishes or hands off its streams within --drain-timeout) and exits within its
 terminationGracePeriodSeconds.
 
-Every call is in one namespace and is one deploy/kubernetes/autoscaler/rbac.yaml's Role
+Every call is in one namespace and is one deploy/kubernetes/base/autoscaler.yaml's Role
 allows: deployments/scale get and patch, pods list and patch. A refused call (RBAC, or
 anything else the API answers with an error) raises KubernetesBackendError saying which
 call and why; every call has a timeout.
@@ -150,7 +150,7 @@ class KubernetesBackend:
             if exc.status == 403:
                 raise KubernetesBackendError(
                     f"the autoscaler may not {what} in namespace {self.namespace} (RBAC: "
-                    f"give its service account that verb; deploy/kubernetes/autoscaler)"
+                    f"give its service account that verb; deploy/kubernetes/base/autoscaler.yaml)"
                 ) from exc
             raise KubernetesBackendError(
                 f"{what} in namespace {self.namespace} failed: HTTP {exc.status} {exc.reason}"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from shared.bus.messages import NodeInfo, NodeRole
 from shared.bus.registry import NodeRegistry
@@ -21,7 +22,7 @@ class NodeTable:
     def __init__(self, registry: NodeRegistry, colocated: bool = False) -> None:
         self.registry = registry
         self.colocated = colocated  # decode nodes prefill every request: no prefill node needed
-        self.nodes: dict[str, NodeInfo] = {}
+        self.nodes = {}
         self._task: asyncio.Task[None] | None = None
         # Requests sent to a decode node since its last heartbeat: keeps a burst from all
         # landing on the node that looked emptiest a moment ago.
@@ -34,6 +35,33 @@ class NodeTable:
         # fresher than any heartbeat (conditional.py weighs it). One entry per request.
         self.prefill_backlog: dict[str, tuple[str, int]] = {}
         self._backlog_tokens: dict[str, int] = {}
+
+    @property
+    def nodes(self) -> Mapping[str, NodeInfo]:
+        """Every node by id, as the registry last said (read-only: `put` and `drop` change
+        it, and keep the per-role lists every request's routing reads)."""
+        return self._view
+
+    @nodes.setter
+    def nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
+        self._nodes = dict(nodes)
+        self._view = MappingProxyType(self._nodes)
+        self._roles: dict[str, list[NodeInfo]] = {}
+
+    def put(self, info: NodeInfo) -> None:
+        """A node's latest registry entry."""
+        old = self._nodes.get(info.node_id)
+        self._nodes[info.node_id] = info
+        self._roles.pop(info.role, None)
+        if old is not None and old.role != info.role:
+            self._roles.pop(old.role, None)
+
+    def drop(self, node_id: str) -> NodeInfo | None:
+        """Forget a node; its last entry, if it was known."""
+        gone = self._nodes.pop(node_id, None)
+        if gone is not None:
+            self._roles.pop(gone.role, None)
+        return gone
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
@@ -70,7 +98,7 @@ class NodeTable:
                     elif ev.info is not None:
                         if ev.kind == "join":
                             log.info("node joined: %s (%s)", ev.node_id, ev.info.role)
-                        self.nodes[ev.node_id] = ev.info
+                        self.put(ev.info)
                         self.heard_at[ev.node_id] = time.monotonic()
                         self.left_at.pop(ev.node_id, None)
                         self.inflight[ev.node_id] = 0
@@ -81,7 +109,7 @@ class NodeTable:
                 await asyncio.sleep(0.5)
 
     def _left(self, node_id: str) -> None:
-        gone = self.nodes.pop(node_id, None)
+        gone = self.drop(node_id)
         self.heard_at.pop(node_id, None)
         if gone is not None:
             self.left_at[node_id] = gone.timestamp
@@ -92,8 +120,13 @@ class NodeTable:
             callback(node_id)
 
     def by_role(self, role: NodeRole) -> list[NodeInfo]:
-        """The nodes of a role that take new work (a draining node only finishes its own)."""
-        return [n for n in self.nodes.values() if n.role == role and not n.draining]
+        """The nodes of a role that take new work (a draining node only finishes its own).
+        Kept between changes (routing reads it several times a request): not to be changed."""
+        nodes = self._roles.get(role)
+        if nodes is None:
+            nodes = [n for n in self._nodes.values() if n.role == role and not n.draining]
+            self._roles[role] = nodes
+        return nodes
 
     def block_size(self) -> int:
         """Tokens per KV block, as the decode nodes' engines say (the default before any
@@ -145,15 +178,17 @@ class NodeTable:
         """
         best: tuple[float, str] | None = None
         choice = None
-        for node in self.by_role("decode"):
+        inflight = self.inflight
+        for node in self.by_role("decode"):  # the loop every request runs: kept lean
             if exclude and node.node_id in exclude:
                 continue
-            if node.total_kv_blocks and node.total_kv_blocks < blocks_needed:
+            total = node.total_kv_blocks
+            if total and total < blocks_needed:
                 continue
-            sent = self.inflight.get(node.node_id, 0)
-            free = self.room(node, blocks_needed)
-            score = free / max(1, node.total_kv_blocks) - 0.05 * (node.running + sent)
-            if best is None or (score, node.node_id) > best:
+            sent = inflight.get(node.node_id, 0)
+            free = node.free_kv_blocks - sent * blocks_needed  # room(), inline
+            score = free / (total if total > 0 else 1) - 0.05 * (node.running + sent)
+            if best is None or score > best[0] or (score == best[0] and node.node_id > best[1]):
                 best, choice = (score, node.node_id), node
         return choice
 
@@ -180,7 +215,7 @@ class NodeTable:
     def suspect(self, node_id: str) -> None:
         """Stop choosing a node declared dead by a probe; its next heartbeat (if it is alive
         after all) brings it back, and its registry expiry is then a no-op."""
-        self.nodes.pop(node_id, None)
+        self.drop(node_id)
         self.inflight.pop(node_id, None)
 
     async def close(self) -> None:

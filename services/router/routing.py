@@ -93,7 +93,8 @@ class PrefixRouter:
             return hashes_by_key[key]
 
         best: tuple[int, float, str] | None = None
-        for node in decoders:
+        # No node holds a block (the index is empty): no prefix to find on any of them.
+        for node in decoders if self.index.by_node else ():
             hashes = hashes_for(node)
             if hashes is None:
                 continue
@@ -150,8 +151,8 @@ class PrefixRouter:
         """Pick the prefill node whose pool makes the job cheapest, if that beats the shared
         queue (see the module docstring)."""
         prefill = self.nodes.by_role("prefill")
-        if not prefill:
-            return
+        if not prefill or not self.index.by_node:
+            return  # no node holds a block: nothing to steer by
         n, remote = plan.prompt_tokens, plan.kvcache_cached_tokens
         queued = {p.node_id: p.load + self.nodes.inflight.get(p.node_id, 0) for p in prefill}
         shared = (n - remote) + LOAD_COST * remote + QUEUE_COST * min(queued.values())

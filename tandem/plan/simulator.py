@@ -54,6 +54,7 @@ from tandem.plan.topology import Arrival, Topology
 HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
 DEFAULT_TIMEOUT = 300.0  # a request's client gives up after this (bench serve's --timeout)
 RUN_LIMIT = 4096  # steady decode steps taken as one run at most
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -126,7 +127,15 @@ class Simulation:
             self.at(topology.heartbeat * (i + 1) / len(every), self._heartbeat, node_id)
         self.records: list[RequestRecord] = []
         self._pending: deque[Arrival] = deque()
+        # Requests sent, in send order, as (when the router plans them, sent, the request):
+        # a queue of their own beside the event heap (their times only grow), so a million
+        # arrivals do not make every other event's heap operations slower.
+        self._sent: deque[tuple[float, float, Arrival]] = deque()
         self._in_flight = 0
+        # Records in send order with their give-up time; one event at a time stands for
+        # the earliest (a timeout event per request would double the queue's size).
+        self._deadlines: deque[tuple[float, RequestRecord]] = deque()
+        self._expiry_due = False
         self._concurrency: int | None = None
         self._timeout = DEFAULT_TIMEOUT
         # id() of the record of each request not yet ended -> its request id ("" until the
@@ -151,19 +160,26 @@ class Simulation:
         self._concurrency, self._timeout = concurrency, timeout
         self._pending = deque(sorted(arrivals, key=lambda a: a.at))
         self._release_arrivals()
-        while self._events and (self._in_flight or self._pending):
-            when, _, fn, args = heapq.heappop(self._events)
-            self.now = when
+        events, sent = self._events, self._sent
+        while (events or sent) and (self._in_flight or self._pending):
             self.events += 1
+            if sent and (not events or sent[0][0] <= events[0][0]):
+                self.now, when, arrival = sent.popleft()
+                self._admit(arrival, when)
+                continue
+            when, _, fn, args = heapq.heappop(events)
+            self.now = when
             fn(*args)
         return self.records
 
     def _release_arrivals(self) -> None:
-        """Schedule the next arrivals the concurrency cap allows (open loop: all of them)."""
+        """Send the next requests the concurrency cap allows (open loop: all of them)."""
+        latency = self.topology.admission_latency
         while self._pending and (self._concurrency is None or self._in_flight < self._concurrency):
             arrival = self._pending.popleft()
             self._in_flight += 1
-            self.at(max(arrival.at, self.now), self._arrive, arrival)
+            sent = max(arrival.at, self.now)
+            self._sent.append((sent + latency, sent, arrival))
 
     # ---- the router ---------------------------------------------------------------------------
 
@@ -172,7 +188,7 @@ class Simulation:
         self.at(self.now + self.topology.heartbeat, self._heartbeat, node_id)
 
     def _set_info(self, node_id: str) -> None:
-        self.nodes.nodes[node_id] = self._info(node_id)
+        self.nodes.put(self._info(node_id))
         self.nodes.inflight[node_id] = 0  # as NodeTable._watch does on each entry
 
     def _info(self, node_id: str) -> NodeInfo:
@@ -198,17 +214,16 @@ class Simulation:
             timestamp=self.now,
         )
 
-    def _arrive(self, arrival: Arrival) -> None:
-        record = RequestRecord(arrival.prompt_tokens, arrival.max_tokens, sent=self.now)
+    def _admit(self, arrival: Arrival, sent: float) -> None:
+        """The request was sent at `sent`; the router has it now and plans it (after the
+        HTTP, journal and NATS hops: the admission latency)."""
+        record = RequestRecord(arrival.prompt_tokens, arrival.max_tokens, sent=sent)
         self.records.append(record)
         self._open[id(record)] = ""
-        self.at(self.now + self._timeout, self._expire, record)
-        self.at(self.now + self.topology.admission_latency, self._admit, record, arrival)
-
-    def _admit(self, record: RequestRecord, arrival: Arrival) -> None:
-        """The router has the request and plans it (after the HTTP, journal and NATS hops)."""
-        if id(record) not in self._open:
-            return
+        self._deadlines.append((sent + self._timeout, record))
+        if not self._expiry_due:
+            self._expiry_due = True
+            self.at(sent + self._timeout, self._expire)
         n = next(self._request_ids)
         # distinct first tokens: no two simulated prompts share a prefix, as in the bench
         prompt = [n + 1000] + [11] * (arrival.prompt_tokens - 1)
@@ -261,8 +276,13 @@ class Simulation:
             record.error, record.done = error, self.now
             self._ended(record)
 
-    def _expire(self, record: RequestRecord) -> None:
-        self._fail(record, f"no answer within {self._timeout:g}s")
+    def _expire(self) -> None:
+        """The earliest requests' clients give up (those still open)."""
+        while self._deadlines and self._deadlines[0][0] <= self.now:
+            self._fail(self._deadlines.popleft()[1], f"no answer within {self._timeout:g}s")
+        self._expiry_due = bool(self._deadlines)
+        if self._deadlines:
+            self.at(self._deadlines[0][0], self._expire)
 
     def _ended(self, record: RequestRecord) -> None:
         self.nodes.prefill_done(self._open.pop(id(record)))  # ended before a first token
@@ -310,15 +330,20 @@ class Simulation:
         first_end = run.start + run.elapsed(run.applied + 1)
         last_end = run.start + run.elapsed(upto)
         rest = run.gaps(run.applied + 1, upto)
-        for seq in run.batch:
-            record = node.records[seq.request_id]
+        records, is_open, last_token = node.records, self._open, self._last_token
+        for seq in run.batch:  # the loop a simulation spends most time in: add_gap, inline
+            record = records[seq.request_id]
             key = id(record)
-            if key not in self._open:
+            if key not in is_open:
                 continue  # the client gave up on it
-            add_gap(record, first_end - self._last_token[key])
+            add_gap(record, first_end - last_token[key])
+            runs = cast(list[list[float]], record.itl_runs)  # set at its first token
             for each, count in rest:
-                add_gap(record, each, count)
-            self._last_token[key] = last_end
+                if runs[-1][0] == each:
+                    runs[-1][1] += count
+                else:
+                    runs.append([each, count])
+            last_token[key] = last_end
         run.applied = upto
 
     def _run_end(self, node: _Decode, generation: int) -> None:
@@ -351,22 +376,28 @@ class Simulation:
         jobs = [self.queue.popleft() for _ in range(count)]
         node.holding = len(jobs)
         seconds, emitted = self._prefill(node.engine, [job.seq for job in jobs])
+        ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is not FINISHED]
         done = self.now + seconds
-        ship = []
+        self.at(done, self._prefilled, node, jobs, emitted)
+        # the hand-offs run together on one link: all of them land when the bytes are through
+        arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
+        self.at(arrive, self._hand_offs, node, ship)
+
+    def _prefilled(self, node: _Prefill, jobs: list[_Job], emitted: set[int]) -> None:
+        """The batch's prefill is done: first tokens out (one event for the batch)."""
         for job in jobs:
             if id(job.seq) not in emitted:  # never admitted: more KV than this node's pool
                 node.engine.scheduler.remove(job.seq)
-                self.at(done, self._job_failed, node, job, "KV blocks exhausted during prefill")
-            elif job.seq.status is SequenceStatus.FINISHED:  # its first token was its last
-                self.at(done, self._token, job.record, True)
-                self.at(done, self._handed_off, node)
+                self._job_failed(node, job, "KV blocks exhausted during prefill")
+            elif job.seq.status is FINISHED:  # its first token was its last
+                self._token(job.record, True)
+                self._handed_off(node)
             else:
-                self.at(done, self._token, job.record, False)
-                ship.append(job)
-        # the hand-offs run together on one link: all of them land when the bytes are through
-        arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
-        for job in ship:
-            self.at(arrive, self._hand_off, node, job, HANDOFF_FIRST_DELAY)
+                self._token(job.record, False)
+
+    def _hand_offs(self, node: _Prefill, jobs: list[_Job]) -> None:
+        for job in jobs:
+            self._hand_off(node, job, HANDOFF_FIRST_DELAY)
 
     @staticmethod
     def _prefill(engine: SimEngine, seqs: list[Sequence]) -> tuple[float, set[int]]:
@@ -392,8 +423,9 @@ class Simulation:
 
     def _hand_off(self, node: _Prefill, job: _Job, delay: float) -> None:
         """The preferred decode node if it has room, else any other; else retry later."""
-        order = sorted(self.decoders.values(), key=lambda d: d.node_id != job.decode_node)
-        for decoder in order:
+        preferred = self.decoders[job.decode_node]
+        others = (d for d in self.decoders.values() if d is not preferred)
+        for decoder in itertools.chain((preferred,), others):
             self._cut(decoder)
             if decoder.engine.add_prefilled(job.seq):
                 decoder.records[job.seq.request_id] = job.record

@@ -145,7 +145,7 @@ async def test_resumes_on_its_standby_if_it_is_alive_with_room() -> None:
     assert [node for node, _ in router.sent] == ["d3"]
 
     for standby, why in [("d3", "no room"), ("d1", "it was serving"), ("d9", "not registered")]:
-        nodes.nodes["d3"] = decode_node("d3", 0 if why == "no room" else 40, 3)
+        nodes.put(decode_node("d3", 0 if why == "no room" else 40, 3))
         router.sent.clear()
         failover = failover_of(router)
         failover.standby = standby
@@ -174,7 +174,7 @@ async def test_a_stream_gets_one_standby_once_it_has_enough_tokens() -> None:
     ]
     assert await failover.resume("its decode node was lost")  # on the standby, d3
     stream.node_id = "d3"
-    del router.nodes.nodes["d1"]  # the lost node left
+    router.nodes.drop("d1")  # the lost node left
     await failover.warm_standby()  # a new standby for the new node
     assert failover.standby == "d2" and router.bus.published[-1][0] == "tandem.decode.d2.prefetch"
 

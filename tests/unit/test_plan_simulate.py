@@ -254,6 +254,34 @@ def test_admission_latency_comes_before_the_node_sees_the_request() -> None:
     assert rec.done == pytest.approx(0.55 + 2 * DECODE_STEP)
 
 
+def test_admission_latency_delays_each_request_from_its_own_send() -> None:
+    """Requests sent closer together than the admission latency are each planned that
+    long after their own send, not queued behind one another's admission."""
+    topo = Topology(colocated=2, decode_engine=shape(256), admission_latency=0.05)
+    sends = [0.0, 0.001, 0.002, 0.003]
+    records = Simulation(topo, CostModel(profile())).run([Arrival(t, 64, 1) for t in sends])
+    assert [r.sent for r in records] == sends
+    # two nodes, two prompts each (one step: 128 tokens of a 256-token budget)
+    ttfts = [r.chunks[0] - r.sent for r in records]
+    assert max(ttfts) < 0.05 + 2 * 64 * PREFILL_PER_TOKEN + 0.01
+
+
+def test_timeouts_end_only_the_requests_past_theirs() -> None:
+    """Each request gives up `timeout` after its own send; those done in time, or sent
+    after it, are not touched. One sequence at a time, 50 ms a token."""
+    topo = Topology(colocated=1, decode_engine=EngineShape(num_blocks=4096, max_num_seqs=1))
+    arrivals = [
+        Arrival(0.0, 100, 3),
+        Arrival(0.0, 100, 150),  # ~7.8 s: within 10
+        Arrival(1.0, 100, 3),  # waits for it, done by ~8.1 s: within 11
+        Arrival(2.0, 100, 100),  # starts at ~8.1, needs 5 s: past 12
+        Arrival(20.0, 100, 3),
+    ]
+    records = Simulation(topo, CostModel(profile())).run(arrivals, timeout=10)
+    assert [r.ok for r in records] == [True, True, True, False, True]
+    assert records[3].done == pytest.approx(12.0) and "10" in (records[3].error or "")
+
+
 def mixed_arrivals() -> list[Arrival]:
     """80 requests over a minute: short, medium and long prompts, 1-200 tokens out."""
     rng = random.Random(3)

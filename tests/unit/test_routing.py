@@ -111,3 +111,27 @@ def test_no_prefill_pool_holding_anything_means_the_shared_queue() -> None:
     prompt = list(range(100, 1100))
     nodes = [decode_node("d1"), prefill_node("p1")]
     assert router(nodes, KVIndex()).plan(prompt, 70).prefill_node is None
+
+
+def test_node_table_role_lists_follow_every_change() -> None:
+    """The per-role lists routing reads are kept between changes: a new entry, a node
+    starting to drain, a node changing role and one leaving each show at once; the
+    table cannot be changed behind its back."""
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+    table.nodes = {"d1": decode_node("d1")}
+    assert [n.node_id for n in table.by_role("decode")] == ["d1"]
+    table.put(decode_node("d2", free=50))
+    assert [n.node_id for n in table.by_role("decode")] == ["d1", "d2"]
+    assert table.by_role("decode")[1].free_kv_blocks == 50
+    table.put(decode_node("d2", free=70))  # its next heartbeat
+    assert table.by_role("decode")[1].free_kv_blocks == 70
+    draining = NodeInfo(node_id="d1", role="decode", draining=True, total_kv_blocks=100)
+    table.put(draining)
+    assert [n.node_id for n in table.by_role("decode")] == ["d2"]
+    table.put(NodeInfo(node_id="d2", role="prefill"))
+    assert table.by_role("decode") == [] and [n.node_id for n in table.by_role("prefill")] == ["d2"]
+    assert table.drop("d2") is not None and table.by_role("prefill") == []
+    assert table.drop("d9") is None
+    with pytest.raises(TypeError):
+        table.nodes["d3"] = decode_node("d3")  # type: ignore[index]
+    assert "d3" not in table.nodes and "d1" in table.nodes

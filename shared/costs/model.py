@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from shared.costs.profile import Profile
+from shared.costs.profile import KV_COPY_OPS, KVCopyOp, Profile
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -64,6 +64,10 @@ class CostModel:
             [(t.bytes, t.seconds) for t in profile.transfer if t.transport == self.transport]
         )
         self._decode_memo: dict[tuple[int, int], float] = {}
+        self._kv_copy = {
+            op: _polyline([(p.tokens, p.seconds) for p in profile.kv_copy if p.op == op])
+            for op in KV_COPY_OPS
+        }
 
     def prefill(self, tokens: int) -> float:
         """One forward computing `tokens` prompt tokens (of one or several sequences)."""
@@ -101,3 +105,11 @@ class CostModel:
 
     def kv_transfer(self, tokens: int) -> float:
         return self.transfer(tokens * self.kv_bytes_per_token)
+
+    def kv_copy(self, op: KVCopyOp, tokens: int) -> float:
+        """An engine thread's copy of `tokens` tokens of KV (0 when the profile has no such
+        points: written before they were measured, or projected)."""
+        xs, ys = self._kv_copy[op]
+        if tokens <= 0 or not xs:
+            return 0.0
+        return interpolate(xs, ys, tokens)

@@ -11,6 +11,7 @@ document written before the field existed still reads: it is optional, at the en
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal, get_args
 
 import msgspec
 
@@ -39,6 +40,24 @@ class DecodePoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class TransferPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport: str
     bytes: int
+    seconds: float
+
+
+KVCopyOp = Literal["export", "import", "load", "checkpoint"]
+KV_COPY_OPS: tuple[KVCopyOp, ...] = get_args(KVCopyOp)
+
+
+class KVCopyPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A copy of KV in or out of an engine's pool, on its engine thread (between steps:
+    the streams of a decode node wait for it). `op` is one of KV_COPY_OPS:
+    - export: a prefill node reads a prompt's KV out of its pool into the frame it ships;
+    - import: a decode node checks such a frame and writes it into its pool (add_snapshot);
+    - load: a prefix fetched from kvcache is placed into the pool as cached blocks;
+    - checkpoint: a decode node copies its newly filled blocks out for kvcache.
+    The network's share is the transfer points'."""
+
+    op: KVCopyOp
+    tokens: int
     seconds: float
 
 
@@ -74,6 +93,9 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer: list[TransferPoint]
     created: float  # unix seconds
     projection: Projection | None = None  # set only by `tandem plan project`
+    # Copies of KV on the engine thread; a profile written before they were measured has
+    # none (and reads as before: the simulator then counts them as free).
+    kv_copy: list[KVCopyPoint] = msgspec.field(default_factory=list)
 
 
 def load_profile(data: bytes) -> Profile:

@@ -135,9 +135,9 @@ class BlockExchange:
         filled, self._filled = self._filled, []
         if not filled:
             return [], []
-        return [h for h, _ in filled], self._block_bytes([b for _, b in filled])
+        return [h for h, _ in filled], self.block_bytes([b for _, b in filled])
 
-    def _block_bytes(self, block_ids: list[int]) -> list[memoryview]:
+    def block_bytes(self, block_ids: list[int]) -> list[memoryview]:
         """A copy of each block, as the bytes the kvcache service stores: views into one
         read (no further copies: this runs on the engine thread between steps)."""
         data = self.cache.read_blocks(block_ids)

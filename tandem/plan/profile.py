@@ -4,17 +4,21 @@ time is made of on this machine, and write it as a versioned JSON profile (share
 - prefill: seconds for a prompt of N tokens, alone and batched (the prefill node's work);
 - decode: seconds for one engine step at batch B over contexts of C tokens;
 - transfer: seconds to move S bytes over each data plane (TCP and UCX) from this process
-  to a receiver process (transfer_peer.py).
+  to a receiver process (transfer_peer.py);
+- KV copies on the engine thread, against tokens (at the prefill grid's lengths): a
+  prefill node's export of a prompt's KV, a decode node's import of it, a prefix loaded
+  from kvcache into the pool, and a decode node's checkpoint copy of its filled blocks
+  (their network share is the transfer points').
 
 Every point is the median of `--repeats` runs after a warm-up run. The default grid takes
-about ten minutes on 2 cores; `--quick` a reduced grid in a few. Not yet measured (the
-planner issue lists them): checkpoint and prefix-load cost.
+about ten minutes on 2 cores; `--quick` a reduced grid in a few.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import platform
 import random
@@ -26,12 +30,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
+    KVCopyOp,
+    KVCopyPoint,
     Machine,
     PrefillPoint,
     Profile,
@@ -39,6 +46,9 @@ from shared.costs.profile import (
 )
 from shared.errors import TandemError
 from shared.runtime.options import add_model_options, add_option
+
+if TYPE_CHECKING:  # torch and the engine load only when a profile is measured
+    from shared.engine.engine import Engine
 
 TRANSPORTS = ("tcp", "ucx")  # both data planes, each between two processes
 PEER_TIMEOUT = 60.0  # seconds for the receiver process to listen (ucxx imports slowly)
@@ -117,11 +127,13 @@ def measure(args: argparse.Namespace, grid: Grid) -> Profile:
         + len(grid.prefill_batches)
         + len(grid.decode_batches) * len(grid.decode_contexts)
         + len(grid.transfer_bytes) * len(TRANSPORTS)
+        + len(grid.prefill_tokens)
     )
     with tqdm(total=total, desc="profile", unit="point", file=sys.stderr) as bar:
         prefill = _prefill_points(model, grid, args.repeats, bar)
         decode = _decode_points(model, grid, args.repeats, bar)
         transfer = _transfer_points(grid, args.repeats, bar)
+        kv_copy = _kv_copy_points(model, grid, args.repeats, bar)
     from shared.model.runner import kv_layout
 
     layout = kv_layout(model, 16)
@@ -137,6 +149,7 @@ def measure(args: argparse.Namespace, grid: Grid) -> Profile:
         decode=decode,
         transfer=transfer,
         created=time.time(),
+        kv_copy=kv_copy,
     )
 
 
@@ -196,6 +209,65 @@ def _decode_points(model: object, grid: Grid, repeats: int, bar: object) -> list
             seconds = median_seconds(engine.step, repeats)
             points.append(DecodePoint(batch=batch, context=context, seconds=seconds))
             bar.update()  # type: ignore[attr-defined]
+    return points
+
+
+def _kv_copy_points(model: object, grid: Grid, repeats: int, bar: object) -> list[KVCopyPoint]:
+    """The engine's own copies, at each prefill length (`_kv_copies`)."""
+    from shared.engine.engine import Engine, EngineConfig
+
+    rng = random.Random(3)
+    vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
+    # room for a prompt, plus its imported copy and a loaded prefix on the second engine
+    blocks = 2 * (max(grid.prefill_tokens) // 16 + 2)
+    config = EngineConfig(num_blocks=blocks, enable_prefix_caching=True)
+    source, target = Engine(model, config), Engine(model, config)  # type: ignore[arg-type]
+    points = []
+    for tokens in grid.prefill_tokens:
+        points += _kv_copies(source, target, _prompt(tokens, rng, vocab), repeats)
+        bar.update()  # type: ignore[attr-defined]
+    return points
+
+
+def _kv_copies(
+    source: Engine, target: Engine, prompt: list[int], repeats: int
+) -> list[KVCopyPoint]:
+    """A prompt prefilled on `source`, exported, imported by `target` (then dropped), its
+    blocks copied out as a checkpoint does, and placed into `target`'s pool as a prefix
+    fetched from kvcache would be."""
+    from shared.bus.params import SamplingParams
+    from shared.kv.block_hash import BlockHash
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    rid = source.add_request(prompt, params)
+    seq = source.requests[rid]
+    while not seq.output_ids:
+        source.step()  # its prompt's KV is in the pool now
+    snapshot, frame = source.export(rid)
+    ids = seq.block_ids[: source.scheduler.blocks_for(seq.num_computed)]
+    copies = source.exchange.block_bytes(ids)
+    fresh = itertools.count()
+
+    def imported() -> None:
+        target.add_snapshot(snapshot, frame)
+        target.abort(snapshot.attempt_id)
+
+    def loaded() -> None:  # new hashes each time: a pool holding them skips them
+        n = next(fresh)
+        names = [BlockHash(f"{rid}-{n}-{i}".encode()) for i in range(len(copies))]
+        target.exchange.import_cached_blocks(names, copies)
+
+    timed: dict[KVCopyOp, Callable[[], object]] = {
+        "export": lambda: source.export(rid),
+        "import": imported,
+        "load": loaded,
+        "checkpoint": lambda: source.exchange.block_bytes(ids),
+    }
+    points = [
+        KVCopyPoint(op=op, tokens=seq.num_computed, seconds=median_seconds(fn, repeats))
+        for op, fn in timed.items()
+    ]
+    source.abort(rid)
     return points
 
 

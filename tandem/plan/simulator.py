@@ -22,6 +22,12 @@ run: the steps a stepwise node would have begun by then are applied, and the cha
 at the next step, as it would. `Topology.macro_steps=False` steps one event a step (the
 reference the tests hold runs to).
 
+KV copies on an engine thread are charged as the profile measured them (none for a
+profile without them): a prefill node's export of each prompt's KV before its batch's
+first tokens go out, and a decode node's import of a handed-off prompt before its next
+step (its running streams wait for it). Checkpoints and prefix loads are not simulated:
+the simulated prompts share no prefix, and no kvcache node is modelled.
+
 Output: the `RequestRecord`s `tandem bench serve` would have measured (send, first token,
 every later gap as runs of equal gaps, end), so the same metrics code summarises both.
 """
@@ -72,6 +78,7 @@ class _Decode:
         self.records: dict[str, RequestRecord] = {}
         self.run: SteadyRun | None = None
         self.generation = 0  # of the run whose end is scheduled (a cut one's is stale)
+        self.stall = 0.0  # KV imports waiting to run on its engine thread before the next step
 
 
 class _Prefill:
@@ -295,8 +302,12 @@ class Simulation:
     def _kick(self, node: _Decode) -> None:
         if node.stepping or not node.engine.scheduler.has_unfinished():
             return
+        stall, node.stall = node.stall, 0.0
         if self.topology.macro_steps and (run := node.engine.steady_run(RUN_LIMIT)) is not None:
             batch, total, steps = run
+            if stall:  # the imports run before the first step: it takes that much longer
+                (first, count), rest = steps[0], steps[1:]
+                steps = [(first + stall, 1), *([(first, count - 1)] if count > 1 else []), *rest]
             node.run = SteadyRun(self.now, batch, steps, total)
             node.stepping = True
             node.generation += 1
@@ -304,9 +315,10 @@ class Simulation:
             return
         plan, seconds, decoded = node.engine.begin()
         if not plan.decodes and not plan.prefills:
+            node.stall = stall  # nothing to wait for it yet
             return  # nothing fits now; the next arrival or hand-off kicks again
         node.stepping = True
-        self.at(self.now + seconds, self._step_done, node, plan, decoded)
+        self.at(self.now + seconds + stall, self._step_done, node, plan, decoded)
 
     def _cut(self, node: _Decode) -> None:
         """Before the node changes mid-run: apply the steps a stepwise node has begun by
@@ -377,7 +389,10 @@ class Simulation:
         node.holding = len(jobs)
         seconds, emitted = self._prefill(node.engine, [job.seq for job in jobs])
         ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is not FINISHED]
-        done = self.now + seconds
+        # each one's KV read out into its frame, on the engine thread, before the batch's
+        # first tokens go out (`Engine.prefill_and_export`)
+        export = self.transfer_costs.kv_copy
+        done = self.now + seconds + sum(export("export", j.seq.num_computed) for j in ship)
         self.at(done, self._prefilled, node, jobs, emitted)
         # the hand-offs run together on one link: all of them land when the bytes are through
         arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
@@ -428,6 +443,8 @@ class Simulation:
         for decoder in itertools.chain((preferred,), others):
             self._cut(decoder)
             if decoder.engine.add_prefilled(job.seq):
+                # its KV checked and written into the pool on the engine thread (add_snapshot)
+                decoder.stall += decoder.engine.costs.kv_copy("import", job.seq.num_computed)
                 decoder.records[job.seq.request_id] = job.record
                 self._kick(decoder)
                 self._handed_off(node)

@@ -10,9 +10,11 @@ import msgspec
 import pytest
 import torch
 
+from shared.costs.model import CostModel
 from shared.costs.profile import PROFILE_VERSION, load_profile
 from tandem.cli import main
 from tandem.plan.profile import Grid, measure
+from tests.unit.test_plan_simulate import profile as sample_profile
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +47,11 @@ def test_a_tiny_grid_gives_a_complete_document(tiny_model_dir: Path) -> None:
         ("ucx", 4096),
         ("ucx", 65536),
     ]
-    every = [*profile.prefill, *profile.decode, *profile.transfer]
+    # the engine thread's KV copies, at the prefill lengths
+    assert [(p.op, p.tokens) for p in profile.kv_copy] == [
+        (op, tokens) for tokens in (16, 48) for op in ("export", "import", "load", "checkpoint")
+    ]
+    every = [*profile.prefill, *profile.decode, *profile.transfer, *profile.kv_copy]
     assert all(p.seconds > 0 for p in every)
     # 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes
     assert profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
@@ -59,6 +65,22 @@ def test_reading_refuses_what_is_not_a_profile_of_this_version() -> None:
         load_profile(b"{nope")
     with pytest.raises(ValueError, match="not a Tandem profile"):
         load_profile(b'{"version": 1, "model": "x"}')
+
+
+def test_a_profile_without_kv_copies_still_reads_and_an_unknown_copy_does_not() -> None:
+    """Profiles written before the KV copies were measured read as before (the copies then
+    cost nothing); a copy of a kind this Tandem does not know is refused, not guessed at."""
+    doc = msgspec.json.decode(msgspec.json.encode(sample_profile()))
+    del doc["kv_copy"]
+    old = load_profile(msgspec.json.encode(doc))
+    assert old.kv_copy == [] and CostModel(old).kv_copy("import", 1000) == 0.0
+    doc["kv_copy"] = [{"op": "import", "tokens": 100, "seconds": 0.01}]
+    costs = CostModel(load_profile(msgspec.json.encode(doc)))
+    assert costs.kv_copy("import", 100) == pytest.approx(0.01)
+    assert costs.kv_copy("export", 100) == 0.0
+    doc["kv_copy"] = [{"op": "teleport", "tokens": 100, "seconds": 0.01}]
+    with pytest.raises(ValueError, match="not a Tandem profile"):
+        load_profile(msgspec.json.encode(doc))
 
 
 def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from shared.costs.model import CostModel, interpolate
 from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
+    KVCopyPoint,
     Machine,
     PrefillPoint,
     Profile,
@@ -100,6 +101,30 @@ def test_one_request_split_pays_the_transfer() -> None:
     assert rec.chunks[0] == pytest.approx(0.5)  # the prefill node publishes it
     assert rec.chunks[0] + itls(rec)[0] == pytest.approx(0.5 + transfer + DECODE_STEP)
     assert rec.done == pytest.approx(0.5 + transfer + 9 * DECODE_STEP)
+
+
+def test_kv_copies_delay_the_first_token_and_the_running_streams() -> None:
+    """With the profile's KV copies: a prefill node's export comes before its first token
+    goes out; a decode node's import of a handed-off prompt runs before its next step, so
+    a stream already running there sees that step longer by the import."""
+    export, imported = 0.02, 0.03  # s per 500 tokens (linear through zero)
+    copies = [
+        KVCopyPoint(op=op, tokens=t, seconds=per * t / 500)
+        for op, per in (("export", export), ("import", imported))
+        for t in (100, 500)
+    ]
+    costs = CostModel(msgspec.structs.replace(profile(), kv_copy=copies))
+    transfer = 500 * KV_PER_TOKEN / LINK
+    for macro in (True, False):
+        topology = dataclasses.replace(split(), macro_steps=macro)
+        (rec,) = Simulation(topology, costs).run([Arrival(0.0, 500, 10)])
+        assert rec.chunks[0] == pytest.approx(0.5 + export)
+        assert rec.done == pytest.approx(0.5 + export + transfer + imported + 9 * DECODE_STEP)
+        # a stream decoding when the second prompt lands: one gap longer by its import
+        first, _ = Simulation(topology, costs).run([Arrival(0.0, 100, 40), Arrival(0.5, 500, 2)])
+        gaps = sorted(itls(first)[1:])  # past its own hand-off's (transfer and import)
+        assert gaps[-1] == pytest.approx(DECODE_STEP + imported)
+        assert gaps[-2] == pytest.approx(DECODE_STEP)
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
@@ -328,6 +353,25 @@ def test_steady_runs_give_the_stepwise_timelines(topology: Topology, tight: bool
         assert preempted > 0 and not all(r.ok for r in fast)
     else:
         assert all(r.ok for r in fast) and runs.events < stepwise.events / 2
+
+
+def test_steady_runs_give_the_stepwise_timelines_with_kv_copies() -> None:
+    """Imports stalling a decode node between steps cut runs as a stepwise node sees them."""
+    copies = [
+        KVCopyPoint(op=op, tokens=t, seconds=t * 4e-5)
+        for op in ("export", "import")
+        for t in (1, 1000)
+    ]
+    costs = CostModel(msgspec.structs.replace(profile(), kv_copy=copies))
+    topology = Topology(prefill=2, decode=2, decode_engine=EngineShape(num_blocks=300))
+    fast = Simulation(topology, costs).run(mixed_arrivals(), timeout=30)
+    stepwise = dataclasses.replace(topology, macro_steps=False)
+    slow = Simulation(stepwise, costs).run(mixed_arrivals(), timeout=30)
+    plain = Simulation(topology, CostModel(profile())).run(mixed_arrivals(), timeout=30)
+    for a, b in zip(fast, slow, strict=True):
+        assert timeline(a) == pytest.approx(timeline(b), abs=1e-9)
+    assert all(r.ok for r in fast)
+    assert sum(r.done for r in fast) > sum(r.done for r in plain)  # the copies cost
 
 
 @pytest.mark.parametrize("colocated", [True, False])

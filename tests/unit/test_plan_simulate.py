@@ -347,6 +347,8 @@ def test_steady_runs_give_the_stepwise_timelines(topology: Topology, tight: bool
     assert [r.ok for r in fast] == [r.ok for r in slow]
     for a, b in zip(fast, slow, strict=True):
         assert timeline(a) == pytest.approx(timeline(b), abs=1e-9)
+    # every token came once, preempted or not: its gaps are its tokens after the first
+    assert all(len(itls(r)) == r.output_tokens - 1 == r.max_tokens - 1 for r in fast if r.ok)
     assert runs.events < stepwise.events
     preempted = sum(d.engine.scheduler.num_preemptions for d in runs.decoders.values())
     if tight:

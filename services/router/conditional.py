@@ -5,8 +5,9 @@ first token sooner, from measured costs and the live state.
 
 With a profile (`tandem plan profile`, `--profile`), both paths are estimated in seconds:
 - remote: the pool's backlog (prompt tokens sent to it and not yet answered by a first
-  token, spread over its nodes) plus this prompt's prefill, plus the KV transfer that must
-  land before the second token;
+  token, spread over its nodes) plus this prompt's prefill, plus what must happen before
+  the second token: the prefill node's export of its KV, the transfer, and the decode
+  node's import (the copies as the profile measured them; none in an older profile);
 - local: the decode node's own backlog plus this prompt, prefilled in chunks of
   min(chunk, budget − running) tokens, one chunk per step; each step also runs the node's
   decode batch (running sequences at their mean context, from its block count). An idle
@@ -16,7 +17,8 @@ With a profile (`tandem plan profile`, `--profile`), both paths are estimated in
   sets both).
 Local also costs the node's running streams: each waits, over the chunks, for the whole
 prefill, so the local side is charged its first token plus running x prefill seconds (the
-latency it adds to everyone), the remote side its first token. A short prompt goes local
+latency it adds to everyone), the remote side its first token plus running x the import
+(the decode node's streams wait for that copy too). A short prompt goes local
 when the pool is busy, a long one only when the pool's backlog outweighs what it would cost
 the streams (measured: charging only the request's own first token sent long prompts to
 busy decode nodes and broke the TPOT target on a long-prompt workload; docs/benchmarks.md).
@@ -91,11 +93,12 @@ class PrefillPathChooser:
         local = self.local_seconds(local_uncached, node, backlog.local_tokens)
         stall = node.running * self.costs.prefill(local_uncached)
         remote = self.remote_seconds(remote_uncached, prompt, backlog)
-        verdict = "<=" if local + stall <= remote else ">"
+        remote_stall = node.running * self.costs.kv_copy("import", prompt)
+        wins = local + stall <= remote + remote_stall
         return Choice(
-            local + stall <= remote,
+            wins,
             f"local {local:.3f}s + {node.running} streams' stall {stall:.3f}s "
-            f"{verdict} remote {remote:.3f}s",
+            f"{'<=' if wins else '>'} remote {remote:.3f}s + their stall {remote_stall:.3f}s",
         )
 
     def _fallback(self, backlog: Backlog) -> Choice:
@@ -107,8 +110,10 @@ class PrefillPathChooser:
     def remote_seconds(self, uncached: int, prompt: int, backlog: Backlog) -> float:
         costs = self.prefill_costs
         assert costs is not None
+        assert self.costs is not None
         wait = costs.prefill(backlog.pool_tokens) / backlog.prefill_nodes
-        return wait + costs.prefill(uncached) + costs.kv_transfer(prompt)
+        copies = costs.kv_copy("export", prompt) + self.costs.kv_copy("import", prompt)
+        return wait + costs.prefill(uncached) + copies + costs.kv_transfer(prompt)
 
     def local_seconds(self, uncached: int, node: NodeInfo, queued: int) -> float:
         assert self.costs is not None

@@ -4,6 +4,7 @@ fallback rule without a profile."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from services.router.conditional import Backlog, PrefillPathChooser
@@ -12,6 +13,7 @@ from services.router.routing import PrefixRouter
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
 from shared.costs.model import CostModel
+from shared.costs.profile import KVCopyPoint
 from tests.unit.test_plan_simulate import DECODE_STEP, PREFILL_PER_TOKEN, profile
 
 pytestmark = pytest.mark.unit
@@ -54,6 +56,26 @@ def test_a_long_prompt_stays_off_a_busy_decode_node_unless_the_pool_is_far_behin
     c, node = chooser(), decode(running=8)
     assert not c.choose(1000, 1000, 1000, node, Backlog(3000, 1, 0)).local
     assert c.choose(1000, 1000, 1000, node, Backlog(12000, 1, 0)).local
+
+
+def test_the_kv_copies_weigh_on_the_remote_side() -> None:
+    """With the profile's KV copies, the remote path also costs the prefill node's export
+    and the decode node's import, and its streams wait for the import: a prompt the pool
+    would take without them stays local when they are dear."""
+    node, queued = decode(running=8), Backlog(pool_tokens=1500, prefill_nodes=1, local_tokens=0)
+    # local: 0.25 s + 8 x 0.2 s of stall = 1.85 s; remote: 1.5 s queued + 0.2 s = 1.7 s
+    assert not chooser().choose(200, 200, 200, node, queued).local
+    copies = [
+        KVCopyPoint(op=op, tokens=t, seconds=t * 0.05 / 200)
+        for op in ("export", "import")
+        for t in (100, 1000)
+    ]
+    costs = CostModel(msgspec.structs.replace(profile(), kv_copy=copies))
+    dear = PrefillPathChooser(costs, local_max_tokens=96)
+    # remote now 1.7 + 0.05 + 0.05 s, and 8 streams x 0.05 s of import stall
+    assert dear.remote_seconds(200, 200, queued) == pytest.approx(1.8, abs=0.01)
+    choice = dear.choose(200, 200, 200, node, queued)
+    assert choice.local and "their stall 0.400s" in choice.reason
 
 
 def test_short_tails_and_pool_less_clusters_stay_local() -> None:

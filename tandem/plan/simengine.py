@@ -111,9 +111,13 @@ class CountingPool(BlockPool):
 
 
 class SimEngine:
-    def __init__(self, shape: EngineShape, costs: CostModel) -> None:
+    def __init__(self, shape: EngineShape, costs: CostModel, checkpointing: bool = False) -> None:
         self.shape = shape
         self.costs = costs
+        # A checkpointing node copies each block it fills out of its pool (between steps):
+        # per token computed, a block's copy over its tokens.
+        bs = shape.block_size
+        self.copy_per_token = costs.kv_copy("checkpoint", bs) / bs if checkpointing else 0.0
         pool = BlockPool if shape.enable_prefix_caching else CountingPool
         self.scheduler = Scheduler(shape, pool(shape.num_blocks), b"sim")
 
@@ -145,12 +149,14 @@ class SimEngine:
         seconds = 0.0
         decoded: list[Sequence] = []
         if plan.decodes:
-            context = sum(s.num_tokens for s in plan.decodes) / len(plan.decodes)
-            seconds += self.costs.decode(len(plan.decodes), context)
+            batch = len(plan.decodes)
+            context = sum(s.num_tokens for s in plan.decodes) / batch
+            seconds += self.costs.decode(batch, context) + self.copy_per_token * batch
             decoded = self._tokens(plan.decodes)
         self.scheduler.plan_chunks(plan)
         if plan.prefills:
-            seconds += self.costs.prefill(plan.prefill_tokens)
+            tokens = plan.prefill_tokens
+            seconds += self.costs.prefill(tokens) + self.copy_per_token * tokens
         return plan, seconds, decoded
 
     def end(self, plan: StepPlan) -> list[Sequence]:
@@ -186,8 +192,12 @@ class SimEngine:
         steps = self.scheduler.steady_decode_steps(min(limit, left))
         if steps < 2:
             return None
-        context = sum(s.num_tokens for s in running) / len(running)
-        return list(running), steps, self.costs.decode_run(len(running), context, steps)
+        batch = len(running)
+        context = sum(s.num_tokens for s in running) / batch
+        runs = self.costs.decode_run(batch, context, steps)
+        if self.copy_per_token:
+            runs = [(seconds + self.copy_per_token * batch, n) for seconds, n in runs]
+        return list(running), steps, runs
 
     def advance(self, batch: list[Sequence], steps: int) -> None:
         """`steps` steps of a steady run: their blocks, then a token each per step (as

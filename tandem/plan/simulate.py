@@ -44,7 +44,9 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=0, help="N decode nodes prefilling everything")
     add_option(p, "--prefill", type=int, default=0, help="prefill nodes")
     add_option(p, "--decode", type=int, default=0, help="decode nodes")
-    add_option(p, "--kvcache", type=int, default=0, help="kvcache nodes (random prompts: unused)")
+    add_option(
+        p, "--kvcache", type=int, default=0, help="kvcache nodes (decode nodes then checkpoint)"
+    )
     add_option(p, "--transport", default=None, help="the profile's transport (default: its first)")
     add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache per node")
     add_option(p, "--max-num-seqs", type=int, default=64)
@@ -105,6 +107,7 @@ def topology_of(args: argparse.Namespace, decode: Profile, prefill: Profile) -> 
         heartbeat=args.heartbeat,
         conditional=args.conditional,
         admission_latency=args.admission_latency,
+        kvcache=args.kvcache,
     )
 
 

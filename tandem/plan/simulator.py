@@ -24,9 +24,11 @@ reference the tests hold runs to).
 
 KV copies on an engine thread are charged as the profile measured them (none for a
 profile without them): a prefill node's export of each prompt's KV before its batch's
-first tokens go out, and a decode node's import of a handed-off prompt before its next
-step (its running streams wait for it). Checkpoints and prefix loads are not simulated:
-the simulated prompts share no prefix, and no kvcache node is modelled.
+first tokens go out, a decode node's import of a handed-off prompt before its next step
+(its running streams wait for it), and, with kvcache nodes, a decode node's checkpoint
+copy of every block it fills (per token computed, in each step). Prefix loads are not
+simulated: the simulated prompts share no prefix. The kvcache nodes' own work and the
+checkpoints' network traffic (off the engine thread) are not modelled.
 
 Output: the `RequestRecord`s `tandem bench serve` would have measured (send, first token,
 every later gap as runs of equal gaps, end), so the same metrics code summarises both.
@@ -103,8 +105,11 @@ class Simulation:
         self.events = 0  # handled so far (what the simulation's time goes with)
         colocated = topology.colocated > 0
         count = topology.colocated or topology.decode
+        checkpointing = topology.kvcache > 0
         self.decoders = {
-            f"decode-{i}": _Decode(f"decode-{i}", SimEngine(topology.decode_engine, decode_costs))
+            f"decode-{i}": _Decode(
+                f"decode-{i}", SimEngine(topology.decode_engine, decode_costs, checkpointing)
+            )
             for i in range(count)
         }
         self.prefillers = {

@@ -28,9 +28,12 @@ class Topology:
     # the commands' default (--admission-latency 0.05); none unless given here.
     admission_latency: float = 0.0
     macro_steps: bool = True  # steady decode steps as one run (False: an event a step)
+    # kvcache nodes: with any, decode nodes checkpoint (copy every block they fill out of
+    # the pool for the kvcache service, on the engine thread: the profile's checkpoint cost)
+    kvcache: int = 0
 
     def check(self) -> str | None:
-        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
+        if min(self.colocated, self.prefill, self.decode, self.kvcache) < 0:
             return "node counts cannot be negative"
         if self.colocated and (self.prefill or self.decode):
             return "either colocated nodes or prefill and decode nodes, not both"

@@ -127,6 +127,22 @@ def test_kv_copies_delay_the_first_token_and_the_running_streams() -> None:
         assert gaps[-2] == pytest.approx(DECODE_STEP)
 
 
+def test_checkpointing_decode_nodes_pay_a_copy_per_token_computed() -> None:
+    """With kvcache nodes, a decode node copies each block it fills out of its pool: the
+    profile's checkpoint cost of a block, spread over its tokens, in every step."""
+    per_token = 0.0001
+    copies = [KVCopyPoint(op="checkpoint", tokens=t, seconds=t * per_token) for t in (16, 1024)]
+    costs = CostModel(msgspec.structs.replace(profile(), kv_copy=copies))
+    for macro in (True, False):
+        topology = Topology(colocated=1, decode_engine=shape(256), kvcache=1, macro_steps=macro)
+        (rec,) = Simulation(topology, costs).run([Arrival(0.0, 500, 10)])
+        assert rec.chunks[0] == pytest.approx(0.5 + 500 * per_token)
+        assert itls(rec) == pytest.approx([DECODE_STEP + per_token] * 9)
+        without = dataclasses.replace(topology, kvcache=0)
+        (plain,) = Simulation(without, costs).run([Arrival(0.0, 500, 10)])
+        assert itls(plain) == pytest.approx([DECODE_STEP] * 9)
+
+
 def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
     """A 2,000-token prompt arriving beside a running stream: with a 256-token budget, the
     stream's gaps grow by a chunk's time per step instead of by the whole prefill."""

@@ -12,7 +12,9 @@ Time comes from a profile (shared/costs/model.py); every decision is the real co
   FIFO, as JetStream's pull consumer serves it), prefills them in one engine run,
   publishes their first tokens, then ships each one's KV to its decode node; it takes
   its next jobs once every hand-off is done, retrying (with the node's backoff) a decode
-  node that has no room, then any other, as `services/prefill/handoff.py` does.
+  node that has no room, then any other, as `services/prefill/handoff.py` does. A
+  hand-off ends when the decode node has imported the KV: on its engine thread, after
+  its step in progress (and any import queued before it).
 
 Decode steps that decide nothing (the batch only decodes: nothing waits, nothing
 prefills, every block it needs is free) are taken as one run up to the first sequence's
@@ -82,6 +84,7 @@ class _Decode:
         self.run: SteadyRun | None = None
         self.generation = 0  # of the run whose end is scheduled (a cut one's is stale)
         self.stall = 0.0  # KV imports waiting to run on its engine thread before the next step
+        self.step_end = 0.0  # when its step in progress ends (stepping one event a step)
 
 
 class _Prefill:
@@ -338,7 +341,8 @@ class Simulation:
             node.stall = stall  # nothing to wait for it yet
             return  # nothing fits now; the next arrival or hand-off kicks again
         node.stepping = True
-        self.at(self.now + seconds + stall, self._step_done, node, plan, decoded)
+        node.step_end = self.now + seconds + stall
+        self.at(node.step_end, self._step_done, node, plan, decoded)
 
     def _cut(self, node: _Decode) -> None:
         """Before the node changes mid-run: apply the steps a stepwise node has begun by
@@ -463,13 +467,24 @@ class Simulation:
         for decoder in itertools.chain((preferred,), others):
             self._cut(decoder)
             if decoder.engine.add_prefilled(job.seq):
-                # its KV checked and written into the pool on the engine thread (add_snapshot)
+                # its KV checked and written into the pool on the engine thread (add_snapshot),
+                # after the step in progress and the imports queued before it; the prefill
+                # node's hand-off ends with the decode node's answer, then
                 decoder.stall += decoder.engine.costs.kv_copy("import", job.seq.num_computed)
+                accepted = max(self.now, self._step_end(decoder)) + decoder.stall
                 decoder.records[job.seq.request_id] = job.record
                 self._kick(decoder)
-                self._handed_off(node)
+                self.at(accepted, self._handed_off, node)
                 return
         self.at(self.now + delay, self._hand_off, node, job, min(HANDOFF_MAX_DELAY, delay * 2))
+
+    @staticmethod
+    def _step_end(node: _Decode) -> float:
+        """When the node's engine thread is next free between steps (the step in progress
+        ends; after `_cut`, a run's last step is the one in progress)."""
+        if node.run is not None:
+            return node.run.start + node.run.elapsed(node.run.total)
+        return node.step_end if node.stepping else 0.0
 
     def _handed_off(self, node: _Prefill) -> None:
         node.holding -= 1

@@ -143,6 +143,23 @@ def test_checkpointing_decode_nodes_pay_a_copy_per_token_computed() -> None:
         assert itls(plain) == pytest.approx([DECODE_STEP] * 9)
 
 
+def test_a_hand_off_ends_when_the_decode_node_has_taken_the_kv() -> None:
+    """A decode node imports between its steps: a hand-off landing mid-step ends (and
+    frees the prefill node for its next job) when that step does, not when the bytes land."""
+    transfer = 500 * KV_PER_TOKEN / LINK
+    for macro in (True, False):
+        topology = dataclasses.replace(split(prefill_max_batch=1), macro_steps=macro)
+        sim = Simulation(topology, CostModel(profile()))
+        a, b, c = sim.run([Arrival(0.0, 500, 100), Arrival(0.0, 500, 5), Arrival(0.0, 500, 5)])
+        # a's KV lands on an idle node: taken at once; its steps run from then on
+        start = 0.5 + transfer
+        assert b.chunks[0] == pytest.approx(start + 0.5)
+        # b's KV lands mid-step (steps end at start + k x 50 ms): taken when it ends
+        taken = start + 11 * DECODE_STEP
+        assert b.chunks[0] + itls(b)[0] == pytest.approx(taken + DECODE_STEP)
+        assert c.chunks[0] == pytest.approx(taken + 0.5)  # the prefill node waited for it
+
+
 def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
     """A 2,000-token prompt arriving beside a running stream: with a 256-token budget, the
     stream's gaps grow by a chunk's time per step instead of by the whole prefill."""

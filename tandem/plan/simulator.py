@@ -14,7 +14,8 @@ Time comes from a profile (shared/costs/model.py); every decision is the real co
   its next jobs once every hand-off is done, retrying (with the node's backoff) a decode
   node that has no room, then any other, as `services/prefill/handoff.py` does. A
   hand-off ends when the decode node has imported the KV: on its engine thread, after
-  its step in progress (and any import queued before it).
+  its step in progress (and any import queued before it). Its next fetch asks its own
+  queue first (`services/prefill/intake.py`: OWN_WAIT when empty), then the shared one.
 
 Decode steps that decide nothing (the batch only decodes: nothing waits, nothing
 prefills, every block it needs is free) are taken as one run up to the first sequence's
@@ -46,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from services.prefill.intake import OWN_WAIT
 from services.router.admission import plan as plan_route
 from services.router.admission import track_backlog
 from services.router.conditional import PrefillPathChooser
@@ -92,6 +94,7 @@ class _Prefill:
         self.node_id = node_id
         self.engine = engine
         self.holding = 0  # jobs taken and not yet handed off
+        self.asking_until = 0.0  # its own queue's fetch after a batch, before the shared one
 
 
 class Simulation:
@@ -406,7 +409,7 @@ class Simulation:
     # ---- prefill nodes ------------------------------------------------------------------------
 
     def _take_jobs(self, node: _Prefill) -> None:
-        if node.holding or not self.queue:
+        if node.holding or not self.queue or self.now < node.asking_until:
             return
         count = min(self.topology.prefill_max_batch, len(self.queue))
         jobs = [self.queue.popleft() for _ in range(count)]
@@ -489,4 +492,7 @@ class Simulation:
     def _handed_off(self, node: _Prefill) -> None:
         node.holding -= 1
         if not node.holding:
-            self._take_jobs(node)
+            # its next fetch asks its own queue first, which waits OWN_WAIT when empty (no
+            # job is steered to a node without prefix caching), then the shared queue
+            node.asking_until = self.now + OWN_WAIT
+            self.at(node.asking_until, self._take_jobs, node)

@@ -252,9 +252,9 @@ class Simulation:
         self.records.append(record)
         self._open[id(record)] = ""
         self._deadlines.append((sent + self._timeout, record))
-        if not self._expiry_due:
+        if not self._expiry_due:  # (a timeout shorter than the admission latency: now)
             self._expiry_due = True
-            self.at(sent + self._timeout, self._expire)
+            self.at(max(self.now, sent + self._timeout), self._expire)
         n = next(self._request_ids)
         # distinct first tokens: no two simulated prompts share a prefix, as in the bench
         prompt = [n + 1000] + [11] * (arrival.prompt_tokens - 1)

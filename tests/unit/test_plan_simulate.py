@@ -347,6 +347,15 @@ def test_timeouts_end_only_the_requests_past_theirs() -> None:
     assert records[3].done == pytest.approx(12.0) and "10" in (records[3].error or "")
 
 
+def test_a_timeout_shorter_than_the_admission_latency_never_turns_time_back() -> None:
+    topo = Topology(colocated=1, decode_engine=shape(256), admission_latency=0.05)
+    sim = Simulation(topo, CostModel(profile()))
+    records = sim.run([Arrival(0.0, 100, 3), Arrival(0.01, 100, 3)], timeout=0.02)
+    assert all(r.error is not None for r in records)
+    assert [r.done for r in records] == pytest.approx([0.05, 0.06])  # as it is planned
+    assert sim.now == pytest.approx(0.06)
+
+
 def mixed_arrivals() -> list[Arrival]:
     """80 requests over a minute: short, medium and long prompts, 1-200 tokens out."""
     rng = random.Random(3)

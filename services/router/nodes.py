@@ -178,17 +178,15 @@ class NodeTable:
         """
         best: tuple[float, str] | None = None
         choice = None
-        inflight = self.inflight
-        for node in self.by_role("decode"):  # the loop every request runs: kept lean
+        for node in self.by_role("decode"):
             if exclude and node.node_id in exclude:
                 continue
-            total = node.total_kv_blocks
-            if total and total < blocks_needed:
+            if node.total_kv_blocks and node.total_kv_blocks < blocks_needed:
                 continue
-            sent = inflight.get(node.node_id, 0)
-            free = node.free_kv_blocks - sent * blocks_needed  # room(), inline
-            score = free / (total if total > 0 else 1) - 0.05 * (node.running + sent)
-            if best is None or score > best[0] or (score == best[0] and node.node_id > best[1]):
+            sent = self.inflight.get(node.node_id, 0)
+            free = self.room(node, blocks_needed)
+            score = free / max(1, node.total_kv_blocks) - 0.05 * (node.running + sent)
+            if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node
         return choice
 

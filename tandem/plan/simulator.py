@@ -369,20 +369,15 @@ class Simulation:
         first_end = run.start + run.elapsed(run.applied + 1)
         last_end = run.start + run.elapsed(upto)
         rest = run.gaps(run.applied + 1, upto)
-        records, is_open, last_token = node.records, self._open, self._last_token
-        for seq in run.batch:  # the loop a simulation spends most time in: add_gap, inline
-            record = records[seq.request_id]
+        for seq in run.batch:
+            record = node.records[seq.request_id]
             key = id(record)
-            if key not in is_open:
+            if key not in self._open:
                 continue  # the client gave up on it
-            add_gap(record, first_end - last_token[key])
-            runs = cast(list[list[float]], record.itl_runs)  # set at its first token
+            add_gap(record, first_end - self._last_token[key])
             for each, count in rest:
-                if runs[-1][0] == each:
-                    runs[-1][1] += count
-                else:
-                    runs.append([each, count])
-            last_token[key] = last_end
+                add_gap(record, each, count)
+            self._last_token[key] = last_end
         run.applied = upto
 
     def _run_end(self, node: _Decode, generation: int) -> None:

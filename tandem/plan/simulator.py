@@ -8,14 +8,8 @@ Time comes from a profile (shared/costs/model.py); every decision is the real co
   counts prefill backlogs as the router does (`admission.track_backlog`);
 - each node's engine is the real `Scheduler` (simengine.py), continuous batching and
   chunked prefill included;
-- a prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
-  FIFO, as JetStream's pull consumer serves it), prefills them in one engine run,
-  publishes their first tokens, then ships each one's KV to its decode node; it takes
-  its next jobs once every hand-off is done, retrying (with the node's backoff) a decode
-  node that has no room, then any other, as `services/prefill/handoff.py` does. A
-  hand-off ends when the decode node has imported the KV: on its engine thread, after
-  its step in progress (and any import queued before it). Its next fetch asks its own
-  queue first (`services/prefill/intake.py`: OWN_WAIT when empty), then the shared one.
+- prefill nodes take, prefill and hand off jobs as `services/prefill/` does
+  (simprefill.py).
 
 Decode steps that decide nothing (the batch only decodes: nothing waits, nothing
 prefills, every block it needs is free) are taken as one run up to the first sequence's
@@ -44,10 +38,8 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
-from services.prefill.intake import OWN_WAIT
 from services.router.admission import plan as plan_route
 from services.router.admission import track_backlog
 from services.router.conditional import PrefillPathChooser
@@ -62,42 +54,16 @@ from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
 from tandem.bench.metrics import RequestRecord, add_gap
 from tandem.plan.simengine import SimEngine, SteadyRun
+from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
+from tandem.plan.simprefill import PrefillSide
 from tandem.plan.topology import Arrival, Topology
 
-HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
 DEFAULT_TIMEOUT = 300.0  # a request's client gives up after this (bench serve's --timeout)
 RUN_LIMIT = 4096  # steady decode steps taken as one run at most
 FINISHED = SequenceStatus.FINISHED
 
 
-@dataclass
-class _Job:
-    seq: Sequence
-    record: RequestRecord
-    decode_node: str
-
-
-class _Decode:
-    def __init__(self, node_id: str, engine: SimEngine) -> None:
-        self.node_id = node_id
-        self.engine = engine
-        self.stepping = False
-        self.records: dict[str, RequestRecord] = {}
-        self.run: SteadyRun | None = None
-        self.generation = 0  # of the run whose end is scheduled (a cut one's is stale)
-        self.stall = 0.0  # KV imports waiting to run on its engine thread before the next step
-        self.step_end = 0.0  # when its step in progress ends (stepping one event a step)
-
-
-class _Prefill:
-    def __init__(self, node_id: str, engine: SimEngine) -> None:
-        self.node_id = node_id
-        self.engine = engine
-        self.holding = 0  # jobs taken and not yet handed off
-        self.asking_until = 0.0  # its own queue's fetch after a batch, before the shared one
-
-
-class Simulation:
+class Simulation(PrefillSide):
     def __init__(
         self, topology: Topology, decode_costs: CostModel, prefill_costs: CostModel | None = None
     ) -> None:
@@ -113,18 +79,18 @@ class Simulation:
         count = topology.colocated or topology.decode
         checkpointing = topology.kvcache > 0
         self.decoders = {
-            f"decode-{i}": _Decode(
+            f"decode-{i}": DecodeNode(
                 f"decode-{i}", SimEngine(topology.decode_engine, decode_costs, checkpointing)
             )
             for i in range(count)
         }
         self.prefillers = {
-            f"prefill-{i}": _Prefill(
+            f"prefill-{i}": PrefillNode(
                 f"prefill-{i}", SimEngine(topology.prefill_engine, self.transfer_costs)
             )
             for i in range(topology.prefill)
         }
-        self.queue: deque[_Job] = deque()
+        self.queue: deque[Job] = deque()
         # The router's own parts: a node table the heartbeats below fill in, no registry.
         self.nodes = NodeTable(cast(Any, None), colocated=colocated)
         chooser = None
@@ -274,7 +240,7 @@ class Simulation:
             decoder.engine.add(seq)
             self._kick(decoder)
             return
-        self.queue.append(_Job(seq, record, decoder.node_id))
+        self.queue.append(Job(seq, record, decoder.node_id))
         for node in self.prefillers.values():
             if not self.queue:
                 break  # taken: the other nodes have nothing to look at
@@ -325,7 +291,7 @@ class Simulation:
 
     # ---- decode nodes -------------------------------------------------------------------------
 
-    def _kick(self, node: _Decode) -> None:
+    def _kick(self, node: DecodeNode) -> None:
         if node.stepping or not node.engine.scheduler.has_unfinished():
             return
         stall, node.stall = node.stall, 0.0
@@ -347,7 +313,7 @@ class Simulation:
         node.step_end = self.now + seconds + stall
         self.at(node.step_end, self._step_done, node, plan, decoded)
 
-    def _cut(self, node: _Decode) -> None:
+    def _cut(self, node: DecodeNode) -> None:
         """Before the node changes mid-run: apply the steps a stepwise node has begun by
         now, and end the run with the one in progress (the change joins the next step)."""
         run = node.run
@@ -360,7 +326,7 @@ class Simulation:
             node.generation += 1
             self.at(run.start + run.elapsed(begun), self._run_end, node, node.generation)
 
-    def _apply(self, node: _Decode, run: SteadyRun, upto: int) -> None:
+    def _apply(self, node: DecodeNode, run: SteadyRun, upto: int) -> None:
         """Steps run.applied+1 .. `upto` into the engine and the records (their tokens'
         times are known; they reach the client at those times, after this)."""
         if upto <= run.applied:
@@ -380,7 +346,7 @@ class Simulation:
             self._last_token[key] = last_end
         run.applied = upto
 
-    def _run_end(self, node: _Decode, generation: int) -> None:
+    def _run_end(self, node: DecodeNode, generation: int) -> None:
         if generation != node.generation or node.run is None:
             return  # cut meanwhile: its end is the cut's
         run, node.run = node.run, None
@@ -393,101 +359,10 @@ class Simulation:
                     self._done(record, seq)
         self._kick(node)
 
-    def _step_done(self, node: _Decode, plan: StepPlan, decoded: list[Sequence]) -> None:
+    def _step_done(self, node: DecodeNode, plan: StepPlan, decoded: list[Sequence]) -> None:
         node.stepping = False
         for seq in decoded + node.engine.end(plan):
             last = seq.status is FINISHED
             record = node.records.pop(seq.request_id) if last else node.records[seq.request_id]
             self._token(record, seq)
         self._kick(node)
-
-    # ---- prefill nodes ------------------------------------------------------------------------
-
-    def _take_jobs(self, node: _Prefill) -> None:
-        if node.holding or not self.queue or self.now < node.asking_until:
-            return
-        count = min(self.topology.prefill_max_batch, len(self.queue))
-        jobs = [self.queue.popleft() for _ in range(count)]
-        node.holding = len(jobs)
-        seconds, emitted = self._prefill(node.engine, [job.seq for job in jobs])
-        ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is not FINISHED]
-        # each one's KV read out into its frame, on the engine thread, before the batch's
-        # first tokens go out (`Engine.prefill_and_export`)
-        export = self.transfer_costs.kv_copy
-        done = self.now + seconds + sum(export("export", j.seq.num_computed) for j in ship)
-        self.at(done, self._prefilled, node, jobs, emitted)
-        # the hand-offs run together on one link: all of them land when the bytes are through
-        arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
-        self.at(arrive, self._hand_offs, node, ship)
-
-    def _prefilled(self, node: _Prefill, jobs: list[_Job], emitted: set[int]) -> None:
-        """The batch's prefill is done: first tokens out (one event for the batch)."""
-        for job in jobs:
-            if id(job.seq) not in emitted:  # never admitted: more KV than this node's pool
-                node.engine.scheduler.remove(job.seq)
-                self._job_failed(node, job, "KV blocks exhausted during prefill")
-            elif job.seq.status is FINISHED:  # its first token was its last
-                self._token(job.record, job.seq)
-                self._handed_off(node)
-            else:
-                self._token(job.record, job.seq)
-
-    def _hand_offs(self, node: _Prefill, jobs: list[_Job]) -> None:
-        for job in jobs:
-            self._hand_off(node, job, HANDOFF_FIRST_DELAY)
-
-    @staticmethod
-    def _prefill(engine: SimEngine, seqs: list[Sequence]) -> tuple[float, set[int]]:
-        """`Engine.prefill_and_export`: step until every prompt has its first token, each
-        one's blocks freed as soon as it has (its KV is exported); (seconds, id()s done)."""
-        for seq in seqs:
-            engine.add(seq)
-        seconds, emitted = 0.0, set[int]()
-        while engine.scheduler.waiting:
-            plan, step, _ = engine.begin()
-            if not plan.prefills:
-                break
-            seconds += step
-            for seq in engine.end(plan):
-                emitted.add(id(seq))
-                if seq.status is not SequenceStatus.FINISHED:
-                    engine.release(seq)
-        return seconds, emitted
-
-    def _job_failed(self, node: _Prefill, job: _Job, error: str) -> None:
-        self._fail(job.record, error)
-        self._handed_off(node)
-
-    def _hand_off(self, node: _Prefill, job: _Job, delay: float) -> None:
-        """The preferred decode node if it has room, else any other; else retry later."""
-        preferred = self.decoders[job.decode_node]
-        others = (d for d in self.decoders.values() if d is not preferred)
-        for decoder in itertools.chain((preferred,), others):
-            self._cut(decoder)
-            if decoder.engine.add_prefilled(job.seq):
-                # its KV checked and written into the pool on the engine thread (add_snapshot),
-                # after the step in progress and the imports queued before it; the prefill
-                # node's hand-off ends with the decode node's answer, then
-                decoder.stall += decoder.engine.costs.kv_copy("import", job.seq.num_computed)
-                accepted = max(self.now, self._step_end(decoder)) + decoder.stall
-                decoder.records[job.seq.request_id] = job.record
-                self._kick(decoder)
-                self.at(accepted, self._handed_off, node)
-                return
-        self.at(self.now + delay, self._hand_off, node, job, min(HANDOFF_MAX_DELAY, delay * 2))
-
-    @staticmethod
-    def _step_end(node: _Decode) -> float:
-        """When the node's engine thread is next free between steps (the step in progress
-        ends; after `_cut`, a run's last step is the one in progress)."""
-        if node.run is not None:
-            return node.run.start + node.run.elapsed(node.run.total)
-        return node.step_end if node.stepping else 0.0
-
-    def _handed_off(self, node: _Prefill) -> None:
-        node.holding -= 1
-        if not node.holding:
-            # its next fetch asks its own queue first, which waits OWN_WAIT when empty (no
-            # job is steered to a node without prefix caching), then the shared queue
-            node.asking_until = self.now + OWN_WAIT
-            self.at(node.asking_until, self._take_jobs, node)

@@ -1,0 +1,130 @@
+"""The prefill side of the simulator (simulator.py): prefill nodes taking jobs from the
+shared queue, prefilling them in one engine run, publishing their first tokens and handing
+each one's KV to its decode node, as `services/prefill/` does.
+
+A prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
+FIFO, as JetStream's pull consumer serves it), prefills them in one engine run, publishes
+their first tokens, then ships each one's KV to its decode node; it takes its next jobs
+once every hand-off is done, retrying (with the node's backoff) a decode node that has no
+room, then any other, as `services/prefill/handoff.py` does. A hand-off ends when the
+decode node has imported the KV: on its engine thread, after its step in progress (and any
+import queued before it). Its next fetch asks its own queue first
+(`services/prefill/intake.py`: OWN_WAIT when empty), then the shared one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from services.prefill.intake import OWN_WAIT
+from shared.costs.model import CostModel
+from shared.engine.sequence import Sequence, SequenceStatus
+from tandem.bench.metrics import RequestRecord
+from tandem.plan.simengine import SimEngine
+from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
+from tandem.plan.topology import Topology
+
+HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
+FINISHED = SequenceStatus.FINISHED
+
+
+class PrefillSide:
+    """`Simulation`'s prefill nodes' events (a mixin: the simulation's clock, queue,
+    decode nodes and record keeping are its own)."""
+
+    now: float
+    topology: Topology
+    transfer_costs: CostModel
+    queue: deque[Job]
+    decoders: dict[str, DecodeNode]
+
+    if TYPE_CHECKING:  # Simulation's
+
+        def at(self, when: float, fn: Any, *args: Any) -> None: ...
+        def _token(self, record: RequestRecord, seq: Sequence) -> None: ...
+        def _fail(self, record: RequestRecord, error: str) -> None: ...
+        def _cut(self, node: DecodeNode) -> None: ...
+        def _kick(self, node: DecodeNode) -> None: ...
+
+    def _take_jobs(self, node: PrefillNode) -> None:
+        if node.holding or not self.queue or self.now < node.asking_until:
+            return
+        count = min(self.topology.prefill_max_batch, len(self.queue))
+        jobs = [self.queue.popleft() for _ in range(count)]
+        node.holding = len(jobs)
+        seconds, emitted = self._prefill(node.engine, [job.seq for job in jobs])
+        ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is not FINISHED]
+        # each one's KV read out into its frame, on the engine thread, before the batch's
+        # first tokens go out (`Engine.prefill_and_export`)
+        export = self.transfer_costs.kv_copy
+        done = self.now + seconds + sum(export("export", j.seq.num_computed) for j in ship)
+        self.at(done, self._prefilled, node, jobs, emitted)
+        # the hand-offs run together on one link: all of them land when the bytes are through
+        arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
+        self.at(arrive, self._hand_offs, node, ship)
+
+    def _prefilled(self, node: PrefillNode, jobs: list[Job], emitted: set[int]) -> None:
+        """The batch's prefill is done: first tokens out (one event for the batch)."""
+        for job in jobs:
+            if id(job.seq) not in emitted:  # never admitted: more KV than this node's pool
+                node.engine.scheduler.remove(job.seq)
+                self._job_failed(node, job, "KV blocks exhausted during prefill")
+            elif job.seq.status is FINISHED:  # its first token was its last
+                self._token(job.record, job.seq)
+                self._handed_off(node)
+            else:
+                self._token(job.record, job.seq)
+
+    def _hand_offs(self, node: PrefillNode, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._hand_off(node, job, HANDOFF_FIRST_DELAY)
+
+    @staticmethod
+    def _prefill(engine: SimEngine, seqs: list[Sequence]) -> tuple[float, set[int]]:
+        """`Engine.prefill_and_export`: step until every prompt has its first token, each
+        one's blocks freed as soon as it has (its KV is exported); (seconds, id()s done)."""
+        for seq in seqs:
+            engine.add(seq)
+        seconds, emitted = 0.0, set[int]()
+        while engine.scheduler.waiting:
+            plan, step, _ = engine.begin()
+            if not plan.prefills:
+                break
+            seconds += step
+            for seq in engine.end(plan):
+                emitted.add(id(seq))
+                if seq.status is not SequenceStatus.FINISHED:
+                    engine.release(seq)
+        return seconds, emitted
+
+    def _job_failed(self, node: PrefillNode, job: Job, error: str) -> None:
+        self._fail(job.record, error)
+        self._handed_off(node)
+
+    def _hand_off(self, node: PrefillNode, job: Job, delay: float) -> None:
+        """The preferred decode node if it has room, else any other; else retry later."""
+        preferred = self.decoders[job.decode_node]
+        others = (d for d in self.decoders.values() if d is not preferred)
+        for decoder in itertools.chain((preferred,), others):
+            self._cut(decoder)
+            if decoder.engine.add_prefilled(job.seq):
+                # its KV checked and written into the pool on the engine thread (add_snapshot),
+                # after the step in progress and the imports queued before it; the prefill
+                # node's hand-off ends with the decode node's answer, then
+                decoder.stall += decoder.engine.costs.kv_copy("import", job.seq.num_computed)
+                accepted = max(self.now, decoder.free_at()) + decoder.stall
+                decoder.records[job.seq.request_id] = job.record
+                self._kick(decoder)
+                self.at(accepted, self._handed_off, node)
+                return
+        self.at(self.now + delay, self._hand_off, node, job, min(HANDOFF_MAX_DELAY, delay * 2))
+
+    def _handed_off(self, node: PrefillNode) -> None:
+        node.holding -= 1
+        if not node.holding:
+            # its next fetch asks its own queue first, which waits OWN_WAIT when empty (no
+            # job is steered to a node without prefix caching), then the shared queue
+            node.asking_until = self.now + OWN_WAIT
+            self.at(node.asking_until, self._take_jobs, node)

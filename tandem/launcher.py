@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
 from shared.procs import die_with_parent
+from shared.runtime.options import step_token_budget
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -112,7 +113,7 @@ class Stack:
 
         chunking = [
             "--step-token-budget",
-            str(a.step_token_budget),
+            str(step_token_budget(a.step_token_budget, split=prefill > 0)),
             "--prefill-chunk-tokens",
             str(a.prefill_chunk_tokens),
         ]

@@ -54,7 +54,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
     add_option(p, "--kv-cache-mb", type=int, default=1024)
-    add_chunking_options(p)  # the model nodes' (and the router's conditional choice)
+    add_chunking_options(p, deployment=True)  # the model nodes' (and the router's choice)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)
     add_option(p, "--log-level", default="INFO")
     add_option(p, "--otlp-endpoint", default=None, help="export traces over OTLP (e.g. Jaeger)")

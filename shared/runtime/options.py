@@ -102,18 +102,39 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
 
 
 STEP_TOKEN_BUDGET = 256  # measured: docs/benchmarks.md, "Chunked prefill"
+# A decode node beside a prefill pool prefills locally only now and then (short tails,
+# conditional disaggregation's choice); its running streams come first, so its chunks are
+# smaller: simulated, 64 gives a third of the ITL p99 at the same SLO attainment
+# (docs/benchmarks.md, "Conditional disaggregation").
+SPLIT_STEP_TOKEN_BUDGET = 64
 PREFILL_CHUNK_TOKENS = 512
 
 
-def add_chunking_options(p: argparse.ArgumentParser) -> None:
-    """The decode nodes' chunked prefill (the router's conditional choice reads the same)."""
+def step_token_budget(given: int | None, split: bool) -> int:
+    """The decode nodes' step budget: `given`, else the default for the deployment
+    (colocated nodes, or decode nodes beside prefill nodes)."""
+    if given is not None:
+        return given
+    return SPLIT_STEP_TOKEN_BUDGET if split else STEP_TOKEN_BUDGET
+
+
+def add_chunking_options(p: argparse.ArgumentParser, deployment: bool = False) -> None:
+    """The decode nodes' chunked prefill (the router's conditional choice reads the same).
+    For a command deploying nodes (`deployment`), the budget defaults to None: the
+    deployment's own (`step_token_budget`)."""
     add_option(
         p,
         "--step-token-budget",
         type=int,
-        default=STEP_TOKEN_BUDGET,
+        default=None if deployment else STEP_TOKEN_BUDGET,
         help="chunked prefill: tokens one engine step computes, decodes and a prompt chunk "
-        "together, while sequences run (0: prefill each prompt whole)",
+        "together, while sequences run (0: prefill each prompt whole)"
+        + (
+            f"; default {STEP_TOKEN_BUDGET} colocated, {SPLIT_STEP_TOKEN_BUDGET} on decode "
+            "nodes beside prefill nodes"
+            if deployment
+            else ""
+        ),
     )
     add_option(
         p,

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shared.runtime.options import add_option
+from shared.runtime.options import STEP_TOKEN_BUDGET, add_option
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.metrics import (
     RequestRecord,
@@ -36,7 +36,7 @@ from tandem.bench.metrics import (
 from tandem.bench.report import write_json
 from tandem.bench.serve import check, slo_of
 from tandem.plan import simulate
-from tandem.plan.topology import Arrival
+from tandem.plan.topology import Arrival, Topology
 
 DEFAULTS = Defaults("tandem-plan-search.json", 200, "1", None, 2.0, 0.1)
 SWEEP_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -84,7 +84,10 @@ class Candidate:
 
     def compose_env(self, conditional: bool) -> str:
         if self.colocated:
-            return f"PREFILL_REPLICAS=0 DECODE_REPLICAS={self.colocated} TANDEM_COLOCATED=1"
+            return (
+                f"PREFILL_REPLICAS=0 DECODE_REPLICAS={self.colocated} TANDEM_COLOCATED=1"
+                f" TANDEM_STEP_TOKEN_BUDGET={STEP_TOKEN_BUDGET}"
+            )
         extra = " TANDEM_CONDITIONAL=1" if conditional else ""
         return f"PREFILL_REPLICAS={self.prefill} DECODE_REPLICAS={self.decode}{extra}"
 
@@ -124,16 +127,28 @@ class Planner:
     slo: Slo
     target: float
     concurrency: int | None
+    step_budget: int | None = None  # the decode nodes' if given, else each candidate's default
 
     @classmethod
     def of(cls, args: argparse.Namespace, target: float) -> Planner:
-        return cls(simulate.Deployment.of(args), slo_of(args), target, args.concurrency)
+        deployment = simulate.Deployment.of(args)
+        return cls(deployment, slo_of(args), target, args.concurrency, args.step_token_budget)
+
+    def topology(self, cand: Candidate) -> Topology:
+        """The candidate's deployment, its decode nodes with the step budget given, else
+        with `tandem up`'s default for it (colocated or split)."""
+        budget = simulate.decode_budget(self.step_budget, cand.colocated)
+        return replace(
+            self.base.topology,
+            colocated=cand.colocated,
+            prefill=cand.prefill,
+            decode=cand.decode,
+            decode_engine=replace(self.base.topology.decode_engine, step_token_budget=budget),
+        )
 
     def evaluate(self, cand: Candidate, workload: dict[float, list[Arrival]]) -> None:
         """Simulate the candidate at every rate: its goodput, and how it fares at the target."""
-        topology = replace(
-            self.base.topology, colocated=cand.colocated, prefill=cand.prefill, decode=cand.decode
-        )
+        topology = self.topology(cand)
         points = []
         for rate, arrivals in workload.items():
             records = self.base.run(arrivals, self.concurrency, topology=topology)

@@ -20,7 +20,7 @@ from typing import Any
 
 from shared.costs.model import CostModel
 from shared.costs.profile import Profile, read_profile
-from shared.runtime.options import STEP_TOKEN_BUDGET, add_option
+from shared.runtime.options import add_option, step_token_budget
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
 from tandem.bench.metrics import RequestRecord, run_metrics
@@ -51,7 +51,13 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache per node")
     add_option(p, "--max-num-seqs", type=int, default=64)
     add_option(p, "--max-batched-tokens", type=int, default=4096)
-    add_option(p, "--step-token-budget", type=int, default=STEP_TOKEN_BUDGET)
+    add_option(
+        p,
+        "--step-token-budget",
+        type=int,
+        default=None,
+        help="the decode nodes' (default: `tandem up`'s, colocated or split)",
+    )
     add_option(p, "--prefill-chunk-tokens", type=int, default=512)
     add_option(p, "--prefill-max-batch", type=int, default=8, help="jobs a prefill node takes")
     add_option(p, "--local-prefill-max-tokens", type=int, default=96)
@@ -87,12 +93,17 @@ def engine_shape(args: argparse.Namespace, profile: Profile, prefill: bool) -> E
         block_size=block,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
-        step_token_budget=0 if prefill else args.step_token_budget,
+        step_token_budget=0 if prefill else decode_budget(args.step_token_budget, args.colocated),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         # The simulated prompts share no prefix (as the bench's do not), so naming blocks
         # by hash would find nothing and cost a third of the simulation's time.
         enable_prefix_caching=False,
     )
+
+
+def decode_budget(given: int | None, colocated: int) -> int:
+    """The decode nodes' step budget, as `tandem up` would give them."""
+    return step_token_budget(given, split=not colocated)
 
 
 def topology_of(args: argparse.Namespace, decode: Profile, prefill: Profile) -> Topology:
@@ -207,7 +218,7 @@ def deployment_problem(args: argparse.Namespace, nodes_given: bool = True) -> st
     """What is wrong with the deployment options (`nodes_given`: the node counts too)."""
     if args.kv_cache_mb < 1 or args.max_num_seqs < 1 or args.prefill_max_batch < 1:
         return "--kv-cache-mb, --max-num-seqs and --prefill-max-batch must be at least 1"
-    if args.step_token_budget < 0 or args.heartbeat <= 0 or args.admission_latency < 0:
+    if (args.step_token_budget or 0) < 0 or args.heartbeat <= 0 or args.admission_latency < 0:
         return (
             "--step-token-budget and --admission-latency cannot be negative, "
             "--heartbeat must be positive"

@@ -60,7 +60,8 @@ def up_options(args: argparse.Namespace) -> list[str]:
     """The `tandem up` options of the deployment being validated."""
     options = ["--kvcache", str(args.kvcache), *compare.model_options(args)]
     options += ["--heartbeat-ttl", f"{args.heartbeat * 3:g}"]  # nodes beat every ttl / 3
-    options += ["--step-token-budget", str(args.step_token_budget)]
+    if args.step_token_budget is not None:  # else tandem up's default, as simulated
+        options += ["--step-token-budget", str(args.step_token_budget)]
     options += ["--prefill-chunk-tokens", str(args.prefill_chunk_tokens)]
     if args.colocated:
         options += ["--colocated", "--decode", str(args.colocated)]

@@ -110,3 +110,8 @@ def test_up_passes_its_chunking_options_to_the_model_nodes_and_the_router() -> N
     _, children = plan_of("--kvcache", "0", "--colocated", "--prefill-chunk-tokens", "128")
     assert option(children["decode-1"], "--prefill-chunk-tokens") == "128"
     assert option(children["decode-1"], "--step-token-budget") == "256"  # the default
+    # beside prefill nodes, the decode nodes' streams come first: smaller chunks by default,
+    # and the router's conditional choice models the same
+    _, children = plan_of("--kvcache", "0", "--conditional")
+    for name in ("decode-1", "router"):
+        assert option(children[name], "--step-token-budget") == "64"

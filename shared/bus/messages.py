@@ -56,6 +56,7 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
     token_subject: str = ""
     deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
     output_ids: list[int] = []  # a failover: tokens already delivered; continue after them
+    model: str = ""  # the served name it is for ("": the cluster's one model)
 
     def sampling_params(self) -> SamplingParams:
         """The request's parameters with the router's seed when it set none, so every
@@ -75,6 +76,7 @@ class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
     deadline: float = 0.0
     transfer_secret: str = ""  # the transfer must carry it (data-plane admission)
     handoff: int = 0  # the job's handoff: every token delta of this node carries it
+    model: str = ""  # the served name the KV is of: a node serving another refuses it
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -165,6 +167,7 @@ class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):
     block_size: int = 0
     draining: bool = False  # shutting down: finishing its work, taking none
     timestamp: float = 0.0
+    model: str = ""  # the served name of the model it serves ("": unknown, an older node)
 
 
 class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):

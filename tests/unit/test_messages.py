@@ -18,14 +18,17 @@ from shared.errors import WireFormatError
 pytestmark = pytest.mark.unit
 
 SAMPLES: list[m.Message] = [
-    m.PrefillJob(attempt_id="r", prompt_ids=[1, 2], params=SamplingParams(max_tokens=3)),
+    m.PrefillJob(
+        attempt_id="r", prompt_ids=[1, 2], params=SamplingParams(max_tokens=3), model="org/m:1"
+    ),
     m.DecodeAssignment(
         transfer_id="t",
         snapshot=SequenceSnapshot("r", [1, 2], [3], SamplingParams(), 5, 2),
+        model="m",
     ),
     m.TokenDelta(attempt_id="r", seq=3, token_ids=[7], text="x", finished=True),
     m.Cancel(attempt_id="r", reason="client gone"),
-    m.NodeInfo(node_id="d1", role="decode", free_kv_blocks=9),
+    m.NodeInfo(node_id="d1", role="decode", free_kv_blocks=9, model="m"),
     m.KVEvent(node_id="k1", op="stored", block_hashes=[b"\x01" * 16]),
     m.CheckpointRecord(attempt_id="r", num_tokens=32, block_hashes=[b"\x02" * 16]),
     m.JournalEntry(request_id="r", state="decoding"),
@@ -123,3 +126,13 @@ def test_mutated_messages_raise_only_wire_errors(i: int, data: st.DataObject) ->
 )
 def test_only_token_subjects_are_accepted_as_reply_subjects(subject: str, ok: bool) -> None:
     assert is_token_subject(subject) is ok
+
+
+def test_messages_written_before_models_were_named_read_as_the_one_model() -> None:
+    """A job, an assignment or a registry entry without `model` (a node or journal of
+    before several models) reads as "" (the cluster's one model), not as an error."""
+    for msg in SAMPLES[:2] + [SAMPLES[4]]:
+        as_dict = msgspec.msgpack.decode(m.encode(msg))
+        assert as_dict.pop("model")
+        old = m.decode(msgspec.msgpack.encode(as_dict), type(msg))
+        assert old.model == "" and msgspec.structs.replace(old, model=msg.model) == msg

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
+from shared.model.source import DEFAULT_MODEL
 from shared.procs import die_with_parent
 from shared.runtime.options import step_token_budget
 
@@ -81,11 +82,11 @@ class Stack:
             out += ["--node-id", name, "--metrics-port", str(self.metrics_ports[name])]
         return out
 
-    def _model(self, threads: int) -> list[str]:
+    def _model(self, threads: int, model: str) -> list[str]:
         a = self.args
         return [
             "--model",
-            a.model,
+            model,
             "--dtype",
             a.dtype,
             "--device",
@@ -97,11 +98,18 @@ class Stack:
     def plan(self) -> list[Child]:
         a = self.args
         prefill = prefill_nodes(a)
-        workers = prefill + a.decode
+        models = served_models(a)
+        # each model's nodes: `prefill` and `decode` of them, numbered on across models
+        prefills = [
+            (f"prefill-{i + 1}", models[i // prefill]) for i in range(prefill * len(models))
+        ]
+        decodes = [
+            (f"decode-{i + 1}", models[i // a.decode]) for i in range(a.decode * len(models))
+        ]
+        workers = len(prefills) + len(decodes)
         cpus = sorted(os.sched_getaffinity(0))
         if a.pin_cores:
-            names = [f"prefill-{i + 1}" for i in range(prefill)]
-            names += [f"decode-{i + 1}" for i in range(a.decode)]
+            names = [name for name, _ in prefills + decodes]
             for k, name in enumerate(names):
                 self.affinity.setdefault(name, {cpus[k % len(cpus)]})
 
@@ -143,30 +151,14 @@ class Stack:
                     ],
                 )
             )
-        for i in range(prefill):
-            out.append(
-                Child(
-                    f"prefill-{i + 1}",
-                    [
-                        "prefill",
-                        *self._common(f"prefill-{i + 1}"),
-                        *self._model(threads(f"prefill-{i + 1}")),
-                        *data,
-                    ],
+        for role, nodes in (("prefill", prefills), ("decode", decodes)):
+            for name, model in nodes:
+                out.append(
+                    Child(
+                        name,
+                        [role, *self._common(name), *self._model(threads(name), model), *data],
+                    )
                 )
-            )
-        for i in range(a.decode):
-            out.append(
-                Child(
-                    f"decode-{i + 1}",
-                    [
-                        "decode",
-                        *self._common(f"decode-{i + 1}"),
-                        *self._model(threads(f"decode-{i + 1}")),
-                        *data,
-                    ],
-                )
-            )
         out.append(
             Child(
                 "router",
@@ -175,8 +167,7 @@ class Stack:
                     *self._common(),
                     "--node-id",
                     "router-1",
-                    "--model",
-                    a.model,
+                    *(arg for model in models for arg in ("--model", model)),
                     "--host",
                     a.host,
                     "--port",
@@ -331,6 +322,12 @@ def _child_setup(cpus: set[int] | None) -> None:
     die_with_parent()
     if cpus:
         os.sched_setaffinity(0, cpus)
+
+
+def served_models(args: argparse.Namespace) -> list[str]:
+    """The `--model` values, each a model the stack serves (the default model when none)."""
+    models = args.model if isinstance(args.model, list) else [args.model]
+    return [m for m in models if m] or [DEFAULT_MODEL]
 
 
 def prefill_nodes(args: argparse.Namespace) -> int:

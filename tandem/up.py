@@ -18,7 +18,7 @@ from shared.runtime.options import (
     add_option,
 )
 from tandem.autoscale.options import add_policy_options
-from tandem.launcher import Stack, exit_code, prefill_nodes
+from tandem.launcher import Stack, exit_code, prefill_nodes, served_models
 
 
 def add_up_options(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="scale prefill and decode nodes with load (see the --decode-max ... options)",
     )
-    add_model_options(p)
+    add_model_options(p, several=True)  # each model gets --prefill and --decode nodes
     add_policy_options(p)
 
 
@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.prefill is not None and (args.prefill < 0 or (args.colocated and args.prefill)):
         print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
+        return 2
+    if args.autoscale and len(served_models(args)) > 1:
+        print("error: --autoscale scales the nodes of one model: give one --model", file=sys.stderr)
         return 2
     stack = Stack(args)
     stopping = threading.Event()

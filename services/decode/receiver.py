@@ -89,6 +89,9 @@ class KVReceiver:
         except TandemError as exc:
             await msg.respond(refused(exc.message))
             return
+        if assignment.model not in ("", self.engine.model.served_name):
+            await msg.respond(refused(f"this node serves {self.engine.model.served_name!r}"))
+            return
         need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
         if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:

@@ -285,6 +285,7 @@ class DecodeWorker:
             hash_key=self.engine.hash_extra.decode(),
             block_size=self.engine.config.block_size,
             draining=self.draining,
+            model=self.engine.model.served_name,
         )
 
     async def subscribe(self) -> None:

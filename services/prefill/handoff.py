@@ -120,10 +120,13 @@ class HandOff:
             await job.nak(delay=RETRY_DELAY)
 
     async def _decode_candidates(self, preferred: str) -> list[NodeInfo]:
+        # only nodes that key their blocks as this one does: the same model and dtype
+        # (an older node, without a hash key, is taken on trust)
+        key = self.engine.hash_extra.decode()
         nodes = [
             n
             for n in (await self.registry.nodes()).values()
-            if n.role == "decode" and not n.draining
+            if n.role == "decode" and not n.draining and n.hash_key in ("", key)
         ]
         nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))
         return nodes
@@ -164,6 +167,7 @@ class HandOff:
             deadline=time.time() + TRANSFER_TIMEOUT,
             transfer_secret=new_secret(),
             handoff=job.job.handoff,
+            model=self.engine.model.served_name,
         )
         try:
             reply = await self.bus.nc.request(

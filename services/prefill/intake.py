@@ -2,9 +2,10 @@
 
 A router steers a job to the prefill node whose pool holds the job's prompt prefix (it then
 computes only the rest and loads nothing); such jobs wait on `tandem.prefill.node.<id>`,
-which only this node takes. Every other job goes to whichever node asks the shared consumer
-first. A node asks its own queue first and briefly, so steered jobs never wait behind the
-shared queue's long poll, and an idle node still polls both several times a second.
+which only this node takes. Every other job goes to whichever node of its model asks that
+model's shared consumer first. A node asks its own queue first and briefly, so steered
+jobs never wait behind the shared queue's long poll, and an idle node still polls both
+several times a second.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ SHARED_WAIT = 0.2  # and from the shared queue (a steered job may wait this much
 
 
 class JobIntake:
-    def __init__(self, bus: Bus, node_id: str) -> None:
+    def __init__(self, bus: Bus, node_id: str, model: str = "") -> None:
         self.own = JobConsumer(bus, node_id)
-        self.shared = JobConsumer(bus)
+        self.shared = JobConsumer(bus, model=model)  # its model's queue
 
     async def start(self) -> JobIntake:
         await self.own.start()

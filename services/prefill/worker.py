@@ -99,12 +99,13 @@ class PrefillWorker:
             total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_extra.decode(),
             block_size=self.engine.config.block_size,
+            model=self.engine.model.served_name,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
-        intake = await JobIntake(self.bus, self.node_id).start()
+        intake = await JobIntake(self.bus, self.node_id, self.engine.model.served_name).start()
         handoff = HandOff(
             self.node_id,
             self.engine,
@@ -291,6 +292,11 @@ class PrefillWorker:
         if not is_token_subject(job.job.token_subject):
             self.metrics.errors.labels("bad_job").inc()
             log.warning("job %s names no valid token subject: dropped", job.job.attempt_id)
+            return False
+        if job.job.model not in ("", self.engine.model.served_name):  # steered here wrongly
+            await self._fail(
+                job, f"this node serves {self.engine.model.served_name!r}, not {job.job.model!r}"
+            )
             return False
         try:
             j = job.job

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,7 +27,7 @@ from opentelemetry import trace
 
 from services.router.auth import request_owner
 from services.router.failover import Failover
-from services.router.nodes import PREFILL_POOL, NodeTable
+from services.router.nodes import NodeTable, prefill_pool
 from services.router.parts import RouterParts
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter, RoutePlan
@@ -95,18 +95,22 @@ def salted_by_key(params: SamplingParams, owner: str) -> SamplingParams:
 
 
 async def admit(
-    parts: RouterParts, request: web.Request, chat: bool, tok: TokenizerInfo
+    parts: RouterParts,
+    request: web.Request,
+    chat: bool,
+    tokenizers: Mapping[str, TokenizerInfo],
 ) -> ParsedRequest:
     """The request, validated, if this router takes it now (the caller holds its in-flight
-    count)."""
+    count). `tokenizers`: the served models' (its `model` picks one)."""
     body = await read_body(request, parts.config.max_body_bytes)
-    served, limits = {tok.served_name}, parts.config.limits
-    parsed = await off_loop(parse_request, body, chat, tok, served, limits)
+    parsed = await off_loop(parse_request, body, chat, tokenizers, parts.config.limits)
     if parts.config.isolate_cache_by_key:
         params = salted_by_key(parsed.params, request_owner(request))
         parsed = dataclasses.replace(parsed, params=params)
-    if not parts.nodes.ready():
-        raise CapacityError("no prefill or decode node is available", retry_after=2)
+    if not parts.nodes.ready(parsed.model):
+        raise CapacityError(
+            f"no prefill or decode node of model {parsed.model!r} is available", retry_after=2
+        )
     return parsed
 
 
@@ -118,6 +122,7 @@ class Plan:
     decode_node: NodeInfo
     local: bool  # the decode node holds the prefix: try prefilling there
     prefix: RoutePlan | None  # what KV-aware routing found
+    model: str = ""  # the nodes it was chosen among serve this model ("": any)
 
 
 def plan(
@@ -127,21 +132,23 @@ def plan(
     max_tokens: int,
     span: trace.Span = trace.INVALID_SPAN,
     cache_salt: str = "",
+    model: str = "",
 ) -> Plan:
-    """Where a request runs first. A function of the router's view of the cluster only, so
-    `tandem plan simulate` routes its simulated requests with this same code."""
-    blocks = nodes.blocks_needed(len(prompt_ids), max_tokens)
-    prefix = routing.plan(prompt_ids, blocks, cache_salt) if routing else None
+    """Where a request runs first (among the nodes of `model`, if named). A function of
+    the router's view of the cluster only, so `tandem plan simulate` routes its simulated
+    requests with this same code."""
+    blocks = nodes.blocks_needed(len(prompt_ids), max_tokens, model)
+    prefix = routing.plan(prompt_ids, blocks, cache_salt, model) if routing else None
     local_node = prefix.local_node if prefix is not None else None
     if local_node is not None:  # counted as sent, as pick_decode counts its choice
         nodes.inflight[local_node.node_id] = nodes.inflight.get(local_node.node_id, 0) + 1
-    decode_node = local_node or nodes.pick_decode(blocks)
+    decode_node = local_node or nodes.pick_decode(blocks, model=model)
     if prefix is not None:
         span.set_attribute("tandem.decode_cached_tokens", prefix.decode_cached_tokens)
         span.set_attribute("tandem.kvcache_cached_tokens", prefix.kvcache_cached_tokens)
     if decode_node is None:
         raise CapacityError("no decode node has room for this request", retry_after=2)
-    return Plan(blocks, decode_node, local_node is not None, prefix)
+    return Plan(blocks, decode_node, local_node is not None, prefix, model)
 
 
 def new_job(
@@ -157,6 +164,7 @@ def new_job(
         decode_node=node.node_id,
         token_subject=token_subject(attempt),
         deadline=time.time() + parts.config.first_token_timeout,
+        model=parsed.model,
     )
 
 
@@ -198,7 +206,8 @@ async def submit(
         # Not that node if another has room: a late cancel of its attempt (it timed out)
         # must not meet the request there again.
         refused = plan.decode_node
-        node = parts.nodes.pick_decode(plan.blocks, {refused.node_id}) or refused
+        node = parts.nodes.pick_decode(plan.blocks, {refused.node_id}, model=plan.model)
+        node = node or refused
         job = msgspec.structs.replace(job, decode_node=node.node_id)
     elif plan.prefix is not None and plan.prefix.prefill_node is not None:
         steered = plan.prefix.prefill_node.node_id  # its pool holds the prefix
@@ -228,8 +237,15 @@ async def start(
     shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
     start_t = time.monotonic()
     params = parsed.params
+    span.set_attribute("tandem.model", parsed.model)
     where = plan(
-        parts.nodes, routing, parsed.prompt_ids, params.max_tokens, span, params.cache_salt
+        parts.nodes,
+        routing,
+        parsed.prompt_ids,
+        params.max_tokens,
+        span,
+        params.cache_salt,
+        parsed.model,
     )
     holder = parts.nodes.nodes.get(beside)
     if holder is not None and not holder.draining and not parts.config.colocated:
@@ -278,7 +294,7 @@ def track_backlog(nodes: NodeTable, rid: RequestId, where: Plan, route: str, pro
         nodes.prefill_sent(rid, where.decode_node.node_id, prompt - cached)
     else:
         held = max(prefix.kvcache_cached_tokens, prefix.prefill_cached_tokens) if prefix else 0
-        nodes.prefill_sent(rid, PREFILL_POOL, prompt - held)
+        nodes.prefill_sent(rid, prefill_pool(where.model), prompt - held)
 
 
 def log_route(

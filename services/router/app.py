@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from aiohttp import web
 from opentelemetry import trace
@@ -36,14 +37,17 @@ TRACER = tracer("router")
 
 class Router:
     def __init__(
-        self, parts: RouterParts, tokenizer: TokenizerInfo, routing: PrefixRouter | None = None
+        self,
+        parts: RouterParts,
+        tokenizers: Mapping[str, TokenizerInfo],
+        routing: PrefixRouter | None = None,
     ) -> None:
         self.parts = parts
         self.routing = routing
-        self.tok = tokenizer
+        self.tokenizers = tokenizers  # by served model name, the first the default
         self._background: set[asyncio.Future[None]] = set()
         config = parts.config
-        self.tokens = TokensApi(tokenizer, config.limits, config.max_body_bytes)
+        self.tokens = TokensApi(tokenizers, config.limits, config.max_body_bytes)
         parts.nodes.on_leave.append(self.node_left)
 
     def node_left(self, node_id: str) -> None:
@@ -87,7 +91,7 @@ class Router:
             return self._refused(endpoint, admission_span, busy)
         with parts.inflight.admit():  # counted from here: reading and tokenising are work
             try:
-                parsed = await admission.admit(parts, request, chat, self.tok)
+                parsed = await admission.admit(parts, request, chat, self.tokenizers)
             except TandemError as exc:
                 return self._refused(endpoint, admission_span, exc)
             span.set_attribute("tandem.prompt_tokens", len(parsed.prompt_ids))
@@ -129,20 +133,27 @@ class Router:
     # ---- the rest of the API ------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.tok.served_name, "object": "model", "created": 0, "owned_by": "tandem"}
-        return web.json_response({"object": "list", "data": [model]})
+        models = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+            for name in self.tokenizers
+        ]
+        return web.json_response({"object": "list", "data": models})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        """200 once every served model has its nodes (a router whose one model of several
+        has none would turn its requests away: 503 until it has); which models are, too."""
         bus, nodes = self.parts.bus, self.parts.nodes
-        ok = bus.is_connected and nodes.ready()
+        models = {name: nodes.ready(name) for name in self.tokenizers}
+        ok = bus.is_connected and all(models.values())
         body = {
             "ready": ok,
             "nats": bus.is_connected,
             "prefill": len(nodes.by_role("prefill")),
             "decode": len(nodes.by_role("decode")),
+            "models": models,
         }
         return web.json_response(body, status=200 if ok else 503)
 

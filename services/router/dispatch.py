@@ -50,7 +50,7 @@ class Dispatch:
         refuses. Returns the path taken."""
         if await self.send_local(node, job, count=False):
             return "local"
-        other = self.nodes.pick_decode(blocks, {node.node_id})
+        other = self.nodes.pick_decode(blocks, {node.node_id}, model=job.model)
         if other is not None:  # not the node that refused or timed out (see send_local)
             job = msgspec.structs.replace(job, decode_node=other.node_id)
         await self.submit(job)

@@ -96,8 +96,9 @@ class Failover:
         waited_until = time.monotonic() + NODE_WAIT
         while True:
             nodes = self.dispatch.nodes
-            node = nodes.pick_decode(self.blocks, exclude, prefer=self.standby)
-            node = node or nodes.pick_decode(self.blocks)
+            model = self.job.model
+            node = nodes.pick_decode(self.blocks, exclude, prefer=self.standby, model=model)
+            node = node or nodes.pick_decode(self.blocks, model=model)
             if node is not None or time.monotonic() >= waited_until:
                 return node
             await asyncio.sleep(NODE_POLL)
@@ -115,7 +116,7 @@ class Failover:
         if not nodes.by_role("kvcache"):
             return
         serving = {self.stream.node_id, self.job.decode_node} - {""}
-        node = nodes.best_decode(self.blocks, serving)
+        node = nodes.best_decode(self.blocks, serving, self.job.model)
         if node is None:
             return
         self.standby = node.node_id

@@ -28,7 +28,9 @@ from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import TopologyConfig
 from shared.costs.model import CostModel
 from shared.costs.profile import read_profile
-from shared.model.tokenizer import load_tokenizer
+from shared.errors import ModelLoadError
+from shared.model.source import DEFAULT_MODEL
+from shared.model.tokenizer import TokenizerInfo, load_tokenizer
 from shared.runtime.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from shared.runtime.options import add_chunking_options, add_node_options, add_option
 from shared.runtime.service import run_service
@@ -41,7 +43,14 @@ INDEX_GRACE = 60.0  # seconds a departed node's KV index entries are kept for it
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("router", help="run the HTTP router (OpenAI-compatible API)")
     add_node_options(p, model=False, metrics_port=False)
-    add_option(p, "--model", default="smollm2-135m-instruct", help="served model (tokenizer)")
+    add_option(
+        p,
+        "--model",
+        action="append",
+        default=None,
+        help="a served model (its tokenizer), SOURCE or NAME=SOURCE; repeat it for several "
+        f"(default {DEFAULT_MODEL}; the first is /tokenize's default)",
+    )
     add_option(p, "--host", default="127.0.0.1")
     add_option(p, "--port", type=int, default=8000)
     add_limit_options(p)
@@ -217,20 +226,32 @@ def path_chooser(args: argparse.Namespace) -> PrefillPathChooser:
     )
 
 
+def load_tokenizers(models: list[str]) -> dict[str, TokenizerInfo]:
+    """Each served model's tokenizer, by its served name (a name given twice is an error:
+    a request could not say which it means)."""
+    out: dict[str, TokenizerInfo] = {}
+    for model in models:
+        tok = load_tokenizer(model)
+        if tok.served_name in out:
+            raise ModelLoadError(f"two models are served as {tok.served_name!r}")
+        out[tok.served_name] = tok
+    return out
+
+
 async def serve(args: argparse.Namespace) -> None:
     node_id = make_node_id("router", args.node_id)
     setup_logging("router", node_id, args.log_level)
     setup_tracing("router", node_id)
     keys = api_keys(args)
-    tokenizer = load_tokenizer(args.model)
+    tokenizers = load_tokenizers(args.model or [DEFAULT_MODEL])
     stop = stop_on_signals()
     topology = TopologyConfig(replicas=args.nats_replicas)
     bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), topology, stop=stop)
     nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
     bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()
-    parts = RouterParts.of(config_of(args, node_id), bus, nodes, journal, tokenizer)
-    router = Router(parts, tokenizer, await kv_routing(args, bus, nodes))
+    parts = RouterParts.of(config_of(args, node_id), bus, nodes, journal, tokenizers)
+    router = Router(parts, tokenizers, await kv_routing(args, bus, nodes))
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.
     runner = web.AppRunner(build_app(router, keys), handler_cancellation=True, access_log=None)

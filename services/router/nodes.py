@@ -15,6 +15,13 @@ from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.router.nodes")
 PREFILL_POOL = "prefill-pool"  # where a job waits for any prefill node (backlog key)
+
+
+def prefill_pool(model: str = "") -> str:
+    """The backlog key of a model's prefill pool (its nodes share its queue)."""
+    return f"{PREFILL_POOL}:{model}" if model else PREFILL_POOL
+
+
 REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
 
 
@@ -46,22 +53,26 @@ class NodeTable:
     def nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
         self._nodes = dict(nodes)
         self._view = MappingProxyType(self._nodes)
-        self._roles: dict[str, list[NodeInfo]] = {}
+        self._roles: dict[tuple[str, str], list[NodeInfo]] = {}  # (role, model) -> nodes
 
     def put(self, info: NodeInfo) -> None:
         """A node's latest registry entry."""
         old = self._nodes.get(info.node_id)
         self._nodes[info.node_id] = info
-        self._roles.pop(info.role, None)
+        self._forget_lists(info.role)
         if old is not None and old.role != info.role:
-            self._roles.pop(old.role, None)
+            self._forget_lists(old.role)
 
     def drop(self, node_id: str) -> NodeInfo | None:
         """Forget a node; its last entry, if it was known."""
         gone = self._nodes.pop(node_id, None)
         if gone is not None:
-            self._roles.pop(gone.role, None)
+            self._forget_lists(gone.role)
         return gone
+
+    def _forget_lists(self, role: str) -> None:
+        for key in [k for k in self._roles if k[0] == role]:
+            del self._roles[key]
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
@@ -119,47 +130,63 @@ class NodeTable:
         for callback in self.on_leave:
             callback(node_id)
 
-    def by_role(self, role: NodeRole) -> list[NodeInfo]:
-        """The nodes of a role that take new work (a draining node only finishes its own).
-        Kept between changes (routing reads it several times a request): not to be changed."""
-        nodes = self._roles.get(role)
+    def by_role(self, role: NodeRole, model: str = "") -> list[NodeInfo]:
+        """The nodes of a role that take new work (a draining node only finishes its own),
+        of those serving `model` when one is named (a node naming no model, of before
+        several models, serves any). Kept between changes (routing reads it several times
+        a request): not to be changed."""
+        nodes = self._roles.get((role, model))
         if nodes is None:
-            nodes = [n for n in self._nodes.values() if n.role == role and not n.draining]
-            self._roles[role] = nodes
+            nodes = [
+                n
+                for n in self._nodes.values()
+                if n.role == role and not n.draining and (not model or n.model in (model, ""))
+            ]
+            self._roles[role, model] = nodes
         return nodes
 
-    def block_size(self) -> int:
+    def models(self) -> set[str]:
+        """The models the live model nodes serve, by their registry entries."""
+        return {n.model for n in self._nodes.values() if n.model and n.role != "kvcache"}
+
+    def block_size(self, model: str = "") -> int:
         """Tokens per KV block, as the decode nodes' engines say (the default before any
         has registered)."""
-        sizes = [n.block_size for n in self.by_role("decode") if n.block_size > 0]
+        sizes = [n.block_size for n in self.by_role("decode", model) if n.block_size > 0]
         return max(sizes, default=DEFAULT_BLOCK_SIZE)
 
-    def blocks_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+    def blocks_needed(self, prompt_tokens: int, max_tokens: int, model: str = "") -> int:
         """KV blocks a request can come to fill (what a decode node must have room for)."""
-        return -(-(prompt_tokens + max_tokens) // self.block_size())
+        return -(-(prompt_tokens + max_tokens) // self.block_size(model))
 
-    def ready(self) -> bool:
-        prefill = self.colocated or bool(self.by_role("prefill"))
-        return prefill and bool(self.by_role("decode"))
+    def ready(self, model: str = "") -> bool:
+        """Whether a request (for `model`) can be served: a decode node, and a prefill
+        node unless colocated."""
+        prefill = self.colocated or bool(self.by_role("prefill", model))
+        return prefill and bool(self.by_role("decode", model))
 
     def pick_decode(
-        self, blocks_needed: int, exclude: set[str] | None = None, prefer: str = ""
+        self,
+        blocks_needed: int,
+        exclude: set[str] | None = None,
+        prefer: str = "",
+        model: str = "",
     ) -> NodeInfo | None:
-        """Node `prefer` if it is a live decode node with room, else the least loaded one
-        (`best_decode`); counted as sent one more request."""
-        choice = self._with_room(prefer, blocks_needed, exclude) or self.best_decode(
-            blocks_needed, exclude
+        """Node `prefer` if it is a live decode node (of `model`) with room, else the least
+        loaded one (`best_decode`); counted as sent one more request."""
+        choice = self._with_room(prefer, blocks_needed, exclude, model) or self.best_decode(
+            blocks_needed, exclude, model
         )
         if choice is not None:
             self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
         return choice
 
     def _with_room(
-        self, node_id: str, blocks_needed: int, exclude: set[str] | None
+        self, node_id: str, blocks_needed: int, exclude: set[str] | None, model: str
     ) -> NodeInfo | None:
         if not node_id or (exclude and node_id in exclude):
             return None
-        for node in self.by_role("decode"):
+        for node in self.by_role("decode", model):
             if node.node_id == node_id:
                 return node if self.room(node, blocks_needed) >= blocks_needed else None
         return None
@@ -169,8 +196,10 @@ class NodeTable:
         (each request sent counted at this one's size)."""
         return node.free_kv_blocks - self.inflight.get(node.node_id, 0) * blocks_needed
 
-    def best_decode(self, blocks_needed: int, exclude: set[str] | None = None) -> NodeInfo | None:
-        """The decode node with the most free blocks per running sequence.
+    def best_decode(
+        self, blocks_needed: int, exclude: set[str] | None = None, model: str = ""
+    ) -> NodeInfo | None:
+        """The decode node (of `model`) with the most free blocks per running sequence.
 
         Free blocks are estimated from the last heartbeat less what this router sent since;
         a node short of room now is still chosen (it queues or refuses, and the prefill
@@ -178,7 +207,7 @@ class NodeTable:
         """
         best: tuple[float, str] | None = None
         choice = None
-        for node in self.by_role("decode"):
+        for node in self.by_role("decode", model):
             if exclude and node.node_id in exclude:
                 continue
             if node.total_kv_blocks and node.total_kv_blocks < blocks_needed:

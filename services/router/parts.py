@@ -7,7 +7,8 @@ application (services/router/app.py), so the request modules need not know it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatch
@@ -28,7 +29,8 @@ class RouterParts:
     metrics: RouterMetrics
     dispatch: Dispatch
     inflight: InFlight
-    tokenizer: TokenizerInfo | None = None  # token texts (logprobs); None: ids as text
+    # by served model: token texts (logprobs, echo); a model without one: ids as text
+    tokenizers: Mapping[str, TokenizerInfo] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -37,7 +39,7 @@ class RouterParts:
         bus: Bus,
         nodes: NodeTable,
         journal: RequestJournal,
-        tokenizer: TokenizerInfo | None = None,
+        tokenizers: Mapping[str, TokenizerInfo] | None = None,
     ) -> RouterParts:
         return cls(
             config=config,
@@ -47,5 +49,5 @@ class RouterParts:
             metrics=RouterMetrics(),
             dispatch=Dispatch(config, bus, nodes, journal),
             inflight=InFlight(config.max_inflight),
-            tokenizer=tokenizer,
+            tokenizers=tokenizers or {},
         )

@@ -121,16 +121,17 @@ async def run_choice(
 def logprobs_writer(parts: RouterParts, served: ServedRequest) -> LogprobsWriter | None:
     if served.parsed.params.logprobs is None:
         return None
-    tok = parts.tokenizer
+    tok = parts.tokenizers.get(served.parsed.model)
     text_of = (lambda t: tok.decode([t])) if tok is not None else str
     return LogprobsWriter(served.parsed.chat, text_of)
 
 
 def echo_text(parts: RouterParts, served: ServedRequest) -> str:
     parsed = served.parsed
-    if not parsed.echo or parts.tokenizer is None:
+    tok = parts.tokenizers.get(parsed.model)
+    if not parsed.echo or tok is None:
         return ""
-    return parts.tokenizer.decode(parsed.prompt_ids)
+    return tok.decode(parsed.prompt_ids)
 
 
 def as_tandem_error(exc: Exception, parts: RouterParts) -> TandemError:

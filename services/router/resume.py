@@ -85,8 +85,12 @@ async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamR
         # Resume before the client's last token: regenerating it (not sent again) also
         # brings its finish reason if it was the last one.
         output = known[: max(0, min(after, len(known), job.params.max_tokens - 1))]
-        blocks = parts.nodes.blocks_needed(len(job.prompt_ids), job.params.max_tokens)
-        node = parts.nodes.pick_decode(blocks)
+        # on a node serving its model (a job journaled before several models names none:
+        # the entry does)
+        model = job.model or entry.model
+        job = msgspec.structs.replace(job, model=model)
+        blocks = parts.nodes.blocks_needed(len(job.prompt_ids), job.params.max_tokens, model)
+        node = parts.nodes.pick_decode(blocks, model=model)
         if node is None:
             raise CapacityError("no decode node has room for this request", retry_after=2)
         claimed, job = await claim(parts, entry, revision, job, node, output)

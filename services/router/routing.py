@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.router.conditional import Backlog, PrefillPathChooser
-from services.router.nodes import PREFILL_POOL, NodeTable
+from services.router.nodes import NodeTable, prefill_pool
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
 from shared.kv.block_hash import block_hashes, chain_root
@@ -53,6 +53,7 @@ class RoutePlan:
     prefill_node: NodeInfo | None = None  # steer the job here (its pool holds the prefix)
     prefill_cached_tokens: int = 0  # what that node's pool holds of the prompt
     reason: str = ""  # why this path (logged at debug level, on the request's span)
+    model: str = ""  # the served model it is for: only its nodes are candidates
 
 
 class PrefixRouter:
@@ -70,10 +71,13 @@ class PrefixRouter:
         self.colocated = colocated
         self.chooser = chooser  # conditional disaggregation, when set
 
-    def plan(self, prompt_ids: list[int], blocks_needed: int, cache_salt: str = "") -> RoutePlan:
-        decoders = self.nodes.by_role("decode")
+    def plan(
+        self, prompt_ids: list[int], blocks_needed: int, cache_salt: str = "", model: str = ""
+    ) -> RoutePlan:
+        """Where a prompt (for `model`: its nodes alone) is best prefilled and decoded."""
+        decoders = self.nodes.by_role("decode", model)
         kvcache = [n.node_id for n in self.nodes.by_role("kvcache")]
-        plan = RoutePlan(None, 0, 0, len(prompt_ids))
+        plan = RoutePlan(None, 0, 0, len(prompt_ids), model=model)
         if not decoders:
             return plan
         hashes_by_key: dict[tuple[str, int], list[bytes]] = {}
@@ -113,7 +117,7 @@ class PrefixRouter:
                 plan.local_node, plan.decode_cached_tokens = node, cached
         if self.colocated:  # there is no other path: any uncached tail is prefilled locally
             if plan.local_node is None:
-                plan.local_node = self.nodes.best_decode(blocks_needed)
+                plan.local_node = self.nodes.best_decode(blocks_needed, model=model)
             plan.reason = "colocated"
         elif best is None or best[0] > self.local_max_tokens:
             holder, plan.local_node = plan.local_node, None
@@ -129,15 +133,15 @@ class PrefixRouter:
         """Prefill locally after all, if the costs say so (conditional.py): on the decode
         node holding the longest prefix, else on the one with the most room."""
         assert self.chooser is not None
-        node = holder or self.nodes.best_decode(blocks_needed)
+        node = holder or self.nodes.best_decode(blocks_needed, model=plan.model)
         if node is None or self.nodes.room(node, blocks_needed) < blocks_needed:
             plan.reason = "no decode node has room to prefill locally"
             return
         cached = plan.decode_cached_tokens if holder is not None else 0
         remote = plan.prompt_tokens - plan.kvcache_cached_tokens
         backlog = Backlog(
-            pool_tokens=self.nodes.backlog_tokens(PREFILL_POOL),
-            prefill_nodes=len(self.nodes.by_role("prefill")),
+            pool_tokens=self.nodes.backlog_tokens(prefill_pool(plan.model)),
+            prefill_nodes=len(self.nodes.by_role("prefill", plan.model)),
             local_tokens=self.nodes.backlog_tokens(node.node_id),
         )
         choice = self.chooser.choose(
@@ -150,7 +154,7 @@ class PrefixRouter:
     def _steer(self, plan: RoutePlan, hashes_for: Callable[[NodeInfo], list[bytes] | None]) -> None:
         """Pick the prefill node whose pool makes the job cheapest, if that beats the shared
         queue (see the module docstring)."""
-        prefill = self.nodes.by_role("prefill")
+        prefill = self.nodes.by_role("prefill", plan.model)
         if not prefill or not self.index.by_node:
             return  # no node holds a block: nothing to steer by
         n, remote = plan.prompt_tokens, plan.kvcache_cached_tokens

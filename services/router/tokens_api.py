@@ -1,11 +1,13 @@
 """vLLM's extension endpoints that tools probe: `POST /tokenize`, `POST /detokenize`,
 `GET /version`. Same shapes as vLLM's (`count`, `max_model_len`, `tokens`; `prompt`;
-`version`), validated like the completions body, answered by the router's own tokenizer.
+`version`), validated like the completions body, answered by the tokenizer of the model
+the body names (the router's first model when it names none, as vLLM lets it).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -27,37 +29,40 @@ VERSION = _version()
 
 
 class TokensApi:
-    def __init__(self, tok: TokenizerInfo, limits: Limits, max_body_bytes: int) -> None:
-        self.tok = tok
+    def __init__(
+        self, tokenizers: Mapping[str, TokenizerInfo], limits: Limits, max_body_bytes: int
+    ) -> None:
+        self.tokenizers = tokenizers
         self.limits = limits
         self.max_body_bytes = max_body_bytes
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request) -> tuple[dict[str, Any], TokenizerInfo]:
         body = await read_body(request, self.max_body_bytes)
         if not isinstance(body, dict):
             raise InvalidRequestError("request body must be a JSON object")
-        model = body.get("model", self.tok.served_name)  # vLLM lets it be left out
-        if model != self.tok.served_name:
+        model = body.get("model", next(iter(self.tokenizers)))  # vLLM lets it be left out
+        tok = self.tokenizers.get(model) if isinstance(model, str) else None
+        if tok is None:
             raise NotFoundError(f"model '{model}' not found", param="model", code="model_not_found")
-        return body
+        return body, tok
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        tokens = await off_loop(tokenize_body, body, self.tok)
+        body, tok = await self._body(request)
+        tokens = await off_loop(tokenize_body, body, tok)
         return web.json_response(
-            {"count": len(tokens), "max_model_len": self.tok.max_model_len, "tokens": tokens}
+            {"count": len(tokens), "max_model_len": tok.max_model_len, "tokens": tokens}
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body, tok = await self._body(request)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens
         ):
             raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
-        if any(not 0 <= t < self.tok.vocab_size for t in tokens):
+        if any(not 0 <= t < tok.vocab_size for t in tokens):
             raise InvalidRequestError("'tokens' holds ids outside the vocabulary", param="tokens")
-        return web.json_response({"prompt": await off_loop(self.tok.decode, tokens)})
+        return web.json_response({"prompt": await off_loop(tok.decode, tokens)})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})

@@ -8,6 +8,7 @@ range.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,7 @@ def _prompt(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
     raise bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
 
 
-def _model(body: dict[str, Any], served: set[str]) -> str:
+def _model(body: dict[str, Any], served: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("'model' is required and must be a string", "model")
@@ -222,11 +223,14 @@ def tokenize_body(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
 
 
 def parse_request(
-    body: Any, chat: bool, tok: TokenizerInfo, served: set[str], limits: Limits
+    body: Any, chat: bool, tokenizers: Mapping[str, TokenizerInfo], limits: Limits
 ) -> ParsedRequest:
+    """The body of a completion or chat request, checked and tokenised by the tokenizer of
+    the model it names (`tokenizers`: the served models'; another is a 404)."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
-    model = _model(body, served)
+    model = _model(body, tokenizers)
+    tok = tokenizers[model]
     n = integer(body, "n", 1)
     if n is None:  # null: the default
         n = 1

@@ -33,6 +33,7 @@ from shared.bus.topology import (
     KV_EVENTS_SUBJECT,
     NODES_BUCKET,
     PREFILL_CONSUMER,
+    PREFILL_MODEL_SUBJECTS,
     PREFILL_NODE_SUBJECTS,
     PREFILL_STREAM,
     PREFILL_SUBJECT,
@@ -98,6 +99,7 @@ def permissions(role: str) -> Permissions:
                 "tandem.decode.*.prefetch",
                 "tandem.node.*.ping",
                 PREFILL_SUBJECT,
+                PREFILL_MODEL_SUBJECTS,
                 PREFILL_NODE_SUBJECTS,
                 f"{API}.STREAM.PURGE.{PREFILL_STREAM}",
                 *_kv_reader(JOURNAL_BUCKET),
@@ -157,7 +159,8 @@ def permissions(role: str) -> Permissions:
         )
     if role == "autoscaler":
         return Permissions(
-            [*_kv_reader(NODES_BUCKET), f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.{PREFILL_CONSUMER}"],
+            # the shared consumers' backlogs (one per model; the API names consumers whole)
+            [*_kv_reader(NODES_BUCKET), f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.*"],
             [inbox],
             responds=False,
         )

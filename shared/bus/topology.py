@@ -1,10 +1,11 @@
 """The control plane's JetStream objects, created or updated idempotently at start-up.
 
-- `TANDEM_PREFILL`: work-queue stream of prefill jobs, de-duplicated by Nats-Msg-Id: one
-  durable pull consumer shared by all prefill nodes (explicit ack, `ack_wait`,
-  `max_deliver`) on `tandem.prefill.jobs`, and one per prefill node on
-  `tandem.prefill.node.<id>` for jobs a router steered to it (its pool holds their prefix);
-  each prefill node creates its own at start-up.
+- `TANDEM_PREFILL`: work-queue stream of prefill jobs, de-duplicated by Nats-Msg-Id: per
+  served model, one durable pull consumer shared by all that model's prefill nodes
+  (explicit ack, `ack_wait`, `max_deliver`) on `tandem.prefill.jobs.<model token>` (the
+  first of its nodes creates it), and one per prefill node on `tandem.prefill.node.<id>`
+  for jobs a router steered to it (its pool holds their prefix); each prefill node creates
+  its own at start-up. `tandem.prefill.jobs` itself holds jobs that name no model.
 - `TANDEM_KV_EVENTS`: stream of KV block stored/evicted events for KV-aware routing.
 - `tandem-nodes`: KV bucket, the node registry; entries expire by per-message TTL unless
   refreshed by heartbeats, and expiry leaves a marker watchers see as a leave.
@@ -16,8 +17,10 @@ any one server may be lost with no job or journal entry lost); 1 for a single se
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+import xxhash
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -33,6 +36,7 @@ PREFILL_STREAM = "TANDEM_PREFILL"
 PREFILL_SUBJECT = "tandem.prefill.jobs"
 PREFILL_CONSUMER = "prefill-workers"
 PREFILL_NODE_SUBJECTS = "tandem.prefill.node.*"
+PREFILL_MODEL_SUBJECTS = "tandem.prefill.jobs.*"  # one per served model (prefill_subject)
 KV_EVENTS_STREAM = "TANDEM_KV_EVENTS"
 KV_EVENTS_SUBJECT = "tandem.kv.events"
 NODES_BUCKET = "tandem-nodes"
@@ -59,6 +63,24 @@ def is_token_subject(subject: str) -> bool:
 
 def cancel_subject() -> str:
     return "tandem.cancel"
+
+
+def model_token(served_name: str) -> str:
+    """A served model name as one subject token (subjects cannot hold '.', and names may):
+    its safe characters, and a digest so that names differing only in the others stay apart."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", served_name)[:48]
+    return f"{safe}-{xxhash.xxh3_64_hexdigest(served_name.encode())[:8]}"
+
+
+def prefill_subject(model: str = "") -> str:
+    """The shared queue of one served model's jobs (no model: the queue of a job that names
+    none, from a router of before several models)."""
+    return f"{PREFILL_SUBJECT}.{model_token(model)}" if model else PREFILL_SUBJECT
+
+
+def prefill_consumer(model: str = "") -> str:
+    """The durable consumer of `prefill_subject(model)`, shared by that model's nodes."""
+    return f"{PREFILL_CONSUMER}-{model_token(model)}" if model else PREFILL_CONSUMER
 
 
 def prefill_node_subject(node_id: str) -> str:
@@ -147,7 +169,9 @@ async def ensure_job_consumer(
         max_ack_pending=1000,
         # A node's own consumer outlives the node that made it by this much (its jobs'
         # requests have long since failed over: a router purges its subject).
-        inactive_threshold=None if durable == PREFILL_CONSUMER else cfg.node_consumer_idle,
+        # (a model's shared consumer lives on: jobs queued while none of its nodes is up
+        # wait for the next one)
+        inactive_threshold=None if durable.startswith(PREFILL_CONSUMER) else cfg.node_consumer_idle,
     )
     try:
         await js.add_consumer(PREFILL_STREAM, consumer)
@@ -162,7 +186,7 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
         js,
         StreamConfig(
             name=PREFILL_STREAM,
-            subjects=[PREFILL_SUBJECT, PREFILL_NODE_SUBJECTS],
+            subjects=[PREFILL_SUBJECT, PREFILL_MODEL_SUBJECTS, PREFILL_NODE_SUBJECTS],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=cfg.duplicate_window,

@@ -20,12 +20,12 @@ from shared.bus.client import Bus
 from shared.bus.ids import handoff_transfer_id
 from shared.bus.messages import PrefillJob, decode
 from shared.bus.topology import (
-    PREFILL_CONSUMER,
     PREFILL_STREAM,
-    PREFILL_SUBJECT,
     ensure_job_consumer,
+    prefill_consumer,
     prefill_node_consumer,
     prefill_node_subject,
+    prefill_subject,
 )
 from shared.errors import WireFormatError
 
@@ -34,9 +34,9 @@ async def submit_job(bus: Bus, job: PrefillJob, prefill_node: str = "") -> None:
     """Queue a job once (a retried publish is de-duplicated by the id of the attempt's
     handoff: a failover's job is a new message). With `prefill_node`, only that node's
     consumer takes it (steered to where its prefix lives); otherwise whichever prefill
-    node asks first."""
+    node of its model asks first."""
     msg_id = handoff_transfer_id(job.attempt_id, job.handoff)
-    subject = prefill_node_subject(prefill_node) if prefill_node else PREFILL_SUBJECT
+    subject = prefill_node_subject(prefill_node) if prefill_node else prefill_subject(job.model)
     await bus.js_publish(subject, job, msg_id=msg_id)
 
 
@@ -92,19 +92,22 @@ async def keep_alive(jobs: list[ReceivedJob], interval: float) -> None:
 
 
 class JobConsumer:
-    """A prefill node's handle on the shared durable consumer, or (`node_id`) on its own."""
+    """A prefill node's handle on its model's shared durable consumer, or (`node_id`) on
+    its own."""
 
-    def __init__(self, bus: Bus, node_id: str = "") -> None:
+    def __init__(self, bus: Bus, node_id: str = "", model: str = "") -> None:
         self.bus = bus
         self.node_id = node_id
+        self.model = model
         self.sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> JobConsumer:
         assert self.bus.js is not None
-        subject, durable = PREFILL_SUBJECT, PREFILL_CONSUMER
+        subject, durable = prefill_subject(self.model), prefill_consumer(self.model)
         if self.node_id:
             subject = prefill_node_subject(self.node_id)
             durable = prefill_node_consumer(self.node_id)
+        if self.node_id or self.model:  # (ensure_topology makes the one of no model)
             await ensure_job_consumer(self.bus.js, durable, subject)
         self.sub = await self.bus.js.pull_subscribe(subject, durable=durable, stream=PREFILL_STREAM)
         return self

@@ -15,8 +15,6 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
-import xxhash
-
 from shared.errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -70,14 +68,6 @@ def split_model_option(value: str) -> tuple[str | None, str]:
     if not source:
         raise ModelLoadError(f"--model {value!r}: no source after '='")
     return name, source
-
-
-def model_token(served_name: str) -> str:
-    """The served name as one NATS subject token (subjects cannot hold '.', and names
-    may): its safe characters, and a digest so that names differing only in the others
-    stay apart."""
-    safe = re.sub(r"[^A-Za-z0-9_-]", "_", served_name)[:48]
-    return f"{safe}-{xxhash.xxh3_64_hexdigest(served_name.encode())[:8]}"
 
 
 def resolve_model(name: str | None) -> ModelSource:

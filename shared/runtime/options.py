@@ -37,13 +37,24 @@ def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> Non
     parser.add_argument(flag, **kwargs)
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    add_option(
-        parser,
-        "--model",
-        default="smollm2-135m-instruct",
-        help="served name, Hugging Face directory or .gguf file",
-    )
+def add_model_options(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """The model (`several`: each of the models, `--model` repeated) and how it runs."""
+    if several:
+        add_option(
+            parser,
+            "--model",
+            action="append",
+            default=None,
+            help="a model to serve: served name, Hugging Face directory or .gguf file, or "
+            "NAME=SOURCE; repeat it for several (default smollm2-135m-instruct)",
+        )
+    else:
+        add_option(
+            parser,
+            "--model",
+            default="smollm2-135m-instruct",
+            help="served name, Hugging Face directory or .gguf file, or NAME=SOURCE",
+        )
     add_option(parser, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_option(parser, "--device", default="auto", choices=["auto", "cpu", "cuda"])
     add_option(parser, "--threads", type=int, default=None, help="torch threads (default: cores)")

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
-from shared.bus.topology import PREFILL_CONSUMER, PREFILL_STREAM
+from shared.bus.topology import PREFILL_STREAM, prefill_consumer
 from tandem.autoscale.options import policy_from_args
 from tandem.autoscale.types import ROLES, Backend, Decision, NodeSample, Observation
 
@@ -78,6 +79,7 @@ class Controller:
     async def sample(self) -> Observation:
         if self._registry is None:
             self._registry = await NodeRegistry(self.bus).start()
+        entries = (await self._registry.nodes()).values()
         nodes = [
             NodeSample(
                 node_id=n.node_id,
@@ -87,20 +89,29 @@ class Controller:
                 total_kv_blocks=n.total_kv_blocks,
                 draining=n.draining,
             )
-            for n in (await self._registry.nodes()).values()
+            for n in entries
             if n.role in ROLES
         ]
+        models = {n.model for n in entries if n.role == "prefill"}
         return Observation(
             time=time.monotonic(),
             nodes=nodes,
-            prefill_queue=await self._queue_depth(),
+            prefill_queue=await self._queue_depth(models),
             ttft_p90=await self._ttft_p90(),
         )
 
-    async def _queue_depth(self) -> int:
+    async def _queue_depth(self, models: set[str]) -> int:
+        """Jobs waiting in the shared queues of the models the prefill nodes serve (and of
+        jobs naming none)."""
         assert self.bus.js is not None
-        info = await self.bus.js.consumer_info(PREFILL_STREAM, PREFILL_CONSUMER)
-        return int(info.num_pending or 0)
+        depth = 0
+        for model in sorted(models | {""}):
+            try:
+                info = await self.bus.js.consumer_info(PREFILL_STREAM, prefill_consumer(model))
+            except NotFoundError:  # no node of that model has made it yet
+                continue
+            depth += int(info.num_pending or 0)
+        return depth
 
     async def _ttft_p90(self) -> float | None:
         if not self.router_url:

@@ -38,11 +38,11 @@ from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import (
     KV_EVENTS_SUBJECT,
-    PREFILL_SUBJECT,
     assign_subject,
     cancel_subject,
     kvcache_subject,
     local_prefill_subject,
+    prefill_subject,
 )
 from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
@@ -189,7 +189,8 @@ async def test_random_bytes_on_every_subject_change_nothing(
                 # A timeout is a fine answer to garbage; a crash is not.
                 with contextlib.suppress(Exception):
                     await bus.nc.request(subject, data, timeout=1.0)
-            await bus.js.publish(PREFILL_SUBJECT, data)  # the workers must term() these
+            # the model's workers must term() these
+            await bus.js.publish(prefill_subject(MODEL), data)
             await bus.js.publish(KV_EVENTS_SUBJECT + ".fuzz", data)  # routers must skip
     finally:
         await bus.close()

@@ -115,3 +115,25 @@ def test_up_passes_its_chunking_options_to_the_model_nodes_and_the_router() -> N
     _, children = plan_of("--kvcache", "0", "--conditional")
     for name in ("decode-1", "router"):
         assert option(children[name], "--step-token-budget") == "64"
+
+
+def test_up_starts_each_models_nodes_and_gives_the_router_every_model() -> None:
+    def option(argv: list[str], flag: str) -> list[str]:
+        return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+    _, children = plan_of(
+        "--kvcache", "0", "--model", "a=/m/a", "--model", "b=/m/b", "--decode", "2"
+    )
+    models = {name: option(argv, "--model") for name, argv in children.items()}
+    assert models == {
+        "prefill-1": ["a=/m/a"],
+        "prefill-2": ["b=/m/b"],
+        "decode-1": ["a=/m/a"],
+        "decode-2": ["a=/m/a"],
+        "decode-3": ["b=/m/b"],
+        "decode-4": ["b=/m/b"],
+        "router": ["a=/m/a", "b=/m/b"],
+    }
+    assert {threads(children[n]) for n in models if n != "router"} == {1}  # 6 nodes share
+    _, children = plan_of("--kvcache", "0")  # no --model: the default model, once
+    assert option(children["router"], "--model") == ["smollm2-135m-instruct"]

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from services.router import failover as failover_module
 from services.router.failover import Failover
@@ -25,9 +26,16 @@ class Nodes:
         self.decode: list[NodeInfo] = []
 
     def pick_decode(
-        self, blocks: int, exclude: set[str] | None = None, prefer: str = ""
+        self, blocks: int, exclude: set[str] | None = None, prefer: str = "", model: str = ""
     ) -> NodeInfo | None:
-        return next((n for n in self.decode if n.node_id not in (exclude or set())), None)
+        return next(
+            (
+                n
+                for n in self.decode
+                if n.node_id not in (exclude or set()) and (not model or n.model in (model, ""))
+            ),
+            None,
+        )
 
 
 def decoder(node_id: str) -> NodeInfo:
@@ -78,6 +86,16 @@ async def test_resumes_on_another_node_and_frees_the_one_it_left() -> None:
     [(node, job)] = router.sent
     assert node == "d2" and job.output_ids == [7, 8] and job.decode_node == "d2"
     assert router.cancels == [("d1", "r1")]
+
+
+async def test_resumes_on_a_node_of_its_model() -> None:
+    router = RouterStandIn()
+    other, same = decoder("d2"), decoder("d3")
+    router.nodes.decode = [decoder("d1"), replace(other, model="a"), replace(same, model="b")]
+    failover = failover_of(router)
+    failover.job = replace(failover.job, model="b")
+    assert await failover.resume("stalled")
+    assert [node for node, _ in router.sent] == ["d3"]
 
 
 async def test_waits_for_a_decode_node_when_none_is_registered() -> None:

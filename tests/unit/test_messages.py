@@ -131,7 +131,7 @@ def test_only_token_subjects_are_accepted_as_reply_subjects(subject: str, ok: bo
 def test_messages_written_before_models_were_named_read_as_the_one_model() -> None:
     """A job, an assignment or a registry entry without `model` (a node or journal of
     before several models) reads as "" (the cluster's one model), not as an error."""
-    for msg in SAMPLES[:2] + [SAMPLES[4]]:
+    for msg in [*SAMPLES[:2], SAMPLES[4]]:
         as_dict = msgspec.msgpack.decode(m.encode(msg))
         assert as_dict.pop("model")
         old = m.decode(msgspec.msgpack.encode(as_dict), type(msg))

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from shared.bus.topology import model_token, prefill_consumer, prefill_subject
 from shared.errors import ModelLoadError
 from shared.model.source import (
     DEFAULT_MODEL,
     SourceKind,
-    model_token,
     resolve_model,
     split_model_option,
 )
@@ -49,3 +49,7 @@ def test_model_tokens_are_subject_safe_and_distinct() -> None:
     for token in tokens:
         assert token.replace("_", "").replace("-", "").isalnum()
     assert model_token(names[0]) == model_token(names[0])  # stable
+    # each model's own queue and consumer; a job naming no model keeps the old ones
+    assert prefill_subject("org/m:1") == f"tandem.prefill.jobs.{tokens[2]}"
+    assert prefill_consumer("org/m:1") == f"prefill-workers-{tokens[2]}"
+    assert (prefill_subject(), prefill_consumer()) == ("tandem.prefill.jobs", "prefill-workers")

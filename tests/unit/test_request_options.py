@@ -26,7 +26,7 @@ def parse(tok: TokenizerInfo, chat: bool = False, **body: Any) -> ParsedRequest:
         body.setdefault("messages", [{"role": "user", "content": "Hi"}])
     else:
         body.setdefault("prompt", "Hello there")
-    return parse_request({"model": MODEL, **body}, chat, tok, {MODEL}, Limits())
+    return parse_request({"model": MODEL, **body}, chat, {MODEL: tok}, Limits())
 
 
 def refused(tok: TokenizerInfo, param: str, chat: bool = False, **body: Any) -> None:

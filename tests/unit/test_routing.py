@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from services.router.nodes import NodeTable
@@ -135,3 +136,29 @@ def test_node_table_role_lists_follow_every_change() -> None:
     with pytest.raises(TypeError):
         table.nodes["d3"] = decode_node("d3")  # type: ignore[index]
     assert "d3" not in table.nodes and "d1" in table.nodes
+
+
+def test_requests_are_routed_among_their_models_nodes_only() -> None:
+    """Two models in one cluster: each request's decode node, conditional choice and
+    prefill pool are its model's; a node of before several models (no model named) is
+    taken for any; lists per (role, model) follow changes like the role lists."""
+
+    def of(node: NodeInfo, model: str) -> NodeInfo:
+        return msgspec.structs.replace(node, model=model)
+
+    a1, b1 = of(decode_node("a1", free=10), "a"), of(decode_node("b1", free=90), "b")
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+    table.nodes = {n.node_id: n for n in (a1, b1, of(prefill_node("pa"), "a"))}
+    assert table.pick_decode(2, model="a") == a1  # though b1 has far more room
+    assert table.pick_decode(2, model="b") == b1
+    assert table.pick_decode(2, model="c") is None
+    assert table.ready("a") and not table.ready("b")  # b has no prefill node
+    assert table.models() == {"a", "b"}
+    table.put(of(prefill_node("pb"), "b"))
+    assert table.ready("b") and [n.node_id for n in table.by_role("prefill", "b")] == ["pb"]
+    table.put(decode_node("old"))  # names no model: serves any
+    assert {n.node_id for n in table.by_role("decode", "a")} == {"a1", "old"}
+    table.drop("a1")
+    assert [n.node_id for n in table.by_role("decode", "a")] == ["old"]
+    plan = PrefixRouter(table, KVIndex()).plan(list(range(300)), 20, model="b")
+    assert plan.model == "b" and plan.local_node is None

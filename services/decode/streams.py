@@ -35,8 +35,9 @@ class DecodeNode(Protocol):
 class Streams:
     """Request id → the token subject its deltas go to, and its `decode.stream` span."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, model: str = "") -> None:
         self.node_id = node_id
+        self.model = model  # the served model (on each stream's span)
         self.subjects: dict[str, str] = {}
         self.handoffs: dict[str, int] = {}  # the handoff each runs here (its deltas say so)
         self.spans: dict[str, trace.Span] = {}
@@ -55,7 +56,9 @@ class Streams:
     ) -> None:
         """A sequence joined this node's batch (`ctx`: its trace; None: the current one)."""
         self.spans[request_id] = TRACER.start_span(
-            "decode.stream", context=ctx, attributes={"tandem.node_id": self.node_id}
+            "decode.stream",
+            context=ctx,
+            attributes={"tandem.node_id": self.node_id, "tandem.model": self.model},
         )
         self.subjects[request_id] = token_subject
         self.handoffs[request_id] = handoff

@@ -84,7 +84,7 @@ class DecodeWorker:
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
         self.metrics = NodeMetrics("decode")
-        self.streams = Streams(node_id)
+        self.streams = Streams(node_id, engine.model.served_name)
         self.receiver = KVReceiver(
             self,
             engine,

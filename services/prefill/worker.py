@@ -222,6 +222,7 @@ class PrefillWorker:
                     "tandem.batch_size": len(jobs),
                     "tandem.batch_tokens": sum(len(x.job.prompt_ids) for x in jobs),
                     "tandem.node_id": self.node_id,
+                    "tandem.model": self.engine.model.served_name,
                 },
             )
             for j in jobs

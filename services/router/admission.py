@@ -233,7 +233,7 @@ async def start(
     runs there): prefill locally there if it takes it, the usual way otherwise."""
     rid = new_request_id(parsed.chat)
     trace.get_current_span().set_attribute("tandem.request_id", rid)  # the request's span
-    bind(request_id=rid)
+    bind(request_id=rid, model=parsed.model)
     shape = ResponseShape(endpoint, int(time.time()), resumable_requested(request))
     start_t = time.monotonic()
     params = parsed.params
@@ -266,7 +266,7 @@ async def start(
         raise
     log_route(parsed, where, job, route, steered)
     track_backlog(parts.nodes, rid, where, route, len(parsed.prompt_ids))
-    parts.metrics.routes.labels(route).inc()
+    parts.metrics.routes.labels(route, parsed.model).inc()
     span.set_attribute("tandem.route", route)
     if where.prefix is not None and where.prefix.reason:
         span.set_attribute("tandem.route_reason", where.prefix.reason)

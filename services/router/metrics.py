@@ -1,4 +1,7 @@
-"""The router's Prometheus metrics (one registry per process, served on /metrics)."""
+"""The router's Prometheus metrics (one registry per process, served on /metrics).
+
+The latency histograms, the routes and the token counters carry the served `model` of the
+request (a cluster may serve several; dashboards sum over it)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 def _latency(name: str, doc: str, registry: CollectorRegistry) -> Histogram:
-    return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+    return Histogram(name, doc, ["model"], buckets=LATENCY_BUCKETS, registry=registry)
 
 
 class RouterMetrics:
@@ -38,7 +41,7 @@ class RouterMetrics:
             "tandem_router_routes_total",
             "Requests by route: local (prefilled on their decode node) or remote (on the "
             "prefill pool)",
-            ["route"],
+            ["route", "model"],
             registry=r,
         )
         self.steered = Counter(
@@ -52,8 +55,12 @@ class RouterMetrics:
             registry=r,
         )
         self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
-        self.prompt_tokens = Counter("tandem_prompt_tokens_total", "Prompt tokens", registry=r)
-        self.output_tokens = Counter("tandem_output_tokens_total", "Output tokens", registry=r)
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens_total", "Prompt tokens", ["model"], registry=r
+        )
+        self.output_tokens = Counter(
+            "tandem_output_tokens_total", "Output tokens", ["model"], registry=r
+        )
         self.resumes = Counter(
             "tandem_stream_resumes_total",
             "Streams resumed by a client reconnecting with the request id (router restart)",

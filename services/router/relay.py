@@ -205,13 +205,13 @@ def observe(
     now = time.monotonic()
     if first:
         parts.nodes.prefill_done(served.rid)  # no longer queued for a prefill anywhere
-        metrics.ttft.observe(now - served.start)
+        metrics.ttft.labels(served.parsed.model).observe(now - served.start)
         span.add_event("first_token", {"tandem.prefill_node": delta.node_id})
         progress.stream_span = TRACER.start_span("router.stream")
         if served.route == "remote":  # else the decode node made it
             metrics.node_requests.labels("prefill", delta.node_id).inc()
     else:
-        metrics.itl.observe(now - progress.last_t)
+        metrics.itl.labels(served.parsed.model).observe(now - progress.last_t)
     progress.last_t = now
     if delta.seq > 0 or served.route == "local":
         progress.decode_by = delta.node_id
@@ -288,11 +288,12 @@ def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress)
         metrics.node_requests.labels("decode", progress.decode_by).inc()
     prompt_tokens = len(served.job.prompt_ids)
     elapsed = time.monotonic() - served.start
-    metrics.e2e.observe(elapsed)
-    metrics.prompt_tokens.inc(prompt_tokens)
-    metrics.output_tokens.inc(tokens)
+    model = served.parsed.model
+    metrics.e2e.labels(model).observe(elapsed)
+    metrics.prompt_tokens.labels(model).inc(prompt_tokens)
+    metrics.output_tokens.labels(model).inc(tokens)
     if tokens > 1:
-        metrics.tpot.observe((progress.last_t - served.start) / tokens)
+        metrics.tpot.labels(model).observe((progress.last_t - served.start) / tokens)
     log.info("finished: %d tokens (%s) in %.3fs", tokens, progress.reason, elapsed)
     return {
         "prompt_tokens": prompt_tokens,

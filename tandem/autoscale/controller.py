@@ -40,12 +40,14 @@ class Deciding(Protocol):
 
 
 def ttft_buckets(metrics_text: str) -> dict[float, float]:
-    """Cumulative counts of the router's TTFT histogram by upper bound."""
+    """Cumulative counts of the router's TTFT histogram by upper bound (summed over its
+    models: the prefill pool serves them all)."""
     out: dict[float, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
             if s.name == TTFT + "_bucket":
-                out[float(s.labels["le"])] = s.value
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
     return out
 
 

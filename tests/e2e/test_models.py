@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.server import free_port
 from shared.model.loader import LoadedModel
@@ -85,6 +86,15 @@ def test_two_models_in_one_cluster_each_answer_is_its_models(
         for (model, prompt), prompt_ids, text in zip(requests, ids, got, strict=True):
             want = text_of(model, reference(model, prompt_ids, 8))
             assert text == want, (prompt, "tiny" if model is tiny_model else MODEL)
+        # the router's latency metrics are per model
+        with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as r:
+            counts = {
+                s.labels.get("model"): s.value
+                for family in text_string_to_metric_families(r.read().decode())
+                for s in family.samples
+                if s.name == "tandem_time_to_first_token_seconds_count"
+            }
+        assert counts == {MODEL: 8, TINY: 8}
         # the two models answer differently: each request really ran on its own model
         assert text_of(real_model, reference(real_model, ids[0], 8)) != text_of(
             tiny_model, reference(tiny_model, ids[0], 8)

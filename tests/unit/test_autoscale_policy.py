@@ -345,3 +345,25 @@ def test_draining_nodes_are_neither_serving_nor_victims() -> None:
 def test_thresholds_must_leave_a_band() -> None:
     with pytest.raises(ValueError, match="decode_running"):
         PolicyConfig(decode_running_low=8, decode_running_high=8)
+
+
+def test_the_routers_ttft_histogram_is_read_over_every_model() -> None:
+    """The router labels TTFT by model; the autoscaler's p90 is over all of them (the real
+    router's metrics, two models observed)."""
+    from prometheus_client import generate_latest
+
+    from services.router.metrics import RouterMetrics
+    from tandem.autoscale.controller import p90_between, ttft_buckets
+
+    metrics = RouterMetrics()
+    before = ttft_buckets(generate_latest(metrics.registry).decode())
+    for _ in range(9):
+        metrics.ttft.labels("a").observe(0.2)
+    metrics.ttft.labels("b").observe(20.0)
+    now = ttft_buckets(generate_latest(metrics.registry).decode())
+    assert now[float("inf")] == 10  # both models' observations
+    assert p90_between(before, now) == 0.25
+    metrics.ttft.labels("b").observe(20.0)
+    metrics.ttft.labels("b").observe(20.0)
+    later = ttft_buckets(generate_latest(metrics.registry).decode())
+    assert p90_between(before, later) == 30  # model b's slow first tokens count

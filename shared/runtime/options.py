@@ -115,8 +115,9 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
 STEP_TOKEN_BUDGET = 256  # measured: docs/benchmarks.md, "Chunked prefill"
 # A decode node beside a prefill pool prefills locally only now and then (short tails,
 # conditional disaggregation's choice); its running streams come first, so its chunks are
-# smaller: simulated, 64 gives a third of the ITL p99 at the same SLO attainment
-# (docs/benchmarks.md, "Conditional disaggregation").
+# smaller. Simulated, 64 gave a third of 256's ITL p99 at the same SLO attainment; measured,
+# it kept the ITL p99 under chunked colocated's at every rate where 256 did not, with
+# attainment within the runs' noise (docs/benchmarks.md, "A smaller step budget").
 SPLIT_STEP_TOKEN_BUDGET = 64
 PREFILL_CHUNK_TOKENS = 512
 

@@ -15,14 +15,12 @@ from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.router.nodes")
 PREFILL_POOL = "prefill-pool"  # where a job waits for any prefill node (backlog key)
+REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
 
 
 def prefill_pool(model: str = "") -> str:
     """The backlog key of a model's prefill pool (its nodes share its queue)."""
     return f"{PREFILL_POOL}:{model}" if model else PREFILL_POOL
-
-
-REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
 
 
 class NodeTable:
@@ -144,10 +142,6 @@ class NodeTable:
             ]
             self._roles[role, model] = nodes
         return nodes
-
-    def models(self) -> set[str]:
-        """The models the live model nodes serve, by their registry entries."""
-        return {n.model for n in self._nodes.values() if n.model and n.role != "kvcache"}
 
     def block_size(self, model: str = "") -> int:
         """Tokens per KV block, as the decode nodes' engines say (the default before any

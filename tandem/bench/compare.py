@@ -34,7 +34,14 @@ from shared.bus.server import free_port
 from shared.errors import TandemError
 from tandem import up
 from tandem.bench.loadgen import Target
-from tandem.bench.serve import check, slo_of, sweep_config, workload_of, write_outputs
+from tandem.bench.serve import (
+    check,
+    slo_of,
+    sweep_config,
+    warn_duration,
+    workload_of,
+    write_outputs,
+)
 from tandem.bench.sweep import Sweep, run_sweep
 from tandem.launcher import Stack
 
@@ -164,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if len(os.sched_getaffinity(0)) < 2:
         print("warning: one CPU: the disaggregated nodes will share it", file=sys.stderr)
+    warn_duration(args)
     out = Path(args.output)
     log_dir = Path(args.log_dir) if args.log_dir else out.parent
     log_dir.mkdir(parents=True, exist_ok=True)

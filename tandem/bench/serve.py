@@ -55,6 +55,28 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def duration_warnings(args: argparse.Namespace) -> list[str]:
+    """Rates at which `--duration` stops sending before `--num-requests` are sent (the
+    point then measures fewer requests than asked; what a user means to know)."""
+    if args.duration is None:
+        return []
+    out = []
+    for rate in args.request_rate:
+        if rate is None or rate * args.duration >= args.num_requests:
+            continue
+        out.append(
+            f"at {rate:g} req/s, --duration {args.duration:g} s sends about "
+            f"{rate * args.duration:.0f} of the {args.num_requests} requests asked; "
+            f"--duration {args.num_requests / rate:.0f} sends them all"
+        )
+    return out
+
+
+def warn_duration(args: argparse.Namespace) -> None:
+    for line in duration_warnings(args):
+        print(f"warning: {line}", file=sys.stderr)
+
+
 def document(
     tool: str, args: argparse.Namespace, sweeps: list[Sweep], extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -108,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if (problem := check(args)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    warn_duration(args)
     try:
         asyncio.run(_serve(args))
     except TandemError as exc:

@@ -24,7 +24,7 @@ from shared.runtime.options import add_option, step_token_budget
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
 from tandem.bench.metrics import RequestRecord, run_metrics
-from tandem.bench.serve import check, slo_of, write_outputs
+from tandem.bench.serve import check, slo_of, warn_duration, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.bench.workload import sample_lengths
 from tandem.plan.simengine import EngineShape
@@ -236,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if not args.trace:  # (a replayed run's requests are what they were)
+        warn_duration(args)
     try:
         sweep = simulate(args)
     except ValueError as exc:

@@ -213,3 +213,15 @@ def test_rates_and_cli_options() -> None:
     assert args.request_rate == [1.0, 2.0] and args.prompt_len == parse_lengths("mix:100:1500:0.2")
     args = build_parser().parse_args(["bench", "compare"])
     assert args.request_rate == [0.05, 0.1, 0.15] and args.sides == "colocated,disaggregated"
+
+
+def test_a_duration_that_cuts_a_rates_requests_short_is_said() -> None:
+    from tandem.bench.serve import duration_warnings
+
+    argv = ["bench", "compare", "--num-requests", "30", "--request-rate", "0.25,0.5,inf"]
+    (warning,) = duration_warnings(build_parser().parse_args([*argv, "--duration", "80"]))
+    assert "at 0.25 req/s" in warning and "about 20 of the 30" in warning
+    assert "--duration 120" in warning
+    assert duration_warnings(build_parser().parse_args([*argv, "--duration", "120"])) == []
+    args = build_parser().parse_args(["bench", "serve", "--num-requests", "30"])
+    assert args.duration is None and duration_warnings(args) == []

@@ -126,7 +126,7 @@ class LocalPrefill:
             if self.node.draining:
                 await msg.respond(refused("draining"))
                 return
-            if job.model not in ("", self.engine.model.served_name):
+            if not self.engine.serves(job.model):
                 await msg.respond(refused(f"this node serves {self.engine.model.served_name!r}"))
                 return
             if job.attempt_id in self.admitting or job.attempt_id in self.streams:

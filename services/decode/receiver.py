@@ -89,7 +89,7 @@ class KVReceiver:
         except TandemError as exc:
             await msg.respond(refused(exc.message))
             return
-        if assignment.model not in ("", self.engine.model.served_name):
+        if not self.engine.serves(assignment.model):
             await msg.respond(refused(f"this node serves {self.engine.model.served_name!r}"))
             return
         need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)

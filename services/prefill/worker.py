@@ -294,7 +294,7 @@ class PrefillWorker:
             self.metrics.errors.labels("bad_job").inc()
             log.warning("job %s names no valid token subject: dropped", job.job.attempt_id)
             return False
-        if job.job.model not in ("", self.engine.model.served_name):  # steered here wrongly
+        if not self.engine.serves(job.job.model):  # steered here wrongly
             await self._fail(
                 job, f"this node serves {self.engine.model.served_name!r}, not {job.job.model!r}"
             )

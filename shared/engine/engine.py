@@ -101,6 +101,11 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------------
 
+    def serves(self, model: str) -> bool:
+        """Whether work named for `model` is this engine's ("": a message of before
+        several models, meant for the cluster's one model)."""
+        return model in ("", self.model.served_name)
+
     def validate(
         self,
         request_id: str,

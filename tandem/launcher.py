@@ -124,6 +124,7 @@ class Stack:
             str(step_token_budget(a.step_token_budget, split=prefill > 0)),
             "--prefill-chunk-tokens",
             str(a.prefill_chunk_tokens),
+            *(["--no-prefill-bursts"] if a.no_prefill_bursts else []),
         ]
         data = [
             "--transport",

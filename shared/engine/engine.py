@@ -56,6 +56,7 @@ class EngineConfig:
     # Chunked prefill (scheduler.py): 0 prefills a prompt whole before the next decode step
     step_token_budget: int = 0
     prefill_chunk_tokens: int = 512
+    prefill_bursts: bool = True  # a burst of short prompts prefilled whole (scheduler.py)
 
 
 class Engine:
@@ -81,6 +82,7 @@ class Engine:
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 step_token_budget=self.config.step_token_budget,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                prefill_bursts=self.config.prefill_bursts,
             ),
             self.pool,
             hash_extra,

@@ -28,6 +28,10 @@ class SchedulerConfig:
     # (0: off, a prompt is prefilled whole before the next decode step).
     step_token_budget: int = 0
     prefill_chunk_tokens: int = 512  # at most this many prompt tokens per step when chunking
+    # A burst (more short prompts waiting than streams running) is prefilled whole in one
+    # step instead of a chunk per step: the few running streams stall once, not once per
+    # prompt (docs/benchmarks.md, "Bursts of short prompts").
+    prefill_bursts: bool = True
 
 
 @dataclass
@@ -181,6 +185,40 @@ class Scheduler:
             budget -= n
         return chunks
 
+    def burst_size(self) -> int:
+        """How many short prompts (at most one chunk each) lead the queue, if they are a
+        burst: at least two, and no fewer than the streams running; else 0. Chunking a
+        burst would stall each running stream once per prompt (and each new stream once
+        per prompt after it), prefilling it whole stalls them once, and the prefill
+        itself runs as one batch. A long prompt is never part of a burst: it is chunked,
+        which is what keeps a long prompt from stalling the streams for its whole prefill."""
+        if not self.config.prefill_bursts or self.prefilling:
+            return 0
+        limit = self.config.prefill_chunk_tokens
+        short = 0
+        for seq in self.waiting:
+            if seq.num_tokens - seq.num_computed > limit:
+                break
+            short += 1
+        return short if short >= max(2, len(self.running)) else 0
+
+    def schedule_burst(self, decodes: int) -> list[tuple[Sequence, int]]:
+        """A burst's prompts, admitted and computed whole this step (beside `decodes`
+        decode tokens, within the batch token limit and the free blocks), or none."""
+        short = self.burst_size()
+        prompts: list[tuple[Sequence, int]] = []
+        room = self.config.max_num_batched_tokens - decodes
+        while len(prompts) < short and self.num_running < self.config.max_num_seqs:
+            pending = self._admit_head(budget=room)
+            if pending is None:
+                break
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.prefilling.append(seq)
+            prompts.append((seq, pending))
+            room -= pending
+        return prompts
+
     def chunk_size(self, decodes: int) -> int:
         """Prompt tokens this step may compute beside `decodes` decode tokens (at least one
         block, so a long prompt still advances on a full batch)."""
@@ -209,9 +247,13 @@ class Scheduler:
         return StepPlan(self.schedule_decode(), [], chunked=False)
 
     def plan_chunks(self, plan: StepPlan) -> None:
-        """A chunked step's prompt chunks, after its decodes (see `plan_step`)."""
+        """A chunked step's prompt chunks, after its decodes (see `plan_step`): a burst's
+        prompts whole if one waits (`schedule_burst`), else chunks within the budget."""
         if plan.chunked:
-            plan.prefills = self.schedule_chunks(self.chunk_size(len(plan.decodes)))
+            decodes = len(plan.decodes)
+            plan.prefills = self.schedule_burst(decodes) or self.schedule_chunks(
+                self.chunk_size(decodes)
+            )
 
     def prefill_done(self, plan: StepPlan) -> list[int]:
         """After the plan's prefill forward: the indices of `plan.prefills` whose prompt is

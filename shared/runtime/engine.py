@@ -40,6 +40,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
             enable_prefix_caching=not args.no_prefix_caching,
             step_token_budget=args.step_token_budget,
             prefill_chunk_tokens=args.prefill_chunk_tokens,
+            prefill_bursts=not args.no_prefill_bursts,
         ),
     )
 

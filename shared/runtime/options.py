@@ -155,6 +155,13 @@ def add_chunking_options(p: argparse.ArgumentParser, deployment: bool = False) -
         default=PREFILL_CHUNK_TOKENS,
         help="chunked prefill: prompt tokens one step computes at most",
     )
+    add_option(
+        p,
+        "--no-prefill-bursts",
+        action="store_true",
+        help="chunk a burst of short prompts too (by default, when more prompts of at most "
+        "one chunk wait than streams run, they are prefilled whole in one step)",
+    )
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:

@@ -59,6 +59,9 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         help="the decode nodes' (default: `tandem up`'s, colocated or split)",
     )
     add_option(p, "--prefill-chunk-tokens", type=int, default=512)
+    add_option(
+        p, "--no-prefill-bursts", action="store_true", help="the decode nodes' (tandem up's)"
+    )
     add_option(p, "--prefill-max-batch", type=int, default=8, help="jobs a prefill node takes")
     add_option(p, "--local-prefill-max-tokens", type=int, default=96)
     add_option(p, "--heartbeat", type=float, default=2.0, help="registry period, seconds")
@@ -95,6 +98,7 @@ def engine_shape(args: argparse.Namespace, profile: Profile, prefill: bool) -> E
         max_num_batched_tokens=args.max_batched_tokens,
         step_token_budget=0 if prefill else decode_budget(args.step_token_budget, args.colocated),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_bursts=not args.no_prefill_bursts,
         # The simulated prompts share no prefix (as the bench's do not), so naming blocks
         # by hash would find nothing and cost a third of the simulation's time.
         enable_prefix_caching=False,

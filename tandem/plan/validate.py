@@ -63,6 +63,8 @@ def up_options(args: argparse.Namespace) -> list[str]:
     if args.step_token_budget is not None:  # else tandem up's default, as simulated
         options += ["--step-token-budget", str(args.step_token_budget)]
     options += ["--prefill-chunk-tokens", str(args.prefill_chunk_tokens)]
+    if args.no_prefill_bursts:
+        options.append("--no-prefill-bursts")
     if args.colocated:
         options += ["--colocated", "--decode", str(args.colocated)]
     else:

@@ -70,3 +70,40 @@ def test_chunked_prefill_equals_generate(
         prompt, ref = references[i]
         assert got[rid] == ref, f"prompt {i} ({len(prompt)} tokens) diverged when chunked"
     assert engine.pool.num_used == 0
+
+
+def test_a_burst_prefilled_whole_equals_generate(
+    real_model: LoadedModel, references: list[tuple[list[int], list[int]]]
+) -> None:
+    """Every prompt but the first arrives at once while the first decodes: the short ones
+    at the head of the queue (a burst) are prefilled whole in one step, the rest (the
+    1,200-token one among them) chunked: the same tokens."""
+    config = EngineConfig(
+        num_blocks=1024, step_token_budget=96, prefill_chunk_tokens=64, enable_prefix_caching=False
+    )
+    engine = Engine(real_model, config)
+    first, *rest = references
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    ids = {engine.add_request(first[0], GREEDY): 0}
+    step()
+    ids |= {engine.add_request(p, GREEDY): i for i, (p, _) in enumerate(rest, start=1)}
+    burst = 0
+    for p, _ in rest:
+        if len(p) > 64:
+            break
+        burst += len(p)
+    assert burst > 64, "the references need a burst of short prompts"
+    before = engine.stats.prefill_tokens
+    step()
+    assert engine.stats.prefill_tokens - before == burst  # whole, beyond the 96-token budget
+    while engine.has_unfinished():
+        step()
+    for rid, i in ids.items():
+        prompt, ref = references[i]
+        assert got[rid] == ref, f"prompt {i} ({len(prompt)} tokens) diverged"
+    assert engine.pool.num_used == 0

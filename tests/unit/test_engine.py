@@ -315,6 +315,62 @@ def test_chunked_prefill_keeps_decodes_going_and_tokens_unchanged(
     assert engine.pool.num_used == 0
 
 
+def burst_engine(model: LoadedModel, bursts: bool, running: int) -> tuple[Engine, list[str]]:
+    """An engine chunking with a 24-token budget and `running` streams decoding."""
+    config = EngineConfig(
+        num_blocks=256, step_token_budget=24, prefill_chunk_tokens=16, prefill_bursts=bursts
+    )
+    engine = Engine(model, config)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(running, seed=11)]
+    while engine.num_waiting or engine.scheduler.prefilling:
+        engine.step()
+    return engine, ids
+
+
+def test_a_burst_of_short_prompts_is_prefilled_whole_in_one_step(tiny_model: LoadedModel) -> None:
+    """More short prompts wait than streams run: one step prefills them all whole beside the
+    decodes (the running stream stalls once, not once per prompt); the tokens are those
+    of each prompt run alone. A long prompt behind them is still chunked."""
+    engine, running = burst_engine(tiny_model, bursts=True, running=1)
+    rng = random.Random(5)
+    short = [[rng.randrange(3, 49152) for _ in range(10 + i)] for i in range(4)]
+    long = [rng.randrange(3, 49152) for _ in range(100)]
+    ids = [engine.add_request(p, GREEDY) for p in [*short, long]]
+    got: dict[str, list[int]] = {}
+
+    def step() -> set[str]:
+        outs = engine.step()
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return {o.request_id for o in outs}
+
+    assert step() == {*running, *ids[:4]}  # the stream's token, and the burst's first tokens
+    assert [s.request_id for s in engine.scheduler.waiting] == [ids[4]]
+    steps = 1
+    while ids[4] not in step():
+        steps += 1
+    assert steps >= 100 // 16  # the long one went a chunk a step
+    for rid, tokens in run_to_end(engine).items():
+        got.setdefault(rid, []).extend(tokens)
+    for rid, prompt in zip(ids, [*short, long], strict=True):
+        assert got[rid] == alone(tiny_model, prompt, GREEDY)
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize(("bursts", "running", "waiting"), [(False, 1, 4), (True, 3, 2)])
+def test_no_burst_chunks_a_prompt_a_step(
+    tiny_model: LoadedModel, bursts: bool, running: int, waiting: int
+) -> None:
+    """Switched off, or fewer short prompts waiting than streams running: the budget holds
+    (24 tokens a step, decodes included), so the prompts start one step after another."""
+    engine, _ = burst_engine(tiny_model, bursts=bursts, running=running)
+    ids = [engine.add_request([7 + i] * 12, GREEDY) for i in range(waiting)]
+    outs = engine.step()
+    assert not {o.request_id for o in outs} & set(ids[1:])  # one prompt's chunk at most
+    assert len(engine.scheduler.waiting) + len(engine.scheduler.prefilling) >= waiting - 1
+
+
 def test_an_aborted_prompt_mid_chunks_frees_its_blocks(tiny_model: LoadedModel) -> None:
     config = EngineConfig(num_blocks=64, step_token_budget=24, prefill_chunk_tokens=16)
     engine = Engine(tiny_model, config)

@@ -6,6 +6,12 @@ which only this node takes. Every other job goes to whichever node of its model 
 model's shared consumer first. A node asks its own queue first and briefly, so steered
 jobs never wait behind the shared queue's long poll, and an idle node still polls both
 several times a second.
+
+A busy node (its last fetch brought jobs) first asks the server how many jobs its own queue
+holds and pulls from it only if there are any: a pull from an empty queue waits out its
+expiry (JetStream ignores `no_wait` on a pull with an expiry), which put OWN_WAIT between
+every two batches of a busy node. An idle node pulls its own queue as before: it has time,
+and the pull also drains any job a timed-out fetch left in the subscription.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ class JobIntake:
     def __init__(self, bus: Bus, node_id: str, model: str = "") -> None:
         self.own = JobConsumer(bus, node_id)
         self.shared = JobConsumer(bus, model=model)  # its model's queue
+        self.busy = False  # the last fetch brought jobs
 
     async def start(self) -> JobIntake:
         await self.own.start()
@@ -33,10 +40,14 @@ class JobIntake:
 
     async def fetch(self, batch: int) -> list[ReceivedJob]:
         """Up to `batch` jobs: steered ones first, the rest from the shared queue."""
-        jobs = await self.own.fetch(batch=batch, timeout=OWN_WAIT)
+        jobs: list[ReceivedJob] = []
+        # backlog None (no answer in time): pull anyway
+        if not self.busy or await self.own.backlog() != 0:
+            jobs = await self.own.fetch(batch=batch, timeout=OWN_WAIT)
         if len(jobs) < batch:
             wait = OWN_WAIT if jobs else SHARED_WAIT
             jobs += await self.shared.fetch(batch=batch - len(jobs), timeout=wait)
+        self.busy = bool(jobs)
         return jobs
 
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -28,6 +29,8 @@ from shared.bus.topology import (
     prefill_subject,
 )
 from shared.errors import WireFormatError
+
+BACKLOG_TIMEOUT = 0.5  # seconds a consumer's backlog query may take before it counts unknown
 
 
 async def submit_job(bus: Bus, job: PrefillJob, prefill_node: str = "") -> None:
@@ -111,6 +114,17 @@ class JobConsumer:
             await ensure_job_consumer(self.bus.js, durable, subject)
         self.sub = await self.bus.js.pull_subscribe(subject, durable=durable, stream=PREFILL_STREAM)
         return self
+
+    async def backlog(self, timeout: float = BACKLOG_TIMEOUT) -> int | None:
+        """Jobs this consumer has not delivered yet plus those delivered and not yet
+        acknowledged (one JetStream API request: no pull, no waiting on an empty queue), or
+        None if the server did not answer in time."""
+        assert self.sub is not None, "start() first"
+        try:
+            info = await asyncio.wait_for(self.sub.consumer_info(), timeout)
+        except (TimeoutError, nats.errors.Error):
+            return None
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
 
     async def stop(self) -> None:
         """Stop pulling; jobs fetched but not acked are redelivered to other workers."""

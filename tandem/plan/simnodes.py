@@ -43,4 +43,3 @@ class PrefillNode:
         self.node_id = node_id
         self.engine = engine
         self.holding = 0  # jobs taken and not yet handed off
-        self.asking_until = 0.0  # its own queue's fetch after a batch, before the shared one

@@ -8,8 +8,8 @@ their first tokens, then ships each one's KV to its decode node; it takes its ne
 once every hand-off is done, retrying (with the node's backoff) a decode node that has no
 room, then any other, as `services/prefill/handoff.py` does. A hand-off ends when the
 decode node has imported the KV: on its engine thread, after its step in progress (and any
-import queued before it). Its next fetch asks its own queue first
-(`services/prefill/intake.py`: OWN_WAIT when empty), then the shared one.
+import queued before it). Its next fetch follows at once (`services/prefill/intake.py`: a busy
+node asks how many jobs its own queue holds, an API round trip, instead of pulling it empty).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import itertools
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from services.prefill.intake import OWN_WAIT
 from shared.costs.model import CostModel
 from shared.engine.sequence import Sequence, SequenceStatus
 from tandem.bench.metrics import RequestRecord
@@ -49,7 +48,7 @@ class PrefillSide:
         def _kick(self, node: DecodeNode) -> None: ...
 
     def _take_jobs(self, node: PrefillNode) -> None:
-        if node.holding or not self.queue or self.now < node.asking_until:
+        if node.holding or not self.queue:
             return
         count = min(self.topology.prefill_max_batch, len(self.queue))
         jobs = [self.queue.popleft() for _ in range(count)]
@@ -124,7 +123,4 @@ class PrefillSide:
     def _handed_off(self, node: PrefillNode) -> None:
         node.holding -= 1
         if not node.holding:
-            # its next fetch asks its own queue first, which waits OWN_WAIT when empty (no
-            # job is steered to a node without prefix caching), then the shared queue
-            node.asking_until = self.now + OWN_WAIT
-            self.at(node.asking_until, self._take_jobs, node)
+            self.at(self.now, self._take_jobs, node)  # its next fetch

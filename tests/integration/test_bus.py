@@ -30,7 +30,7 @@ from shared.bus.topology import (
     ensure_topology,
 )
 from shared.bus.tracing import extract_context
-from shared.bus.workqueue import JobConsumer, purge_steered, submit_job
+from shared.bus.workqueue import JobConsumer, ReceivedJob, purge_steered, submit_job
 from shared.errors import TandemError
 
 pytestmark = pytest.mark.integration
@@ -116,6 +116,48 @@ async def test_steered_jobs_reach_only_their_node_and_a_lost_node_s_are_purged(
     assert (await bus.js.stream_info(PREFILL_STREAM)).state.messages == 2  # fetched, unacked
     await p1.stop()
     await p2.stop()
+    await bus.close()
+
+
+async def test_a_busy_node_looks_at_its_own_queue_before_pulling_it(
+    nats_server: NatsServer,
+) -> None:
+    """After a fetch that brought jobs, a node asks the server for its own queue's backlog
+    and pulls it only when it holds something (a pull of an empty queue waits out its
+    expiry between every two batches); steered jobs still come first, and an idle node
+    pulls its own queue as before."""
+    bus = await connect(nats_server, "router")
+    intake = await JobIntake(bus, "p1").start()
+    pulls: list[str] = []
+    own_fetch = intake.own.fetch
+
+    async def counted(batch: int = 8, timeout: float = 1.0) -> list[ReceivedJob]:
+        pulls.append("own")
+        return await own_fetch(batch=batch, timeout=timeout)
+
+    intake.own.fetch = counted  # type: ignore[method-assign]
+    assert await intake.own.backlog() == 0
+    for i in range(3):
+        await submit_job(bus, job(f"shared-{i}"))
+    got = await intake.fetch(1)  # idle: pulls its own queue (empty), then the shared one
+    assert [j.job.attempt_id for j in got] == ["shared-0"] and pulls == ["own"]
+    await got[0].ack()
+    got = await intake.fetch(1)  # busy: its own queue is empty, so it is not pulled
+    assert [j.job.attempt_id for j in got] == ["shared-1"] and pulls == ["own"]
+    await got[0].ack()
+    await submit_job(bus, job("steered-1"), prefill_node="p1")
+    assert await intake.own.backlog() == 1
+    got = await intake.fetch(1)  # busy, and a steered job waits: pulled, and first
+    assert [j.job.attempt_id for j in got] == ["steered-1"] and pulls == ["own", "own"]
+    assert await intake.own.backlog() == 1  # delivered, not yet acknowledged
+    await got[0].ack()
+    assert await intake.own.backlog() == 0
+    got = await intake.fetch(4)
+    assert [j.job.attempt_id for j in got] == ["shared-2"] and len(pulls) == 2
+    await got[0].ack()
+    assert await intake.fetch(4) == []  # busy: shared queue waited on, found empty
+    assert await intake.fetch(4) == [] and len(pulls) == 3  # idle again: pulls its own
+    await intake.stop()
     await bus.close()
 
 

@@ -12,7 +12,6 @@ import statistics
 import msgspec
 import pytest
 
-from services.prefill.intake import OWN_WAIT
 from shared.costs.model import CostModel, interpolate
 from shared.costs.profile import (
     PROFILE_VERSION,
@@ -147,7 +146,7 @@ def test_checkpointing_decode_nodes_pay_a_copy_per_token_computed() -> None:
 def test_a_hand_off_ends_when_the_decode_node_has_taken_the_kv() -> None:
     """A decode node imports between its steps: a hand-off landing mid-step ends (and
     frees the prefill node for its next job) when that step does, not when the bytes land;
-    the prefill node then asks its own queue (OWN_WAIT) before the shared one."""
+    the prefill node then takes its next job at once."""
     transfer = 500 * KV_PER_TOKEN / LINK
     for macro in (True, False):
         topology = dataclasses.replace(split(prefill_max_batch=1), macro_steps=macro)
@@ -155,12 +154,12 @@ def test_a_hand_off_ends_when_the_decode_node_has_taken_the_kv() -> None:
         _, b, c = sim.run([Arrival(0.0, 500, 100), Arrival(0.0, 500, 5), Arrival(0.0, 500, 5)])
         # a's KV lands on an idle node: taken at once; its steps run from then on
         start = 0.5 + transfer
-        assert b.chunks[0] == pytest.approx(start + OWN_WAIT + 0.5)
+        assert b.chunks[0] == pytest.approx(start + 0.5)
         # b's KV lands mid-step (steps end at start + k x 50 ms): taken when it ends
         taken = start + 11 * DECODE_STEP
         assert b.chunks[0] + transfer < taken
         assert b.chunks[0] + itls(b)[0] == pytest.approx(taken + DECODE_STEP)
-        assert c.chunks[0] == pytest.approx(taken + OWN_WAIT + 0.5)  # it waited for that
+        assert c.chunks[0] == pytest.approx(taken + 0.5)  # it waited for that
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
@@ -178,21 +177,20 @@ def test_chunked_prefill_spreads_a_long_prompt_over_decode_steps() -> None:
 
 
 def test_deterministic_queue_waits_grow_by_the_service_gap() -> None:
-    """D/D/1: one prefill node serving one 500-token job at a time (0.5 s, then OWN_WAIT
-    asking its own queue before the next), a job every 0.4 s: the k-th waits k x (0.1 s +
-    OWN_WAIT) longer than the first."""
+    """D/D/1: one prefill node serving one 500-token job at a time (0.5 s), a job every
+    0.4 s: the k-th waits k x 0.1 s longer than the first."""
     sim = Simulation(split(prefill_max_batch=1), CostModel(profile()))
     records = sim.run([Arrival(0.4 * k, 500, 1) for k in range(10)])
     ttfts = [r.chunks[0] - r.sent for r in records]
-    assert ttfts == pytest.approx([0.5 + (0.1 + OWN_WAIT) * k for k in range(10)])
+    assert ttfts == pytest.approx([0.5 + 0.1 * k for k in range(10)])
 
 
 def test_md1_mean_wait_matches_its_formula() -> None:
     """M/D/1: Poisson arrivals at rate λ, deterministic service S, one server:
     mean wait in queue = λ S² / (2 (1 − ρ)), ρ = λ S (Pollaczek–Khinchine). The server is
-    the prefill node, busy S = 0.5 s of prefill plus OWN_WAIT asking its own queue after."""
-    prefill, lam, n = 0.5, 1.4, 20000  # ρ ≈ 0.73
-    service = prefill + OWN_WAIT
+    the prefill node, busy S = 0.5 s of prefill."""
+    prefill, lam, n = 0.5, 1.4, 20000  # ρ = 0.7
+    service = prefill
     rng = random.Random(5)
     offsets = arrival_times(n, lam, "poisson", rng)
     sim = Simulation(split(prefill_max_batch=1), CostModel(profile()))
@@ -286,9 +284,8 @@ def test_a_prefill_batch_larger_than_the_prefill_pool_still_goes_through() -> No
     )
     records = Simulation(topo, CostModel(profile())).run([Arrival(0.0, 500, 4)] * 8)
     assert all(r.ok and r.output_tokens == 4 for r in records)
-    # one after another (the first alone, then the 7 queued meanwhile, taken together
-    # once the node has asked its own queue), plus a hand-off
-    assert max(r.chunks[0] for r in records) == pytest.approx(8 * 0.5 + OWN_WAIT, abs=0.01)
+    # one after another (the first alone, then the 7 queued meanwhile), plus a hand-off
+    assert max(r.chunks[0] for r in records) == pytest.approx(8 * 0.5, abs=0.01)
 
 
 def test_hand_offs_to_another_decode_node_keep_each_stream_its_own() -> None:

@@ -42,9 +42,8 @@ class CheckpointPins:
             by_node = self.held[attempt_id] = {}
         held, _ = by_node.get(node_id, (set(), 0.0))
         new = [h for h in dict.fromkeys(hashes) if h not in held and h in self.store]
-        arena = self.store.arenas[MEMORY] if self.store.arenas else None
-        room = int(arena.num_slabs * PINNABLE_SHARE) if arena is not None else 0
-        if len(self.store.pins) + len(new) > room:
+        room = self.store.limits[MEMORY] * PINNABLE_SHARE
+        if self.store.pinned_bytes + sum(map(self.store.block_size, new)) > room:
             self.refused += 1
             new = []
         held.update(h for h in new if self.store.pin([h]))

@@ -1,17 +1,20 @@
 """A slab arena: one preallocated buffer cut into equal slabs, handed out by index.
 
 Every KV block of one model has the same size, so a block store needs no general allocator:
-a free list of slab indices gives O(1) allocation and free, no per-block malloc and no
-fragmentation. The buffer is an anonymous memory map (memory tier) or a memory-mapped file
-(disk tier); either way its size is fixed at creation, so the tier can never hold more bytes
-than it was given.
+a free list of slab indices per block size gives O(1) allocation and free, no per-block
+malloc and no fragmentation. The buffer is an anonymous memory map (memory tier) or a
+memory-mapped file (disk tier); either way its size is fixed at creation, so an arena can
+never hold more bytes than it was given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from pathlib import Path
+
+PAGE = mmap.PAGESIZE
 
 
 class SlabArena:
@@ -52,6 +55,18 @@ class SlabArena:
 
     def free(self, slab: int) -> None:
         self._free.append(slab)
+
+    def release(self, slab: int) -> None:
+        """Hand the pages wholly inside a free slab back to the system (memory, or the disk
+        blocks under a file): the slab reads as zeros until written again. Used when a
+        block of another size takes its room, so the tier's bytes stay within its limit."""
+        start = -(-slab * self.slab_bytes // PAGE) * PAGE
+        end = (slab + 1) * self.slab_bytes // PAGE * PAGE
+        if end > start:
+            # MADV_REMOVE frees shared memory and file blocks alike (DONTNEED would keep a
+            # shared mapping's pages); a file system without hole punching keeps them.
+            with contextlib.suppress(OSError):
+                self._map.madvise(mmap.MADV_REMOVE, start, end - start)
 
     def view(self, slab: int) -> memoryview:
         """The slab's bytes (writable; valid until the slab is freed and reused)."""

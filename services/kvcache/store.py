@@ -1,7 +1,12 @@
 """A two-tier KV block store by hash: memory slabs, spilling to a disk arena, LRU, pins, checksums.
 
-- Each tier is a `SlabArena` whose slab is one KV block (the size the first put brings;
-  every later block must match), so neither tier can exceed its byte limit.
+- Blocks come in size classes, one per KV layout (each model has its own; a hash names one
+  model's block, so one hash has one size). Each class has a `SlabArena` per tier whose
+  slab is one block; the tier's byte limit is shared by the classes: a class's arena spans
+  the whole limit in address space (unused pages cost nothing), and the bytes of all the
+  classes' blocks together never pass the limit. A block evicted or demoted to make room
+  for a block of another size has its pages handed back (`SlabArena.release`), so memory
+  and disk in use stay within the limits however the models' shares move.
 - Memory is the hot tier. Storing into a full memory tier demotes its least recently used
   unpinned block to disk (or drops it when there is no disk tier); a full disk tier drops
   its own least recently used unpinned block. A hit on disk promotes the block back.
@@ -33,8 +38,11 @@ MEMORY, DISK = 0, 1
 TIER_NAMES = ("memory", "disk")
 
 
+MAX_SIZE_CLASSES = 16  # block sizes (KV layouts, about one per model) a store keeps apart
+
+
 class BlockSizeError(ValueError):
-    """A block whose size differs from the store's block size."""
+    """A block size the store cannot take (not positive, or one size class too many)."""
 
 
 @dataclass
@@ -42,6 +50,7 @@ class _Entry:
     tier: int
     slab: int
     checksum: int
+    size: int  # its block's bytes: its size class
     producer: str = ""  # the node that stored it first (provenance: purge by node)
 
 
@@ -77,8 +86,10 @@ class BlockStore:
         self.disk_bytes = disk_bytes
         self.disk_dir = disk_dir
         self.on_evict = on_evict
-        self.block_bytes = 0
-        self.arenas: tuple[SlabArena, ...] = ()
+        self.limits = (memory_bytes, disk_bytes)
+        self.used = [0, 0]  # bytes of stored blocks, by tier
+        self.pinned_bytes = 0
+        self.classes: dict[int, tuple[SlabArena, SlabArena]] = {}  # size → (memory, disk)
         self.entries: dict[bytes, _Entry] = {}
         self.lru: tuple[OrderedDict[bytes, None], OrderedDict[bytes, None]] = (
             OrderedDict(),
@@ -89,32 +100,38 @@ class BlockStore:
 
     # ---- set-up ----------------------------------------------------------------------------
 
-    def configure(self, block_bytes: int) -> None:
-        """Fix the block size (done by the first put); later blocks must have the same."""
-        if self.block_bytes:
-            if block_bytes != self.block_bytes:
-                raise BlockSizeError(f"blocks here are {self.block_bytes} bytes, not {block_bytes}")
-            return
+    def size_class(self, block_bytes: int) -> tuple[SlabArena, SlabArena]:
+        """The arenas (memory, disk) of blocks of `block_bytes`, made on its first put."""
+        arenas = self.classes.get(block_bytes)
+        if arenas is not None:
+            return arenas
         if block_bytes <= 0:
             raise BlockSizeError("a block needs at least one byte")
+        if len(self.classes) >= MAX_SIZE_CLASSES:
+            raise BlockSizeError(f"this store keeps at most {MAX_SIZE_CLASSES} block sizes")
         memory = SlabArena(block_bytes, self.memory_bytes // block_bytes)
         disk_slabs = self.disk_bytes // block_bytes
-        disk_path = (self.disk_dir / "blocks.arena") if self.disk_dir is not None else None
-        disk = SlabArena(block_bytes, disk_slabs, disk_path if disk_slabs else None)
-        self.block_bytes = block_bytes
-        self.arenas = (memory, disk)
+        disk_path = None
+        if self.disk_dir is not None and disk_slabs:
+            disk_path = self.disk_dir / f"blocks-{block_bytes}.arena"
+        disk = SlabArena(block_bytes, disk_slabs, disk_path)
+        self.classes[block_bytes] = arenas = (memory, disk)
         log.info(
-            "block store: %d B blocks, %d in memory, %d on disk",
+            "block store: a class of %d B blocks, at most %d in memory, %d on disk",
             block_bytes,
             memory.num_slabs,
             disk_slabs,
         )
+        return arenas
 
     def close(self) -> None:
-        for arena in self.arenas:
-            arena.close()
-        self.arenas = ()
+        for arenas in self.classes.values():
+            for arena in arenas:
+                arena.close()
+        self.classes.clear()
         self.entries.clear()
+        self.used = [0, 0]
+        self.pinned_bytes = 0
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -125,30 +142,36 @@ class BlockStore:
         return len(self.entries)
 
     def used_bytes(self, tier: int | None = None) -> int:
-        if not self.arenas:
-            return 0
-        if tier is None:
-            return sum(a.used_bytes for a in self.arenas)
-        return self.arenas[tier].used_bytes
+        return sum(self.used) if tier is None else self.used[tier]
+
+    def block_size(self, block_hash: bytes) -> int:
+        """The stored block's bytes, or 0 if it is not stored."""
+        entry = self.entries.get(block_hash)
+        return entry.size if entry is not None else 0
+
+    def arena(self, entry: _Entry) -> SlabArena:
+        return self.classes[entry.size][entry.tier]
 
     # ---- writes ----------------------------------------------------------------------------
 
     def put(self, block_hash: bytes, data: bytes | memoryview, producer: str = "") -> bool:
         """Store a block (a known hash is only marked recently used), noting which node
         stored it. False if not stored."""
-        self.configure(len(data))
+        size = len(data)
+        self.size_class(size)
         if block_hash in self.entries:
             self._touch(block_hash)
             return True
-        slab = self._free_slab(MEMORY)
+        slab = self._free_slab(size, MEMORY)
         tier = MEMORY
         if slab is None:  # every memory slab pinned: go straight to disk if there is one
-            slab, tier = self._free_slab(DISK), DISK
+            slab, tier = self._free_slab(size, DISK), DISK
             if slab is None:
                 self.stats.rejected += 1
                 return False
-        self.arenas[tier].view(slab)[:] = data
-        self.entries[block_hash] = _Entry(tier, slab, checksum(data), producer)
+        entry = _Entry(tier, slab, checksum(data), size, producer)
+        self.arena(entry).view(slab)[:] = data
+        self.entries[block_hash] = entry
         self.lru[tier][block_hash] = None
         self.stats.stored += 1
         return True
@@ -157,8 +180,11 @@ class BlockStore:
         """Protect stored blocks from eviction (counted: pin twice, unpin twice)."""
         n = 0
         for h in hashes:
-            if h in self.entries:
-                self.pins[h] = self.pins.get(h, 0) + 1
+            entry = self.entries.get(h)
+            if entry is not None:
+                count = self.pins.get(h, 0)
+                self.pins[h] = count + 1
+                self.pinned_bytes += 0 if count else entry.size
                 n += 1
         return n
 
@@ -167,8 +193,8 @@ class BlockStore:
             count = self.pins.get(h, 0) - 1
             if count > 0:
                 self.pins[h] = count
-            else:
-                self.pins.pop(h, None)
+            elif self.pins.pop(h, None) is not None:
+                self.pinned_bytes -= self.entries[h].size
 
     def purge(self, producer: str) -> list[bytes]:
         """Drop every block `producer` stored (pinned ones too: a bad block must not be
@@ -184,8 +210,9 @@ class BlockStore:
         if entry is None:
             return False
         del self.lru[entry.tier][block_hash]
-        self.arenas[entry.tier].free(entry.slab)
-        self.pins.pop(block_hash, None)
+        self._free(entry)
+        if self.pins.pop(block_hash, None) is not None:
+            self.pinned_bytes -= entry.size
         return True
 
     # ---- reads -----------------------------------------------------------------------------
@@ -195,16 +222,16 @@ class BlockStore:
         data = self._read(block_hash)
         return None if data is None else bytes(data)
 
-    def prefix_payload(self, hashes: Sequence[bytes]) -> tuple[memoryview, list[int]]:
+    def prefix_payload(self, hashes: Sequence[bytes]) -> tuple[memoryview, list[int], int]:
         """The longest stored prefix of `hashes` as one buffer, block after block, each
         verified and copied once, with each block's checksum (a transfer's chunk checksums,
-        so the sender does not hash the payload again)."""
+        so the sender does not hash the payload again) and the blocks' size."""
+        size = self.block_size(hashes[0]) if hashes else 0
         n = 0
-        while n < len(hashes) and hashes[n] in self.entries:
+        while n < len(hashes) and self.block_size(hashes[n]) == size != 0:
             n += 1
         if n < len(hashes):
             self.stats.misses += 1  # the first block not stored, as a get would count it
-        size = self.block_bytes
         out = uninitialised(n * size)  # cut below to the blocks copied in
         sums: list[int] = []
         for i, h in enumerate(hashes[:n]):
@@ -213,7 +240,7 @@ class BlockStore:
                 break
             out[i * size : (i + 1) * size] = data
             sums.append(self.entries[h].checksum)
-        return out[: len(sums) * size], sums
+        return out[: len(sums) * size], sums, size if sums else 0
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -225,7 +252,7 @@ class BlockStore:
         if entry is None:
             self.stats.misses += 1
             return None
-        data: memoryview | bytes = self.arenas[entry.tier].view(entry.slab)
+        data: memoryview | bytes = self.arena(entry).view(entry.slab)
         if entry.tier == DISK:
             data = bytes(data)  # its slab is freed by the promotion
         if checksum(data) != entry.checksum:
@@ -252,18 +279,24 @@ class BlockStore:
 
     def _promote(self, block_hash: bytes, entry: _Entry, data: bytes) -> None:
         # Leave the disk slab first: demoting a memory block to make room may need it.
-        self.arenas[DISK].free(entry.slab)
+        self._free(entry)
         del self.lru[DISK][block_hash]
-        slab = self._free_slab(MEMORY)
+        slab = self._free_slab(entry.size, MEMORY)
         if slab is None:  # memory all pinned: the block stays on disk
-            slab = self.arenas[DISK].alloc()
-            assert slab is not None  # the slab just freed
-            self.arenas[DISK].view(slab)[:] = data
+            slab = self._free_slab(entry.size, DISK)
+            if slab is None:  # its room went to a block demoted meanwhile: dropped
+                del self.entries[block_hash]
+                if self.pins.pop(block_hash, None) is not None:
+                    self.pinned_bytes -= entry.size
+                self.stats.evicted += 1
+                self._evicted([block_hash])
+                return
             entry.slab = slab
+            self.arena(entry).view(slab)[:] = data
             self.lru[DISK][block_hash] = None
             return
-        self.arenas[MEMORY].view(slab)[:] = data
         entry.tier, entry.slab = MEMORY, slab
+        self.arena(entry).view(slab)[:] = data
         self.lru[MEMORY][block_hash] = None
         self.stats.promoted += 1
 
@@ -274,35 +307,51 @@ class BlockStore:
                 return h
         return None
 
-    def _free_slab(self, tier: int) -> int | None:
-        """A free slab of `tier`, making room by demotion or eviction if needed."""
-        if not self.arenas[tier].num_slabs:
+    def _free(self, entry: _Entry) -> None:
+        """Give its slab back to its arena and its bytes to its tier."""
+        self.arena(entry).free(entry.slab)
+        self.used[entry.tier] -= entry.size
+
+    def _free_slab(self, size: int, tier: int) -> int | None:
+        """A free slab for a block of `size` in `tier`, making room by demotion or eviction
+        (of any class's least recently used block) if needed."""
+        arena = self.classes[size][tier]
+        if not arena.num_slabs:
             return None
-        slab = self.arenas[tier].alloc()
-        if slab is not None:
-            return slab
-        victim = self._victim(tier)
-        if victim is None:
-            return None
-        entry = self.entries[victim]
-        data = self.arenas[tier].view(entry.slab)
+        while self.used[tier] + size > self.limits[tier]:
+            victim = self._victim(tier)
+            if victim is None:
+                return None
+            entry = self.entries[victim]
+            arena_of, slab_of = self.arena(entry), entry.slab
+            self._make_room(victim, entry, tier)
+            if entry.size != size:  # its slab will not take this block: its pages go back
+                arena_of.release(slab_of)
+        slab = arena.alloc()
+        assert slab is not None  # within the tier's limit: so within this class's arena
+        self.used[tier] += size
+        return slab
+
+    def _make_room(self, victim: bytes, entry: _Entry, tier: int) -> None:
+        """Move `victim` out of `tier`: a memory block to disk when it is intact and the
+        disk takes it, else out of the store."""
+        data = self.arena(entry).view(entry.slab)
         intact = checksum(data) == entry.checksum
         if not intact:  # never spill a block that went bad: it could only be served wrong
             self.stats.corrupt += 1
-        if tier == MEMORY and intact and self.arenas[DISK].num_slabs:
-            disk_slab = self._free_slab(DISK)
+        if tier == MEMORY and intact and self.classes[entry.size][DISK].num_slabs:
+            disk_slab = self._free_slab(entry.size, DISK)
             if disk_slab is not None:
-                self.arenas[DISK].view(disk_slab)[:] = data
+                self.classes[entry.size][DISK].view(disk_slab)[:] = data
                 del self.lru[MEMORY][victim]
-                self.arenas[MEMORY].free(entry.slab)
+                self._free(entry)
                 entry.tier, entry.slab = DISK, disk_slab
                 self.lru[DISK][victim] = None
                 self.stats.spilled += 1
-                return self.arenas[MEMORY].alloc()
+                return
         self.remove(victim)
         self.stats.evicted += 1
         self._evicted([victim])
-        return self.arenas[tier].alloc()
 
     def _evicted(self, hashes: list[bytes]) -> None:
         if self.on_evict is not None:

@@ -134,10 +134,10 @@ class KVCacheWorker:
             raise WireFormatError("put needs block hashes and a block size")
         if len(put.block_hashes) > MAX_BLOCKS_PER_REQUEST:
             raise WireFormatError("too many blocks in one put")
-        if self.store.block_bytes and put.block_bytes != self.store.block_bytes:
-            raise WireFormatError(
-                f"blocks here are {self.store.block_bytes} bytes, not {put.block_bytes}"
-            )
+        try:  # a new size is a new class (a model of another KV layout), within a bound
+            self.store.size_class(put.block_bytes)
+        except BlockSizeError as exc:
+            raise WireFormatError(str(exc)) from exc
 
     async def _read(
         self,
@@ -195,13 +195,13 @@ class KVCacheWorker:
         if get is None:
             return
         self.lookups += 1
-        asked = len(get.block_hashes) * self.store.block_bytes
+        first = get.block_hashes[0] if get.block_hashes else b""
+        asked = len(get.block_hashes) * self.store.block_size(first)
         if self._sending_bytes + asked > MAX_SENDING_BYTES:  # busy: the asker recomputes
             self.bus.count_drop(msg.subject, "too many bytes being sent")
             await msg.respond(encode(KVGetReply(hits=0, block_bytes=0)))
             return
-        payload, sums = self.store.prefix_payload(get.block_hashes)
-        size = self.store.block_bytes if sums else 0
+        payload, sums, size = self.store.prefix_payload(get.block_hashes)
         span.set_attribute("tandem.blocks_asked", len(get.block_hashes))
         span.set_attribute("tandem.blocks_hit", len(sums))
         await msg.respond(encode(KVGetReply(hits=len(sums), block_bytes=size)))
@@ -338,7 +338,7 @@ class KVCacheWorker:
                 block = payload[start : start + put.block_bytes]
                 if self.store.put(block_hash, block, put.producer):
                     stored.append(block_hash)
-        except BlockSizeError as exc:  # raced with a put of another size: refuse the rest
+        except BlockSizeError as exc:  # (its class was made when the put was announced)
             log.warning("put %s refused: %s", header.transfer_id, exc)
         self.events.stored(stored)
 

@@ -29,7 +29,12 @@ from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import free_port
 from shared.bus.topology import assign_subject, local_prefill_subject, token_subject
+from shared.kv.block_hash import block_hashes
+from shared.kvclient.client import KVCacheClient
 from shared.model.loader import LoadedModel
+from shared.model.runner import kv_layout
+from shared.transport.factory import make_transport
+from shared.transport.pending import PendingTransfers
 from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack, wait_for_every_node
 from tests.e2e.streaming import MODEL, complete
@@ -75,6 +80,26 @@ async def a_node_refuses_another_models_work(stack: Stack) -> None:
         await bus.close()
 
 
+async def stored_prefix(
+    stack: Stack, model: LoadedModel, name: str, ids: list[int]
+) -> list[memoryview]:
+    """The blocks of `ids` the kvcache service holds for `model` (served as `name`), named
+    as its nodes name them (block hashes keyed by model and dtype)."""
+    layout = kv_layout(model, 16)
+    hashes = block_hashes(ids, 16, f"{name}/{layout.dtype}".encode())
+    bus = await Bus(stack.nats_url, "e2e-kv-check", stack.auth).connect()
+    transport, pending = make_transport("tcp"), PendingTransfers()
+    await transport.start(pending)
+    try:
+        client = KVCacheClient(bus, transport, pending, await NodeRegistry(bus).start())
+        blocks = await client.load_prefix(hashes, layout.bytes_per_block)
+        assert all(len(b) == layout.bytes_per_block for b in blocks)
+        return blocks
+    finally:
+        await transport.close()
+        await bus.close()
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
 
 
@@ -86,7 +111,7 @@ def two_models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
         "--model", f"{TINY}={tiny_model_dir}",
         "--prefill", "1",
         "--decode", "2",
-        "--kvcache", "0",  # (the kvcache service keeps one KV layout: not yet per model)
+        "--kvcache", "1",  # shared by both models' KV layouts
         "--transport", "tcp",
         "--kv-cache-mb", "128",
         "--heartbeat-ttl", "2",
@@ -158,6 +183,22 @@ def test_two_models_in_one_cluster_each_answer_is_its_models(
         }
     assert counts == {MODEL: 8, TINY: 8}
     asyncio.run(a_node_refuses_another_models_work(stack))
+    # both models' blocks are in the one kvcache node, each at its own KV layout's size
+    models = [(real_model, MODEL), (tiny_model, TINY)]
+    long_ids = [(m, name, m.tokenizer.encode(PROMPTS[0] * 8)) for m, name in models]
+    assert kv_layout(real_model, 16).bytes_per_block != kv_layout(tiny_model, 16).bytes_per_block
+
+    async def long_prompts() -> None:
+        async with aiohttp.ClientSession() as session:
+            for _, name, prompt_ids in long_ids:
+                await complete(session, stack.url, prompt_ids, 4, {"model": name})
+
+    asyncio.run(long_prompts())
+    for m, name, prompt_ids in long_ids:
+        deadline = time.monotonic() + 60  # stored in the background after the prefill
+        while (found := len(asyncio.run(stored_prefix(stack, m, name, prompt_ids)))) < 2:
+            assert time.monotonic() < deadline, f"{name}: {found} of its 2 blocks in the kvcache"
+            time.sleep(0.5)
     # the two models answer differently: each request really ran on its own model
     assert text_of(real_model, reference(real_model, ids[0], 8)) != text_of(
         tiny_model, reference(tiny_model, ids[0], 8)

@@ -124,6 +124,41 @@ async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) ->
         otlp.stop()
 
 
+async def test_two_models_blocks_share_one_node_s_memory(nats_server: NatsServer) -> None:
+    """Blocks of two KV layouts (two models) on one node: each prefix comes back whole at
+    its own size, and the node's memory limit holds their sum, the least recently used
+    block going first whatever its size."""
+    proc = start_node(nats_server.url, "tcp", "--capacity-mb", "1", "--heartbeat-ttl", "2")
+    bus, transport, pending = await client_side(nats_server.url, "tcp")
+    try:
+        registry = await NodeRegistry(bus).start()
+        for _ in range(200):
+            nodes = await registry.nodes()
+            if "kv-1" in nodes:
+                break
+            await asyncio.sleep(0.1)
+        address = nodes["kv-1"].data_address
+        client = KVCacheClient(bus, transport, pending)
+        small = [os.urandom(BLOCK) for _ in range(4)]  # 4 x 64 KiB
+        big = [os.urandom(2 * BLOCK) for _ in range(6)]  # 6 x 128 KiB: 1 MiB in all
+        await client.put("kv-1", address, [h(i) for i in range(4)], b"".join(small))
+        await client.put("kv-1", address, [h(10 + i) for i in range(6)], b"".join(big))
+        assert await client.get("kv-1", [h(i) for i in range(4)], max_bytes=1 << 20) == small
+        got = await client.get("kv-1", [h(10 + i) for i in range(6)], max_bytes=1 << 20)
+        assert got == big
+        # two more small blocks: the least recently used (a small one, read first) goes
+        more = [os.urandom(BLOCK) for _ in range(2)]
+        await client.put("kv-1", address, [h(20), h(21)], b"".join(more))
+        assert await client.get("kv-1", [h(0)], max_bytes=BLOCK) == []
+        assert await client.get("kv-1", [h(20), h(21)], max_bytes=2 * BLOCK) == more
+        assert await client.get("kv-1", [h(10 + i) for i in range(6)], max_bytes=1 << 20) == big
+        assert pending.refused == 0
+    finally:
+        await transport.close()
+        await bus.close()
+        stop(proc)
+
+
 async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: NatsServer) -> None:
     """Rendezvous sharding through real nodes: each owns its share; a lost node ends the
     joint prefix at its first block and nothing else fails."""

@@ -1,7 +1,8 @@
 """Engine benchmark: HF `generate` vs Tandem single stream vs continuous batching, and prefill;
-and `--decode-steps`: a float32 decode step at batch 1, 16 and 32 with the CPU kernels
-(shared/model/cpu_kernels.py: paged attention, fused norms, rotary and SiLU) against the
-portable torch ops (gather + SDPA, transformers' modules).
+and `--decode-steps`: a float32 decode step at batch 1, 16 and 32, and a prefill of 4 x 256
+tokens, with the portable torch ops (gather + SDPA, transformers' modules, torch's linear),
+the CPU kernels (shared/model/cpu_kernels.py: paged attention, fused norms, rotary and
+SiLU), and the kernels with the linear layers through oneDNN (shared/model/cpu_gemm.py).
 
 Every configuration runs once per round and the order rotates between rounds (A/B
 interleaving), so machine noise spreads over all of them; the table shows medians over rounds
@@ -90,32 +91,57 @@ def decode_step_ms(engine: Engine, batch: int, context: int, steps: int) -> floa
     return statistics.median(times) * 1000
 
 
+def prefill_ms(engine: Engine, prompts: int, length: int) -> float:
+    """One engine step prefilling `prompts` new prompts of `length` tokens together."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for i in range(prompts):
+        engine.add_request([100 + (i * 11 + j) % 30000 for j in range(length)], params)
+    t = time.perf_counter()
+    engine.step()
+    elapsed = (time.perf_counter() - t) * 1000
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed
+
+
 def decode_steps(args: argparse.Namespace) -> None:
     model = load_model(None, dtype="float32", device="cpu")
-    config = EngineConfig(num_blocks=4096, max_num_seqs=64, detokenize=False)
-    fused, portable = Engine(model, config), Engine(model, config)
-    if fused.runner.kernels is None:
+    config = EngineConfig(
+        num_blocks=4096, max_num_seqs=64, detokenize=False, enable_prefix_caching=False
+    )
+    onednn, fused, portable = (Engine(model, config) for _ in range(3))
+    if onednn.runner.kernels is None:
         raise SystemExit("the CPU kernels are unavailable here (see the log)")
+    if all(f is m for m, f in onednn.runner.linear.items()):
+        raise SystemExit("the oneDNN GEMMs are unavailable here (TANDEM_CPU_GEMM, torch build)")
+    for engine in (fused, portable):  # torch's own linear
+        engine.runner.linear = {m: m for m in engine.runner.linear}
     portable.runner.kernels = None
-    engines = {"portable ops": portable, "CPU kernels": fused}
-    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
-    cases = [(name, b) for b in args.decode_batches for name in engines]
-    for name, b in cases[:2]:
-        decode_step_ms(engines[name], b, args.context, 4)  # warm-up
+    engines = {"portable ops": portable, "CPU kernels": fused, "kernels + oneDNN": onednn}
+    samples: dict[tuple[str, str], list[float]] = defaultdict(list)
+    cases: list[tuple[str, str, Callable[[Engine], float]]] = [
+        (name, f"decode b{b}", lambda e, b=b: decode_step_ms(e, b, args.context, 8))
+        for b in args.decode_batches
+        for name in engines
+    ]
+    cases += [(name, "prefill 4x256", lambda e: prefill_ms(e, 4, 256)) for name in engines]
+    for name, _, run in cases[: len(engines)]:
+        run(engines[name])  # warm-up
     for r in range(args.rounds):
-        for name, b in cases[r % len(cases) :] + cases[: r % len(cases)]:
-            samples[(name, b)].append(decode_step_ms(engines[name], b, args.context, 8))
+        for name, case, run in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            samples[(name, case)].append(run(engines[name]))
             print(
-                f"  [round {r + 1}] {name}, batch {b}: {samples[(name, b)][-1]:.1f} ms", flush=True
+                f"  [round {r + 1}] {name}, {case}: {samples[(name, case)][-1]:.1f} ms", flush=True
             )
     print(f"\nCPU flags: {' '.join(cpu_flags())}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, float32, context ~{args.context}\n")  # fmt: skip
-    print("| batch | portable ops ms | CPU kernels ms | speed-up |")
-    print("|---:|---:|---:|---:|")
-    for b in args.decode_batches:
-        g = statistics.median(samples[("portable ops", b)])
-        p = statistics.median(samples[("CPU kernels", b)])
-        print(f"| {b} | {g:.1f} | {p:.1f} | {g / p:.2f}x |")
+    names = list(engines)
+    print("| case | " + " | ".join(f"{n} ms" for n in names) + " | kernels / portable "
+          "| oneDNN / kernels |")  # fmt: skip
+    print("|---|" + "---:|" * (len(names) + 2))
+    for case in dict.fromkeys(c for _, c, _ in cases):
+        g, k, o = (statistics.median(samples[(n, case)]) for n in names)
+        print(f"| {case} | {g:.1f} | {k:.1f} | {o:.1f} | {g / k:.2f}x | {k / o:.2f}x |")
 
 
 def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -8,7 +8,8 @@ gathered blocks. Norms, MLPs and rotary tables are the transformers model's own 
 attention is computed with the same `scaled_dot_product_attention` calls transformers makes,
 so float32 greedy tokens equal `model.generate`'s. On CPU in float32 the same arithmetic
 runs through Tandem's kernels where they built (`cpu_kernels.py`: decode attention read in
-place from the cache, fused norms, rotary and SiLU), tested to the same greedy tokens.
+place from the cache, fused norms, rotary and SiLU) and the linear layers through oneDNN
+with prepacked weights (`cpu_gemm.py`), tested to the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kv.paged_cache import KVLayout, PagedKVCache
-from shared.model import cpu_kernels
+from shared.model import cpu_gemm, cpu_kernels
 from shared.model.loader import LoadedModel
 
 
@@ -89,6 +90,13 @@ class ModelRunner:
         silu = str(getattr(cfg, "hidden_act", "silu")) == "silu"
         self.kernels = cpu_kernels.load(self.device, model.dtype) if silu else None
         self.norms = [(ly.input_layernorm, ly.post_attention_layernorm) for ly in self.layers]
+        # every linear layer's function: through a oneDNN-packed weight on CPU float32
+        modules = [self.lm_head]
+        for ly in self.layers:
+            a, m = ly.self_attn, ly.mlp
+            modules += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj]
+            modules.append(m.down_proj)
+        self.linear = cpu_gemm.linears(modules, self.device, model.dtype)
         self.upcast = (
             model.dtype == torch.bfloat16
             and self.device.type == "cpu"
@@ -99,15 +107,17 @@ class ModelRunner:
         """`module(x)`, computed in float32 for wide bf16 batches on CPUs without bf16 units."""
         if self.upcast and x.shape[0] >= UPCAST_MIN_ROWS:
             return _linear_fp32(module, x.float()).to(x.dtype)
-        out: torch.Tensor = module(x)
-        return out
+        return self.linear[module](x)
 
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         if self.upcast and x.shape[0] >= UPCAST_MIN_ROWS:
             xf = x.float()  # stay in float32 through the MLP: one conversion each way
             hidden = mlp.act_fn(_linear_fp32(mlp.gate_proj, xf)) * _linear_fp32(mlp.up_proj, xf)
             return _linear_fp32(mlp.down_proj, hidden).to(x.dtype)
-        out: torch.Tensor = mlp(x)
+        lin = self.linear  # the gated MLP transformers' LlamaMLP computes
+        out: torch.Tensor = lin[mlp.down_proj](
+            mlp.act_fn(lin[mlp.gate_proj](x)) * lin[mlp.up_proj](x)
+        )
         return out
 
     def _slots(self, block_ids: list[int], start: int, count: int) -> list[int]:
@@ -171,20 +181,20 @@ class ModelRunner:
         also returns the next norm's output (the next layer's input norm, or the final)."""
         n = h.shape[0]
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
-        norms = self.norms
+        norms, lin = self.norms, self.linear
         x: torch.Tensor = ops.rms_norm(h, norms[0][0].weight, norms[0][0].variance_epsilon)
         for layer_idx, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            q = lin[attn.q_proj](x).view(n, self.num_heads, self.head_dim)
+            k = lin[attn.k_proj](x).view(n, self.num_kv_heads, self.head_dim)
+            v = lin[attn.v_proj](x).view(n, self.num_kv_heads, self.head_dim)
             ops.rope_store(q, k, v, cos, sin, self.cache.kv[layer_idx], slots)
             o = attend(layer_idx, q, k, v)
             post = norms[layer_idx][1]
             x = ops.add_rms_norm(
-                h, attn.o_proj(o.reshape(n, -1)), post.weight, post.variance_epsilon
+                h, lin[attn.o_proj](o.reshape(n, -1)), post.weight, post.variance_epsilon
             )
-            m = mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            m = lin[mlp.down_proj](ops.silu_mul(lin[mlp.gate_proj](x), lin[mlp.up_proj](x)))
             nxt = norms[layer_idx + 1][0] if layer_idx + 1 < len(norms) else self.norm
             x = ops.add_rms_norm(h, m, nxt.weight, nxt.variance_epsilon)
         return x

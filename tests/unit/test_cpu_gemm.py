@@ -1,0 +1,80 @@
+"""The linear layers through oneDNN-packed weights (shared/model/cpu_gemm.py): the same
+products as torch's linear within rounding, where the path applies, and the switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.bus.params import SamplingParams
+from shared.engine.engine import Engine, EngineConfig
+from shared.kv.paged_cache import PagedKVCache
+from shared.model import cpu_gemm
+from shared.model.loader import LoadedModel
+from shared.model.runner import ModelRunner, kv_layout
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_a_packed_linear_multiplies_as_torch_does(bias: bool, rows: int) -> None:
+    if not cpu_gemm.available():
+        pytest.skip("this torch has no oneDNN linear (the torch path serves)")
+    torch.manual_seed(rows)
+    module = torch.nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    packed = cpu_gemm.PackedLinear(module)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), module(x), atol=1e-5, rtol=1e-5)
+    module.weight.data.zero_()  # a copy: the module's own weight is left as it was used
+    assert packed(x).abs().sum() > 0
+
+
+def test_the_switch_and_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = torch.nn.Linear(8, 8)
+    assert cpu_gemm.linears([module], CPU, torch.bfloat16) == {module: module}  # float32 only
+    assert cpu_gemm.linears([module], torch.device("cuda"), torch.float32) == {module: module}
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "torch")
+    assert cpu_gemm.linears([module], CPU, torch.float32) == {module: module}
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "fast")
+    with pytest.raises(ValueError, match="TANDEM_CPU_GEMM"):
+        cpu_gemm.linears([module], CPU, torch.float32)
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "onednn")
+    got = cpu_gemm.linears([module], CPU, torch.float32)[module]
+    assert isinstance(got, cpu_gemm.PackedLinear) == cpu_gemm.available()
+
+
+def test_the_runner_uses_it_and_its_logits_agree(tiny_model: LoadedModel) -> None:
+    """Every linear layer of the runner goes through it (the transformers model's modules
+    are not changed), and a decode step's logits agree with torch's linear."""
+    if not cpu_gemm.available():
+        pytest.skip("this torch has no oneDNN linear (the torch path serves)")
+    cache = PagedKVCache(kv_layout(tiny_model, 16), 32, tiny_model.device)
+    runner = ModelRunner(tiny_model, cache)
+    layers = len(runner.layers)
+    assert len(runner.linear) == 1 + 7 * layers
+    assert all(isinstance(f, cpu_gemm.PackedLinear) for f in runner.linear.values())
+    assert all(isinstance(m, torch.nn.Linear) for m in runner.linear)
+    torch.manual_seed(3)
+    cache.kv.normal_()
+    positions, tables = [5, 40], [[3, 4, 5], [9, 10, 11]]
+    packed = runner.forward_decode([11, 12], positions, tables)
+    runner.linear = {m: m for m in runner.linear}
+    torch.testing.assert_close(
+        runner.forward_decode([11, 12], positions, tables), packed, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_greedy_tokens_are_the_same_either_way(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 140))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with_onednn = Engine(tiny_model, EngineConfig(num_blocks=64)).generate(prompts, params)
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "torch")
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64))
+    assert all(f is m for m, f in engine.runner.linear.items())
+    assert engine.generate(prompts, params) == with_onednn

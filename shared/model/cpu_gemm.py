@@ -7,9 +7,11 @@ head (49,152 x 576) took 13.1 ms at 1 row and 27.1 ms at 16 through MKL against 
 8.7 ms through oneDNN with its weight reordered once; a 1,536 x 576 projection 0.35 against
 0.18 ms at 16 rows, 13.6 against 9.5 ms at 1,024 (docs/benchmarks.md, "oneDNN GEMMs").
 
-The packed weights are copies made once when the model runner is built; the modules keep
-their own (the transformers model stays usable as it was, e.g. as the tests' reference),
-so a node holds its linear weights twice. The results differ from MKL's in the last bits
+The packed weights are copies made once when the model runner is built, in anonymous
+memory (+513 MB for SmolLM2-135M in float32); the modules keep their own, so the
+transformers model stays usable as it was (the tests' reference). Loaded from safetensors,
+those originals are pages of the mapped file that nothing reads any more (the embedding's
+rows aside): resident until the kernel needs the memory, then reclaimed like page cache. The results differ from MKL's in the last bits
 (another summation order), as any two GEMM libraries do; the greedy identity tests hold.
 
 Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=torch` keeps

@@ -11,8 +11,9 @@ The packed weights are copies made once when the model runner is built, in anony
 memory (+513 MB for SmolLM2-135M in float32); the modules keep their own, so the
 transformers model stays usable as it was (the tests' reference). Loaded from safetensors,
 those originals are pages of the mapped file that nothing reads any more (the embedding's
-rows aside): resident until the kernel needs the memory, then reclaimed like page cache. The results differ from MKL's in the last bits
-(another summation order), as any two GEMM libraries do; the greedy identity tests hold.
+rows aside): resident until the kernel needs the memory, then reclaimed like page cache.
+The results differ from MKL's in the last bits (another summation order), as any two GEMM
+libraries do; the greedy identity tests hold.
 
 Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=torch` keeps
 torch's own `linear` (MKL, or whatever the build uses); CUDA never takes this path.

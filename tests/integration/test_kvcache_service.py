@@ -77,6 +77,17 @@ async def client_side(url: str, kind: str) -> tuple[Bus, Transport, PendingTrans
     return bus, transport, pending
 
 
+async def data_address(bus: Bus, node_id: str) -> str:
+    """The data-plane address a kvcache node registers, once it has (20 s at most)."""
+    registry = await NodeRegistry(bus).start()
+    for _ in range(200):
+        nodes = await registry.nodes()
+        if node_id in nodes:
+            return nodes[node_id].data_address
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"kvcache node {node_id} did not register in 20 s")
+
+
 @pytest.mark.parametrize("kind", ["ucx", "tcp"])
 async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) -> None:
     capacity_blocks = 16
@@ -87,13 +98,7 @@ async def test_put_and_get_prefix_bounded(nats_server: NatsServer, kind: str) ->
     proc = start_node(nats_server.url, kind, *argv, env=env)
     bus, transport, pending = await client_side(nats_server.url, kind)
     try:
-        registry = await NodeRegistry(bus).start()
-        for _ in range(200):
-            nodes = await registry.nodes()
-            if "kv-1" in nodes:
-                break
-            await asyncio.sleep(0.1)
-        address = nodes["kv-1"].data_address
+        address = await data_address(bus, "kv-1")
         client = KVCacheClient(bus, transport, pending)
         blocks = [os.urandom(BLOCK) for _ in range(4)]
         tracer = TracerProvider().get_tracer("test")
@@ -131,13 +136,7 @@ async def test_two_models_blocks_share_one_node_s_memory(nats_server: NatsServer
     proc = start_node(nats_server.url, "tcp", "--capacity-mb", "1", "--heartbeat-ttl", "2")
     bus, transport, pending = await client_side(nats_server.url, "tcp")
     try:
-        registry = await NodeRegistry(bus).start()
-        for _ in range(200):
-            nodes = await registry.nodes()
-            if "kv-1" in nodes:
-                break
-            await asyncio.sleep(0.1)
-        address = nodes["kv-1"].data_address
+        address = await data_address(bus, "kv-1")
         client = KVCacheClient(bus, transport, pending)
         small = [os.urandom(BLOCK) for _ in range(4)]  # 4 x 64 KiB
         big = [os.urandom(2 * BLOCK) for _ in range(6)]  # 6 x 128 KiB: 1 MiB in all

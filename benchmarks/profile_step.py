@@ -35,11 +35,14 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("fused norm, rotary, SiLU", ("tandem::",)),
     ("KV gather", ("index_select", "gather", "embedding")),
     ("KV write", ("index_copy", "index_put", "scatter")),
-    ("GEMM", ("addmm", "aten::mm", "aten::bmm", "matmul", "aten::linear")),
+    ("GEMM", ("addmm", "aten::mm", "aten::bmm", "matmul", "aten::linear", "_linear_pointwise")),
     ("norm", ("pow", "mean", "rsqrt")),
     ("rotary", ("aten::cat", "aten::neg", "aten::slice")),
     ("elementwise", ("aten::mul", "aten::add", "silu", "aten::sub", "aten::div")),
 ]
+
+
+OPS = ("aten::", "tandem::", "mkldnn::")  # leaf op namespaces (mkldnn: cpu_gemm.py's GEMMs)
 
 
 def category(name: str) -> str:
@@ -58,7 +61,7 @@ def profile_calls(fn: Callable[[], object], steps: int) -> tuple[float, dict[str
         wall = (time.perf_counter() - start) * 1000 / steps
     by_cat: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if event.key.startswith(("aten::", "tandem::")) and event.self_cpu_time_total > 0:
+        if event.key.startswith(OPS) and event.self_cpu_time_total > 0:
             by_cat[category(event.key)] += event.self_cpu_time_total / 1000 / steps
     return wall, dict(by_cat)
 

@@ -86,7 +86,6 @@ class BlockStore:
         self.disk_bytes = disk_bytes
         self.disk_dir = disk_dir
         self.on_evict = on_evict
-        self.limits = (memory_bytes, disk_bytes)
         self.used = [0, 0]  # bytes of stored blocks, by tier
         self.pinned_bytes = 0
         self.classes: dict[int, tuple[SlabArena, SlabArena]] = {}  # size → (memory, disk)
@@ -143,6 +142,11 @@ class BlockStore:
 
     def used_bytes(self, tier: int | None = None) -> int:
         return sum(self.used) if tier is None else self.used[tier]
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        """Each tier's byte limit (memory, disk)."""
+        return self.memory_bytes, self.disk_bytes
 
     def block_size(self, block_hash: bytes) -> int:
         """The stored block's bytes, or 0 if it is not stored."""

@@ -8,7 +8,7 @@ head (49,152 x 576) took 13.1 ms at 1 row and 27.1 ms at 16 through MKL against 
 0.18 ms at 16 rows, 13.6 against 9.5 ms at 1,024 (docs/benchmarks.md, "oneDNN GEMMs").
 
 The packed weights are copies made once when the model runner is built, in anonymous
-memory (+513 MB for SmolLM2-135M in float32); the modules keep their own, so the
+memory (the 513 MB of SmolLM2-135M's linear weights in float32); the modules keep their own, so the
 transformers model stays usable as it was (the tests' reference). Loaded from safetensors,
 those originals are pages of the mapped file that nothing reads any more (the embedding's
 rows aside): resident until the kernel needs the memory, then reclaimed like page cache.
@@ -58,7 +58,6 @@ class PackedLinear:
 
     def __init__(self, module: Any) -> None:
         weight = module.weight.detach()
-        self.out_features, self.in_features = weight.shape
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if module.bias is None else module.bias.detach()
 

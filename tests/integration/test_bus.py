@@ -119,6 +119,16 @@ async def test_steered_jobs_reach_only_their_node_and_a_lost_node_s_are_purged(
     await bus.close()
 
 
+async def backlog_settles(intake: JobIntake, want: int, within: float = 5.0) -> bool:
+    """Whether the node's own queue's backlog reaches `want` within `within` seconds."""
+    deadline = time.monotonic() + within
+    while (await intake.own.backlog()) != want:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 async def test_a_busy_node_looks_at_its_own_queue_before_pulling_it(
     nats_server: NatsServer,
 ) -> None:
@@ -128,37 +138,41 @@ async def test_a_busy_node_looks_at_its_own_queue_before_pulling_it(
     pulls its own queue as before."""
     bus = await connect(nats_server, "router")
     intake = await JobIntake(bus, "p1").start()
-    pulls: list[str] = []
-    own_fetch = intake.own.fetch
+    try:
+        pulls: list[str] = []
+        own_fetch = intake.own.fetch
 
-    async def counted(batch: int = 8, timeout: float = 1.0) -> list[ReceivedJob]:
-        pulls.append("own")
-        return await own_fetch(batch=batch, timeout=timeout)
+        async def counted(batch: int = 8, timeout: float = 1.0) -> list[ReceivedJob]:
+            pulls.append("own")
+            return await own_fetch(batch=batch, timeout=timeout)
 
-    intake.own.fetch = counted  # type: ignore[method-assign]
-    assert await intake.own.backlog() == 0
-    for i in range(3):
-        await submit_job(bus, job(f"shared-{i}"))
-    got = await intake.fetch(1)  # idle: pulls its own queue (empty), then the shared one
-    assert [j.job.attempt_id for j in got] == ["shared-0"] and pulls == ["own"]
-    await got[0].ack()
-    got = await intake.fetch(1)  # busy: its own queue is empty, so it is not pulled
-    assert [j.job.attempt_id for j in got] == ["shared-1"] and pulls == ["own"]
-    await got[0].ack()
-    await submit_job(bus, job("steered-1"), prefill_node="p1")
-    assert await intake.own.backlog() == 1
-    got = await intake.fetch(1)  # busy, and a steered job waits: pulled, and first
-    assert [j.job.attempt_id for j in got] == ["steered-1"] and pulls == ["own", "own"]
-    assert await intake.own.backlog() == 1  # delivered, not yet acknowledged
-    await got[0].ack()
-    assert await intake.own.backlog() == 0
-    got = await intake.fetch(4)
-    assert [j.job.attempt_id for j in got] == ["shared-2"] and len(pulls) == 2
-    await got[0].ack()
-    assert await intake.fetch(4) == []  # busy: shared queue waited on, found empty
-    assert await intake.fetch(4) == [] and len(pulls) == 3  # idle again: pulls its own
-    await intake.stop()
-    await bus.close()
+        intake.own.fetch = counted  # type: ignore[method-assign]
+        assert await intake.own.backlog() == 0
+        for i in range(3):
+            await submit_job(bus, job(f"shared-{i}"))
+        got = await intake.fetch(1)  # idle: pulls its own queue (empty), then the shared one
+        assert [j.job.attempt_id for j in got] == ["shared-0"] and pulls == ["own"]
+        await got[0].ack()
+        got = await intake.fetch(1)  # busy: its own queue is empty, so it is not pulled
+        assert [j.job.attempt_id for j in got] == ["shared-1"] and pulls == ["own"]
+        await got[0].ack()
+        await submit_job(bus, job("steered-1"), prefill_node="p1")
+        assert await intake.own.backlog() == 1
+        got = await intake.fetch(1)  # busy, and a steered job waits: pulled, and first
+        assert [j.job.attempt_id for j in got] == ["steered-1"] and pulls == ["own", "own"]
+        assert await intake.own.backlog() == 1  # delivered, not yet acknowledged
+        await got[0].ack()
+        # An ack is a plain publish: the server applies it a moment later, so wait for it (the
+        # intake's next fetch would otherwise see the job still pending and pull once more).
+        assert await backlog_settles(intake, 0)
+        got = await intake.fetch(4)
+        assert [j.job.attempt_id for j in got] == ["shared-2"] and len(pulls) == 2
+        await got[0].ack()
+        assert await intake.fetch(4) == []  # busy: shared queue waited on, found empty
+        assert await intake.fetch(4) == [] and len(pulls) == 3  # idle again: pulls its own
+    finally:  # a failed assertion must not leave a client for a later test to collect
+        await intake.stop()
+        await bus.close()
 
 
 async def test_nak_retries_and_malformed_jobs_are_terminated(nats_server: NatsServer) -> None:

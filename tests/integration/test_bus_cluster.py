@@ -23,14 +23,15 @@ from shared.bus.topology import (
     ensure_topology,
 )
 from shared.bus.workqueue import JobConsumer, submit_job
+from shared.errors import TandemError
 
 pytestmark = pytest.mark.integration
 
 CLUSTERED = TopologyConfig(replicas=3, ack_wait=2.0)
 
 
-@pytest.fixture
-def cluster() -> Iterator[list[NatsServer]]:
+def start_cluster() -> list[NatsServer]:
+    """Three servers routed to each other, each on free ports."""
     ports = [free_port() for _ in range(3)]
     routes = ", ".join(f'"nats://127.0.0.1:{p}"' for p in ports)
     servers = [
@@ -46,6 +47,25 @@ def cluster() -> Iterator[list[NatsServer]]:
     try:
         for server in servers:
             server.start()
+    except BaseException:
+        for server in servers:
+            server.cleanup()
+        raise
+    return servers
+
+
+@pytest.fixture
+def cluster() -> Iterator[list[NatsServer]]:
+    # The route ports are picked free, released, and bound again by the servers: another
+    # process (or a server's own client port) can take one in between. Pick again then.
+    for attempt in range(3):
+        try:
+            servers = start_cluster()
+            break
+        except TandemError as e:
+            if "address already in use" not in str(e) or attempt == 2:
+                raise
+    try:
         yield servers
     finally:
         for server in servers:

@@ -166,6 +166,12 @@ def recomputed_tokens(log: Path) -> list[int]:
     return [int(m.group(2)) for m in RECOMPUTED.finditer(log.read_text(errors="replace"))]
 
 
+def resumes(log: Path) -> list[tuple[int, int]]:
+    """Per resume a prefill node did: (context tokens recomputed, context tokens)."""
+    text = log.read_text(errors="replace")
+    return [(int(m.group(2)), int(m.group(3))) for m in RECOMPUTED.finditer(text)]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

@@ -8,7 +8,7 @@ gathered blocks. Norms, MLPs and rotary tables are the transformers model's own 
 attention is computed with the same `scaled_dot_product_attention` calls transformers makes,
 so float32 greedy tokens equal `model.generate`'s. On CPU in float32 the same arithmetic
 runs through Tandem's kernels where they built (`cpu_kernels.py`: decode attention read in
-place from the cache, fused norms, rotary and SiLU) and the linear layers through oneDNN
+place from the cache, fused norms and rotary) and the linear layers through oneDNN
 with prepacked weights (`cpu_gemm.py`), tested to the same greedy tokens.
 """
 
@@ -194,7 +194,9 @@ class ModelRunner:
             x = ops.add_rms_norm(
                 h, lin[attn.o_proj](o.reshape(n, -1)), post.weight, post.variance_epsilon
             )
-            m = lin[mlp.down_proj](ops.silu_mul(lin[mlp.gate_proj](x), lin[mlp.up_proj](x)))
+            # torch's silu, then the product in place: faster than a fused kernel whose exp
+            # does not vectorise (docs/benchmarks.md, "oneDNN GEMMs")
+            m = lin[mlp.down_proj](F.silu(lin[mlp.gate_proj](x)).mul_(lin[mlp.up_proj](x)))
             nxt = norms[layer_idx + 1][0] if layer_idx + 1 < len(norms) else self.norm
             x = ops.add_rms_norm(h, m, nxt.weight, nxt.variance_epsilon)
         return x

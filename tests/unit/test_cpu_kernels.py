@@ -140,7 +140,3 @@ def test_norms_and_silu_match_transformers_within_rounding(ops: Any) -> None:
     out = ops.add_rms_norm(residual, x, norm.weight, 1e-5)
     torch.testing.assert_close(residual, h + x)  # the residual stream, updated in place
     torch.testing.assert_close(out, norm(h + x))
-    gate, up = torch.randn(7, 1536), torch.randn(7, 1536)
-    torch.testing.assert_close(ops.silu_mul(gate, up), F.silu(gate) * up)
-    with pytest.raises(RuntimeError, match="shapes differ"):
-        ops.silu_mul(gate, up[:, :10].contiguous())

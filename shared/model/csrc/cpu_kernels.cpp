@@ -1,6 +1,6 @@
 // Tandem's CPU kernels, float32: decode attention read in place from the paged KV cache,
 // and the fused small ops around it (RMSNorm with the residual add, rotary embedding with
-// the KV cache write, SiLU times up). Each replaces several torch ops: at decode batch sizes
+// the KV cache write). Each replaces several torch ops: at decode batch sizes
 // the Python and dispatch cost between ops was a tenth or more of a step.
 //
 // Built and loaded at run time by shared/model/cpu_kernels.py (which says why).
@@ -264,21 +264,6 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   });
 }
 
-// silu(gate) * up, elementwise.
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_rows(gate, "silu_mul gate");
-  check_rows(up, "silu_mul up");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: shapes differ");
-  at::Tensor out = at::empty_like(gate);
-  const float* g = gate.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, gate.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -288,10 +273,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("add_rms_norm(Tensor(a!) h, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) cache, Tensor slots) -> ()");
-  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rope_store", c10::DispatchKey::CPU, TORCH_FN(rope_store));
-  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
 }

@@ -49,6 +49,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p,
+        "--checkpoint-rate",
+        type=float,
+        default=0.0,
+        help="MB per second the checkpoint blocks are stored at, at most (0: unpaced); a "
+        "wave of prompts' blocks sent at once slows the steps that share the cores with it",
+    )
+    add_option(
+        p,
         "--lease",
         type=float,
         default=5.0,
@@ -91,8 +99,10 @@ async def serve(args: argparse.Namespace) -> None:
     if not args.no_kvcache:
         client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
         prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
+    if not args.checkpoint_rate >= 0:
+        raise SystemExit("--checkpoint-rate must be >= 0")
     if client is not None and args.checkpoint_every > 0:
-        uploader = BlockUploader(client)
+        uploader = BlockUploader(client, rate=args.checkpoint_rate * 1e6)
         engine.exchange.checkpoint_every = args.checkpoint_every
         journal = await RequestJournal(rt.bus).start()
         if not args.no_checkpoint_tails:

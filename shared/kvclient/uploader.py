@@ -4,6 +4,13 @@ Prefill and decode nodes hand over blocks they filled and go on: the engine neve
 cache I/O. Pending bytes are bounded; past the bound new blocks are dropped (counted), since
 a block missing from the cache only costs a later recompute.
 
+Writes are paced: a put carries at most `max_put_bytes`, and with a `rate` the next put waits
+until the bytes so far would have taken that long at that rate. On a small machine the
+engine's step shares the cores with the copy, checksums and sends of a put (here) and with
+the kvcache node receiving it; one put of a whole wave's prompt blocks (hundreds of MB)
+stalled every stream's next token for over a second, where the same bytes spread over
+several steps cost each step a little.
+
 Each batch written is a `kv.checkpoint` span (blocks, bytes, stored), linked to the spans
 of the requests whose blocks it carries, so a request's trace leads to its checkpoints.
 """
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -27,12 +35,25 @@ TRACER = tracer("kv_uploader")
 MAX_LINKS = 64  # of one checkpoint span: the requests it covers, bounded
 
 MAX_BLOCKS_PER_PUT = 256
+MAX_PUT_BYTES = 8 << 20  # per put unless told otherwise (at least one block)
 
 
 class BlockUploader:
-    def __init__(self, client: KVCacheClient, max_pending_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        client: KVCacheClient,
+        max_pending_bytes: int = 256 << 20,
+        max_put_bytes: int = MAX_PUT_BYTES,
+        rate: float = 0.0,
+    ) -> None:
+        """`rate`: bytes per second the puts are paced to (0: as fast as they go)."""
+        if max_put_bytes <= 0 or rate < 0:
+            raise ValueError("max_put_bytes must be positive and rate at least 0")
         self.client = client
         self.max_pending_bytes = max_pending_bytes
+        self.max_put_bytes = max_put_bytes
+        self.rate = rate
+        self._free_at = 0.0  # monotonic time the next put may start at (with a rate)
         self.queue: deque[tuple[bytes, bytes | memoryview]] = deque()
         # (first, end) positions in the stream of queued blocks → called once all are stored
         self._after: deque[tuple[int, int, Callable[[], None]]] = deque()
@@ -85,11 +106,15 @@ class BlockUploader:
         return self
 
     async def _round(self) -> None:
-        """Everything queued, a put at a time."""
+        """Everything queued, a put at a time, paced to `rate` if set."""
         while self.queue:
-            batch = [self.queue.popleft() for _ in range(min(MAX_BLOCKS_PER_PUT, len(self.queue)))]
+            if self.rate and (wait := self._free_at - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            batch = self._next_batch()
             links = self._batch_links(self._done_total, self._done_total + len(batch))
             nbytes = sum(len(b) for _, b in batch)
+            if self.rate:  # the next put waits until these bytes' share of time is over
+                self._free_at = max(self._free_at, time.monotonic()) + nbytes / self.rate
             with TRACER.start_as_current_span(
                 "kv.checkpoint",
                 context=trace.set_span_in_context(trace.INVALID_SPAN),  # a trace of its own
@@ -104,9 +129,20 @@ class BlockUploader:
                     log.warning("storing %d blocks failed: %r", len(batch), exc)
                     span.record_exception(exc)
                     stored = 0
-            self.pending_bytes -= sum(len(b) for _, b in batch)
+            self.pending_bytes -= nbytes
             self._batch_done(len(batch), stored == len(batch))
         self._idle.set()
+
+    def _next_batch(self) -> list[tuple[bytes, bytes | memoryview]]:
+        """The next put's blocks: up to `max_put_bytes` (one block at least)."""
+        batch = [self.queue.popleft()]
+        size = len(batch[0][1])
+        while self.queue and len(batch) < MAX_BLOCKS_PER_PUT:
+            size += len(self.queue[0][1])
+            if size > self.max_put_bytes:
+                break
+            batch.append(self.queue.popleft())
+        return batch
 
     def _batch_links(self, start: int, end: int) -> list[Link]:
         """Links to the requests with a block in positions [start, end), at most MAX_LINKS."""

@@ -1,11 +1,15 @@
 """Checkpoint cadence: a decode engine hands a sequence's filled blocks over every N blocks
 (and at its end), with a point saying how far the handed-over KV reaches; the uploader calls
-back once a hand-over is stored, never when part of it failed."""
+back once a hand-over is stored, never when part of it failed; puts are cut to a size and
+paced to a rate."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
+
+import pytest
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
@@ -117,3 +121,45 @@ def test_every_checkpoint_span_links_the_requests_with_blocks_in_it() -> None:
     second = {link.context.trace_id for link in uploader._batch_links(256, 310)}
     assert (first, second) == ({1}, {1, 2})
     assert not uploader._links  # both submissions done with: nothing kept
+
+
+class TimedStore:
+    """A KV store client (the real one: shared/kvclient/client.py) noting each put's size
+    and start time."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[int, float]] = []
+
+    async def store(self, hashes: list[bytes], blocks: list[bytes]) -> int:
+        self.puts.append((sum(len(b) for b in blocks), time.monotonic()))
+        return len(hashes)
+
+
+async def test_puts_are_cut_to_a_size_and_paced_to_a_rate() -> None:
+    """A burst of blocks goes in puts of at most `max_put_bytes`, the next starting only once
+    the bytes before it would have taken their time at `rate` (across submissions too)."""
+    store = TimedStore()
+    uploader = BlockUploader(  # type: ignore[arg-type]
+        store, max_pending_bytes=1 << 20, max_put_bytes=3000, rate=50_000.0
+    )
+    uploader.start()
+    started = time.monotonic()
+    uploader.submit([b"%d" % i for i in range(10)], [b"x" * 1000] * 10)
+    assert await uploader.drain(5.0)
+    uploader.submit([b"late"], [b"y" * 1000])
+    assert await uploader.drain(5.0)
+    await uploader.close()
+    assert [size for size, _ in store.puts] == [3000, 3000, 3000, 1000, 1000]
+    sent = 0
+    for size, at in store.puts:  # 3,000 bytes take 60 ms at 50 kB/s
+        assert at >= started + sent / 50_000.0 - 0.005
+        sent += size
+    unpaced = TimedStore()
+    fast = BlockUploader(unpaced, max_put_bytes=3000)  # type: ignore[arg-type]
+    fast.start()
+    fast.submit([b"%d" % i for i in range(10)], [b"x" * 1000] * 10)
+    assert await fast.drain(5.0)
+    await fast.close()
+    assert [size for size, _ in unpaced.puts] == [3000, 3000, 3000, 1000]
+    with pytest.raises(ValueError):
+        BlockUploader(unpaced, rate=-1.0)  # type: ignore[arg-type]

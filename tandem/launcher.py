@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
+from shared.model.catalog import ModelEntry
 from shared.model.source import DEFAULT_MODEL
 from shared.procs import die_with_parent
-from shared.runtime.options import step_token_budget
+from shared.runtime.options import model_entries, step_token_budget
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -82,13 +83,13 @@ class Stack:
             out += ["--node-id", name, "--metrics-port", str(self.metrics_ports[name])]
         return out
 
-    def _model(self, threads: int, model: str) -> list[str]:
+    def _model(self, threads: int, model: ModelEntry) -> list[str]:
         a = self.args
         return [
             "--model",
-            model,
+            model.option,
             "--dtype",
-            a.dtype,
+            model.dtype or a.dtype,
             "--device",
             a.device,
             "--threads",
@@ -168,7 +169,11 @@ class Stack:
                     *self._common(),
                     "--node-id",
                     "router-1",
-                    *(arg for model in models for arg in ("--model", model)),
+                    *(
+                        ["--models-file", a.models_file]
+                        if getattr(a, "models_file", None)
+                        else [arg for model in models for arg in ("--model", model.option)]
+                    ),
                     "--host",
                     a.host,
                     "--port",
@@ -325,10 +330,10 @@ def _child_setup(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def served_models(args: argparse.Namespace) -> list[str]:
-    """The `--model` values, each a model the stack serves (the default model when none)."""
-    models = args.model if isinstance(args.model, list) else [args.model]
-    return [m for m in models if m] or [DEFAULT_MODEL]
+def served_models(args: argparse.Namespace) -> list[ModelEntry]:
+    """The models the stack serves: its models file's, or its `--model` values (the default
+    model when none)."""
+    return model_entries(args, DEFAULT_MODEL)
 
 
 def prefill_nodes(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 from aiohttp import web
 
@@ -29,10 +30,17 @@ from shared.bus.topology import TopologyConfig
 from shared.costs.model import CostModel
 from shared.costs.profile import read_profile
 from shared.errors import ModelLoadError
+from shared.model.catalog import ModelEntry
 from shared.model.source import DEFAULT_MODEL
 from shared.model.tokenizer import TokenizerInfo, load_tokenizer
 from shared.runtime.node import connect_bus, make_node_id, setup_logging, stop_on_signals
-from shared.runtime.options import add_chunking_options, add_node_options, add_option
+from shared.runtime.options import (
+    add_chunking_options,
+    add_models_file_option,
+    add_node_options,
+    add_option,
+    model_entries,
+)
 from shared.runtime.service import run_service
 from shared.telemetry.tracing import setup_tracing
 
@@ -51,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a served model (its tokenizer), SOURCE or NAME=SOURCE; repeat it for several "
         f"(default {DEFAULT_MODEL}; the first is /tokenize's default)",
     )
+    add_models_file_option(p)
     add_option(p, "--host", default="127.0.0.1")
     add_option(p, "--port", type=int, default=8000)
     add_limit_options(p)
@@ -153,7 +162,15 @@ def add_routing_options(p: argparse.ArgumentParser) -> None:
     add_chunking_options(p)  # the decode nodes' own: the conditional choice models them
 
 
-def config_of(args: argparse.Namespace, node_id: str) -> RouterConfig:
+def config_of(
+    args: argparse.Namespace, node_id: str, models: Sequence[ModelEntry] = ()
+) -> RouterConfig:
+    """The router's settings; `models`' own limits (a models file's) beside the server's."""
+    per_model = {
+        m.name: (m.max_tokens_limit, m.max_prompt_tokens)
+        for m in models
+        if m.name is not None and (m.max_tokens_limit or m.max_prompt_tokens)
+    }
     return RouterConfig(
         node_id=node_id,
         max_inflight=args.max_inflight,
@@ -166,6 +183,7 @@ def config_of(args: argparse.Namespace, node_id: str) -> RouterConfig:
             max_prompt_tokens=args.max_prompt_tokens,
             max_stop=args.max_stop,
             max_stop_len=args.max_stop_len,
+            per_model=per_model,
         ),
         colocated=args.colocated,
         standby_after=args.standby_after,
@@ -243,14 +261,15 @@ async def serve(args: argparse.Namespace) -> None:
     setup_logging("router", node_id, args.log_level)
     setup_tracing("router", node_id)
     keys = api_keys(args)
-    tokenizers = load_tokenizers(args.model or [DEFAULT_MODEL])
+    models = model_entries(args, DEFAULT_MODEL)
+    tokenizers = load_tokenizers([m.option for m in models])
     stop = stop_on_signals()
     topology = TopologyConfig(replicas=args.nats_replicas)
     bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), topology, stop=stop)
     nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
     bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()
-    parts = RouterParts.of(config_of(args, node_id), bus, nodes, journal, tokenizers)
+    parts = RouterParts.of(config_of(args, node_id, models), bus, nodes, journal, tokenizers)
     router = Router(parts, tokenizers, await kv_routing(args, bus, nodes))
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.

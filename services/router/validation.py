@@ -9,7 +9,7 @@ range.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.router.body_fields import bad, boolean, integer, number, text_field
@@ -34,6 +34,20 @@ class Limits:
     max_stop: int = 4
     max_stop_len: int = 256
     max_n: int = 16  # choices of one request (each a request inside the cluster)
+    # a models file's own limits per served model: (max_tokens, max_prompt_tokens), None
+    # where it keeps the server's
+    per_model: Mapping[str, tuple[int | None, int | None]] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> Limits:
+        """The limits a request for `model` is held to."""
+        max_tokens, max_prompt = self.per_model.get(model, (None, None))
+        if max_tokens is None and max_prompt is None:
+            return self
+        return replace(
+            self,
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            max_prompt_tokens=self.max_prompt_tokens if max_prompt is None else max_prompt,
+        )
 
 
 @dataclass
@@ -231,6 +245,7 @@ def parse_request(
         raise bad("request body must be a JSON object")
     model = _model(body, tokenizers)
     tok = tokenizers[model]
+    limits = limits.for_model(model)
     n = integer(body, "n", 1)
     if n is None:  # null: the default
         n = 1

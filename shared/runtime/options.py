@@ -12,6 +12,8 @@ import argparse
 import os
 from typing import Any
 
+from shared.model.catalog import ModelEntry, ModelsFileError, read_models_file
+
 
 def env_name(flag: str) -> str:
     return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
@@ -48,6 +50,7 @@ def add_model_options(parser: argparse.ArgumentParser, several: bool = False) ->
             help="a model to serve: served name, Hugging Face directory or .gguf file, or "
             "NAME=SOURCE; repeat it for several (default smollm2-135m-instruct)",
         )
+        add_models_file_option(parser)
     else:
         add_option(
             parser,
@@ -58,6 +61,31 @@ def add_model_options(parser: argparse.ArgumentParser, several: bool = False) ->
     add_option(parser, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_option(parser, "--device", default="auto", choices=["auto", "cpu", "cuda"])
     add_option(parser, "--threads", type=int, default=None, help="torch threads (default: cores)")
+
+
+def add_models_file_option(parser: argparse.ArgumentParser) -> None:
+    add_option(
+        parser,
+        "--models-file",
+        default=None,
+        help="a TOML file of the models to serve, each with its own dtype and request limits "
+        "(shared/model/catalog.py; instead of --model)",
+    )
+
+
+def model_entries(args: argparse.Namespace, default: str) -> list[ModelEntry]:
+    """The models a command serves: its models file's, or its `--model` values (`default`
+    when none). Both at once is an error, as is a bad file: SystemExit with the reason."""
+    models = args.model if isinstance(args.model, list) else [args.model]
+    models = [m for m in models if m]
+    if getattr(args, "models_file", None):
+        if models:
+            raise SystemExit("error: give the models with --models-file or --model, not both")
+        try:
+            return read_models_file(args.models_file)
+        except ModelsFileError as exc:
+            raise SystemExit(f"error: {exc}") from exc
+    return [ModelEntry(None, m) for m in models or [default]]
 
 
 def add_nats_auth_options(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
+SECOND_MODEL_FILE = ROOT / "compose.second-model.yaml"  # merged over compose.yaml
 ENV_EXAMPLE = ROOT / ".env.example"
 NATS_CONF = ROOT / "deploy" / "nats.conf"
 TRACING_SOURCE = ROOT / "shared" / "telemetry" / "tracing.py"
@@ -66,17 +67,17 @@ def compose_binary() -> Path:
 
 
 def run_compose(
-    compose_file: Path, env_file: Path, home: Path, *args: str
+    compose_file: Path | list[Path], env_file: Path, home: Path, *args: str
 ) -> subprocess.CompletedProcess[str]:
     # A minimal environment: compose interpolates from the process environment too, and a
     # developer's exported NATS_PASSWORD or TANDEM_* must not change what is tested. An
     # explicit --env-file also keeps a local .env out.
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
+    files = compose_file if isinstance(compose_file, list) else [compose_file]
     return subprocess.run(
         [
             str(compose_binary()),
-            "-f",
-            str(compose_file),
+            *(arg for f in files for arg in ("-f", str(f))),
             "--project-directory",
             str(ROOT),
             "--env-file",
@@ -90,7 +91,7 @@ def run_compose(
     )
 
 
-def resolve(compose_file: Path, env_file: Path, home: Path) -> dict[str, Any]:
+def resolve(compose_file: Path | list[Path], env_file: Path, home: Path) -> dict[str, Any]:
     done = run_compose(compose_file, env_file, home, "config", "--format", "json")
     assert done.returncode == 0, f"docker compose config failed:\n{done.stderr}"
     model: dict[str, Any] = json.loads(done.stdout)
@@ -135,9 +136,17 @@ def with_example(workdir: Path) -> dict[str, Any]:
     return resolve(COMPOSE_FILE, ENV_EXAMPLE, workdir)
 
 
-@pytest.fixture(scope="module", params=["password only", ".env.example"])
+@pytest.fixture(scope="module")
+def second_model(workdir: Path, password_only: Path) -> dict[str, Any]:
+    """compose.yaml with compose.second-model.yaml merged over it, a password only set."""
+    return resolve([COMPOSE_FILE, SECOND_MODEL_FILE], password_only, workdir)
+
+
+@pytest.fixture(scope="module", params=["password only", ".env.example", "second model"])
 def config(request: pytest.FixtureRequest) -> dict[str, Any]:
-    name = "defaults" if request.param == "password only" else "with_example"
+    name = {"password only": "defaults", ".env.example": "with_example"}.get(
+        request.param, "second_model"
+    )
     model: dict[str, Any] = request.getfixturevalue(name)
     return model
 
@@ -200,7 +209,30 @@ def probe_url(service: dict[str, Any]) -> str:
 
 
 def test_compose_binary_validates_the_file(config: dict[str, Any]) -> None:
-    assert set(config["services"]) == TANDEM_COMMANDS | INFRASTRUCTURE
+    second = {"prefill-second", "decode-second"} & set(config["services"])
+    assert set(config["services"]) - second == TANDEM_COMMANDS | INFRASTRUCTURE
+    assert second in (set(), {"prefill-second", "decode-second"})
+
+
+def test_a_second_models_services_serve_it_and_the_router_both(
+    second_model: dict[str, Any],
+) -> None:
+    services = second_model["services"]
+    first, second = "smollm2-135m-instruct", "smollm2-bf16=smollm2-135m-instruct"
+    for role in ("prefill", "decode"):
+        base, other = environment(services[role]), environment(services[f"{role}-second"])
+        assert (base["TANDEM_MODEL"], base["TANDEM_DTYPE"]) == (first, "float32")
+        assert (other["TANDEM_MODEL"], other["TANDEM_DTYPE"]) == (second, "bfloat16")
+        # everything else as the first model's nodes: same image, role, identity, knobs
+        assert services[f"{role}-second"]["command"] == [role]
+        differ = {k for k in base if base[k] != other.get(k)}
+        assert differ == {"TANDEM_MODEL", "TANDEM_DTYPE", "OTEL_SERVICE_NAME"}, differ
+        assert set(services[f"{role}-second"]["depends_on"]) == set(services[role]["depends_on"])
+    with pytest.MonkeyPatch.context() as env:
+        clear_tandem_env(env)
+        env.setenv("TANDEM_MODEL", environment(services["router"])["TANDEM_MODEL"])
+        args = build_parser().parse_args(["router"])
+    assert args.model == [first, second]
 
 
 @pytest.mark.parametrize(
@@ -305,12 +337,12 @@ def test_nats_wiring(config: dict[str, Any]) -> None:
     nats = config["services"]["nats"]
     server_env = environment(nats)
     for name, service in tandem_services(config).items():
-        env = environment(service)
+        env, role = environment(service), service["command"][0]
         url = urlsplit(env["TANDEM_NATS"])
         assert (url.scheme, url.hostname, url.port) == ("nats", "nats", 4222), name
         # each service its role's identity, with the password the server was given for it
-        assert env["TANDEM_NATS_USER"] == name, name
-        assert env["TANDEM_NATS_PASSWORD"] == server_env[compose_password_var(name)], name
+        assert env["TANDEM_NATS_USER"] == role, name
+        assert env["TANDEM_NATS_PASSWORD"] == server_env[compose_password_var(role)], name
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
     passwords = {server_env[compose_password_var(role)] for role in ROLES}
     if EXAMPLE_PASSWORD not in passwords:  # .env.example sets them all alike (and is refused)
@@ -383,7 +415,8 @@ def test_replicas_get_distinct_identities(config: dict[str, Any]) -> None:
 
 
 def test_env_example_documents_every_knob() -> None:
-    used = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", COMPOSE_FILE.read_text()))
+    text = COMPOSE_FILE.read_text() + SECOND_MODEL_FILE.read_text()
+    used = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
     lines = ENV_EXAMPLE.read_text().splitlines()
     assigned = {m.group(1) for line in lines if (m := re.match(r"([A-Z_][A-Z0-9_]*)=", line))}
     assert used <= assigned, f"not in .env.example: {used - assigned}"

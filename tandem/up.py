@@ -81,10 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill is not None and (args.prefill < 0 or (args.colocated and args.prefill)):
         print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
         return 2
-    models = served_models(args)  # a bad models file stops here, before anything starts
-    if args.autoscale and len(models) > 1:
-        print("error: --autoscale scales the nodes of one model: give one --model", file=sys.stderr)
-        return 2
+    served_models(args)  # a bad models file stops here, before anything starts
     stack = Stack(args)
     stopping = threading.Event()
 

@@ -4,6 +4,11 @@ Every `interval` it reads the node registry (running sequences, KV blocks, drain
 prefill work queue's backlog (JetStream consumer info) and, when given a router URL, the
 router's time-to-first-token histogram (p90 over the last interval, from bucket deltas).
 Sampling failures are logged and skipped: a missed tick changes nothing.
+
+A controller given a `model` scales that model's pool alone: it sees only that model's nodes,
+its prefill queue and its requests' TTFT, and its backend starts and stops that model's
+nodes. `run_controller` runs one such controller per model (each with its own policy, so
+one model's load never starts or stops another's nodes) when it is given several.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,13 +44,13 @@ class Deciding(Protocol):
     def observe(self, obs: Observation, current: dict[str, int]) -> list[Decision]: ...
 
 
-def ttft_buckets(metrics_text: str) -> dict[float, float]:
-    """Cumulative counts of the router's TTFT histogram by upper bound (summed over its
-    models: the prefill pool serves them all)."""
+def ttft_buckets(metrics_text: str, model: str | None = None) -> dict[float, float]:
+    """Cumulative counts of the router's TTFT histogram by upper bound: one model's, or
+    summed over its models (`model` None: one pool serves them all)."""
     out: dict[float, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
-            if s.name == TTFT + "_bucket":
+            if s.name == TTFT + "_bucket" and model in (None, s.labels.get("model")):
                 le = float(s.labels["le"])
                 out[le] = out.get(le, 0.0) + s.value
     return out
@@ -75,6 +80,7 @@ class Controller:
     decisions: deque[tuple[float, Decision]] = field(default_factory=lambda: deque(maxlen=1000))
     history: deque[Observation] = field(default_factory=lambda: deque(maxlen=3600))
     on_decision: Callable[[Decision], None] | None = None
+    model: str | None = None  # the model whose pool this scales (None: every node)
     _registry: NodeRegistry | None = None
     _buckets: dict[float, float] = field(default_factory=dict)
 
@@ -92,9 +98,12 @@ class Controller:
                 draining=n.draining,
             )
             for n in entries
-            if n.role in ROLES
+            if n.role in ROLES and self.model in (None, n.model)
         ]
-        models = {n.model for n in entries if n.role == "prefill"}
+        if self.model is not None:
+            models = {self.model}
+        else:
+            models = {n.model for n in entries if n.role == "prefill"} | {""}
         return Observation(
             time=time.monotonic(),
             nodes=nodes,
@@ -107,7 +116,7 @@ class Controller:
         jobs naming none)."""
         assert self.bus.js is not None
         depth = 0
-        for model in sorted(models | {""}):
+        for model in sorted(models):
             try:
                 info = await self.bus.js.consumer_info(PREFILL_STREAM, prefill_consumer(model))
             except NotFoundError:  # no node of that model has made it yet
@@ -124,7 +133,7 @@ class Controller:
             with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - operator's URL
                 return str(resp.read().decode())
 
-        now = ttft_buckets(await asyncio.to_thread(fetch))
+        now = ttft_buckets(await asyncio.to_thread(fetch), self.model)
         before, self._buckets = self._buckets, now
         return p90_between(before, now) if before else None
 
@@ -133,8 +142,9 @@ class Controller:
         self.history.append(obs)
         current = {role: self.backend.count(role) for role in ROLES}
         decisions = self.policy.observe(obs, current)
+        pool = "" if self.model is None else f" of {self.model}"
         for d in decisions:
-            log.info("autoscale %s %+d: %s", d.role, d.delta, d.reason)
+            log.info("autoscale %s%s %+d: %s", d.role, pool, d.delta, d.reason)
             if d.delta > 0:
                 started = await asyncio.to_thread(self.backend.scale_up, d.role, d.delta)
                 log.info("started %s", ", ".join(started))
@@ -157,17 +167,30 @@ class Controller:
 
 async def run_controller(
     args: argparse.Namespace,
-    backend: Backend,
+    backends: Backend | Mapping[str, Backend],
     nats_url: str,
     auth: BusAuth,
     router_url: str | None,
     stop: asyncio.Event,
 ) -> None:
+    """Scale one pool (a backend), or one pool per model (backends by served model name),
+    each with a policy of its own, until `stop`."""
     bus = await Bus(nats_url, "autoscaler", auth).connect(stop=stop)
+    pools: dict[str | None, Backend] = {None: backends} if not isinstance(backends, Mapping) else {}
+    if isinstance(backends, Mapping):
+        pools.update(backends)
     try:
-        controller = Controller(
-            bus, backend, policy_from_args(args), router_url, interval=args.scale_interval
-        )
-        await controller.run(stop)
+        controllers = [
+            Controller(
+                bus,
+                backend,
+                policy_from_args(args),
+                router_url,
+                interval=args.scale_interval,
+                model=model,
+            )
+            for model, backend in pools.items()
+        ]
+        await asyncio.gather(*(c.run(stop) for c in controllers))
     finally:
         await bus.close()

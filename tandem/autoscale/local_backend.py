@@ -2,7 +2,9 @@
 
 A new node is a copy of the stack's first node of that role (same model, transport and
 engine options) under a fresh name and metrics port, with its share of the cores as torch
-threads; removing one sends it SIGTERM, so a
+threads. A backend given a model counts, copies and stops that model's nodes alone (one
+backend per model: `tandem up --autoscale` with several models). Removing a node sends it
+SIGTERM, so a
 decode node drains (finishes its streams, takes no new ones) before it exits, and the
 routers resume anything left when it leaves.
 """
@@ -16,21 +18,41 @@ import threading
 from threading import Thread
 
 from shared.bus.server import free_port
+from shared.model.source import resolve_model
 from tandem.autoscale.controller import run_controller
 from tandem.launcher import Child, Stack
 
 
+def served_name(child: Child) -> str | None:
+    """The served name of the model a model node's command names (None: not a model node)."""
+    if "--model" not in child.argv:
+        return None
+    return resolve_model(child.argv[child.argv.index("--model") + 1]).served_name
+
+
 class LocalBackend:
-    def __init__(self, stack: Stack) -> None:
+    def __init__(
+        self, stack: Stack, model: str | None = None, like: LocalBackend | None = None
+    ) -> None:
+        """`model`: the served name whose nodes this scales (None: every model node). The
+        backends of one stack (`like` another) share its lock, since node names are
+        numbered across models, and the names asked to stop."""
         self.stack = stack
-        self.stopping: set[str] = set()  # names asked to stop (they may still be draining)
-        self.lock = threading.Lock()
+        self.model = model
+        # names asked to stop (they may still be draining)
+        self.stopping: set[str] = like.stopping if like else set()
+        self.lock: threading.Lock = like.lock if like else threading.Lock()
+
+    def _mine(self, child: Child, role: str) -> bool:
+        return child.name.startswith(role + "-") and (
+            self.model is None or served_name(child) == self.model
+        )
 
     def _alive(self, role: str) -> list[Child]:
         return [
             c
             for c in self.stack.children
-            if c.name.startswith(role + "-")
+            if self._mine(c, role)
             and c.proc is not None
             and c.proc.poll() is None
             and c.name not in self.stopping
@@ -40,7 +62,7 @@ class LocalBackend:
         return len(self._alive(role))
 
     def _new_child(self, role: str) -> Child:
-        template = next(c for c in self.stack.children if c.name.startswith(role + "-"))
+        template = next(c for c in self.stack.children if self._mine(c, role))
         taken = {c.name for c in self.stack.children}
         index = 1
         while f"{role}-{index}" in taken:
@@ -49,7 +71,8 @@ class LocalBackend:
         argv = list(template.argv)
         argv[argv.index("--node-id") + 1] = name
         if "--threads" in argv:  # its share of the cores with one more model node, not the
-            models = len(self._alive("prefill")) + len(self._alive("decode")) + 1  # template's
+            every = LocalBackend(self.stack, like=self)  # every model's nodes share the cores
+            models = len(every._alive("prefill")) + len(every._alive("decode")) + 1  # template's
             cores = len(os.sched_getaffinity(0))
             argv[argv.index("--threads") + 1] = str(max(1, cores // models))
         port = free_port()
@@ -85,7 +108,12 @@ def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Even
             target=lambda: (stopping.wait(), loop.call_soon_threadsafe(stop.set)), daemon=True
         ).start()
         auth = stack.auth_for("autoscaler")
-        await run_controller(args, LocalBackend(stack), stack.nats_url, auth, stack.url, stop)
+        every = LocalBackend(stack)
+        models = sorted({m for c in stack.children if (m := served_name(c)) is not None})
+        pools = {m: LocalBackend(stack, m, like=every) for m in models}
+        await run_controller(
+            args, pools if len(pools) > 1 else every, stack.nats_url, auth, stack.url, stop
+        )
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), name="autoscale", daemon=True)
     thread.start()

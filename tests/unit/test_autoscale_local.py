@@ -1,13 +1,16 @@
-"""The local autoscaler backend's new node gets its share of the cores, not the template's."""
+"""The local autoscaler backend: a new node gets its share of the cores, not the template's;
+with several models, each model's backend scales its own nodes; TTFT per model."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
-from tandem.autoscale.local_backend import LocalBackend
+from tandem.autoscale.controller import ttft_buckets
+from tandem.autoscale.local_backend import LocalBackend, served_name
 from tandem.cli import build_parser
-from tandem.launcher import Stack
+from tandem.launcher import Child, Stack
 
 
 def test_a_new_node_gets_its_share_of_the_cores() -> None:
@@ -29,3 +32,51 @@ def test_a_new_node_gets_its_share_of_the_cores() -> None:
         for p in sleepers:
             p.kill()
             p.wait()
+
+
+def test_each_models_backend_counts_copies_and_stops_its_own_nodes(tiny_model_dir: Path) -> None:
+    """`tandem up --autoscale` with two models: one backend per model, sharing the names."""
+    argv = ["up", "--model", "smollm2-135m-instruct", "--model", f"tiny={tiny_model_dir}"]
+    stack = Stack(build_parser().parse_args([*argv, "--prefill", "1", "--decode", "1"]))
+    stack.children = stack.plan()
+    assert {served_name(c) for c in stack.children} == {"smollm2-135m-instruct", "tiny", None}
+    sleepers = []
+    try:
+        for child in stack.children:
+            child.proc = subprocess.Popen(["sleep", "60"], text=True)
+            sleepers.append(child.proc)
+
+        def spawn(child: Child) -> None:  # a stand-in process, not a model node
+            child.proc = subprocess.Popen(["sleep", "60"], text=True)
+            sleepers.append(child.proc)
+
+        stack._spawn = spawn  # type: ignore[method-assign]
+        every = LocalBackend(stack)
+        tiny = LocalBackend(stack, "tiny", like=every)
+        smol = LocalBackend(stack, "smollm2-135m-instruct", like=every)
+        assert (every.count("decode"), tiny.count("decode"), smol.count("decode")) == (2, 1, 1)
+        started = tiny.scale_up("decode", 1)
+        assert started == ["decode-3"]  # numbered after both models' nodes
+        new = next(c for c in stack.children if c.name == "decode-3")
+        assert new.argv[new.argv.index("--model") + 1] == f"tiny={tiny_model_dir}"
+        assert (tiny.count("decode"), smol.count("decode")) == (2, 1)
+        cores = len(os.sched_getaffinity(0))  # its share with all five model nodes
+        assert new.argv[new.argv.index("--threads") + 1] == str(max(1, cores // 5))
+        tiny.scale_down("decode", ["decode-3"])
+        assert (tiny.count("decode"), smol.count("decode"), every.count("decode")) == (1, 1, 2)
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+
+
+def test_ttft_is_read_for_one_models_pool_or_all() -> None:
+    text = "\n".join(
+        f'tandem_time_to_first_token_seconds_bucket{{le="{le}",model="{m}"}} {n}'
+        for m, counts in (("a", (1, 3)), ("b", (2, 2)))
+        for le, n in zip(("0.5", "+Inf"), counts, strict=True)
+    )
+    text = "# TYPE tandem_time_to_first_token_seconds histogram\n" + text + "\n"
+    assert ttft_buckets(text) == {0.5: 3.0, float("inf"): 5.0}
+    assert ttft_buckets(text, "a") == {0.5: 1.0, float("inf"): 3.0}
+    assert ttft_buckets(text, "c") == {}

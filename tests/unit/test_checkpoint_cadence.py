@@ -163,3 +163,15 @@ async def test_puts_are_cut_to_a_size_and_paced_to_a_rate() -> None:
     assert [size for size, _ in unpaced.puts] == [3000, 3000, 3000, 1000]
     with pytest.raises(ValueError):
         BlockUploader(unpaced, rate=-1.0)  # type: ignore[arg-type]
+
+
+def test_the_checkpoint_rate_defaults_by_device() -> None:
+    from services.decode.main import CPU_CHECKPOINT_RATE, checkpoint_rate
+
+    assert checkpoint_rate(None, "cpu") == CPU_CHECKPOINT_RATE > 0
+    assert checkpoint_rate(None, "cuda") == 0.0  # unpaced: the step does not share the cores
+    assert checkpoint_rate(0.0, "cpu") == 0.0 and checkpoint_rate(120.0, "cuda") == 120.0
+    with pytest.raises(SystemExit, match="must be >= 0"):
+        checkpoint_rate(-1.0, "cpu")
+    with pytest.raises(SystemExit, match="must be >= 0"):
+        checkpoint_rate(float("nan"), "cpu")

@@ -7,8 +7,8 @@ Stacks side by side (1 prefill, 2 decode; the same UCX data plane), used in turn
                  the prompt's and the generated tokens' KV and recomputes only the tokens
                  since that; after 16 tokens the other decode node, the stream's standby,
                  loads the KV stored so far, and a resume there loads the rest;
-  unpaced:       the same with the checkpoint uploads unpaced (--checkpoint-rate 0; on
-                 CPU they are paced to 50 MB/s by default);
+  paced:         the same with the checkpoint uploads paced to 50 MB/s
+                 (--checkpoint-rate 50; unpaced by default);
   everystep:     the same with the partial blocks stored after every step
                  (--checkpoint-tail-interval 0): a resume recomputes one token;
   nostandby:     the same without a standby (router --standby-after 0): a resume loads
@@ -60,7 +60,7 @@ WORDS = ["river", "stone", "cloud", "amber", "quiet", "north", "lantern", "orbit
 KILL_AFTER = 32
 MODES = {  # part 2's row label for each
     "checkpointed": "checkpoint uploads on",
-    "unpaced": "on, uploads unpaced",
+    "paced": "on, uploads paced to 50 MB/s",
     "everystep": "on, partial blocks every step",
     "nostandby": "on, no standby",
     "blocks": "on, full blocks only",
@@ -80,7 +80,7 @@ def make_stack(log: Path, mode: str) -> Stack:
         stack.env = {"TANDEM_NO_PREFIX_CACHING": "1", "TANDEM_NO_KVCACHE": "1"}
     else:
         stack.env = {
-            "unpaced": {"TANDEM_CHECKPOINT_RATE": "0"},
+            "paced": {"TANDEM_CHECKPOINT_RATE": "50"},
             "everystep": {"TANDEM_CHECKPOINT_TAIL_INTERVAL": "0"},
             "blocks": {"TANDEM_NO_CHECKPOINT_TAILS": "1"},
             "nostandby": {"TANDEM_STANDBY_AFTER": "0"},

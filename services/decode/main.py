@@ -12,10 +12,6 @@ from shared.runtime.options import add_engine_node_parser, add_option
 from shared.runtime.service import run_service
 
 log = logging.getLogger("tandem.decode")
-# MB/s of checkpoint uploads on a CPU node by default: on 2 cores, a wave of 16 prompts'
-# blocks (189 MB) sent unpaced stalled every stream's next token 0.5-0.6 s; at 50 MB/s the
-# first gap was 0.11 s and ITL p99 fell from 214-272 to 151-168 ms (docs/benchmarks.md).
-CPU_CHECKPOINT_RATE = 50.0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,10 +51,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p,
         "--checkpoint-rate",
         type=float,
-        default=None,
-        help="MB per second the checkpoint blocks are stored at, at most (0: unpaced; "
-        f"default {CPU_CHECKPOINT_RATE:g} on CPU, where a wave of prompts' blocks sent at once "
-        "stalls the steps sharing the cores with it, unpaced on a GPU)",
+        default=0.0,
+        help="MB per second the checkpoint blocks are stored at, at most (0: unpaced). On a "
+        "2-core host, 50 cut the stall after a wave of prompts but slowed the other steps "
+        "more: ~7%% fewer tokens/s (docs/benchmarks.md)",
     )
     add_option(
         p,
@@ -79,10 +75,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def checkpoint_rate(given: float | None, device: str) -> float:
-    """MB/s the checkpoint uploads are paced to: as given, or the device's default."""
-    if given is None:
-        return CPU_CHECKPOINT_RATE if device == "cpu" else 0.0
+def checkpoint_rate(given: float) -> float:
+    """MB/s the checkpoint uploads are paced to (0: unpaced), checked."""
     if not given >= 0:
         raise SystemExit("--checkpoint-rate must be >= 0")
     return given
@@ -113,7 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
     if not args.no_kvcache:
         client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
         prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
-    rate = checkpoint_rate(args.checkpoint_rate, engine.model.device.type)
+    rate = checkpoint_rate(args.checkpoint_rate)
     if client is not None and args.checkpoint_every > 0:
         uploader = BlockUploader(client, rate=rate * 1e6)
         engine.exchange.checkpoint_every = args.checkpoint_every

@@ -165,13 +165,11 @@ async def test_puts_are_cut_to_a_size_and_paced_to_a_rate() -> None:
         BlockUploader(unpaced, rate=-1.0)  # type: ignore[arg-type]
 
 
-def test_the_checkpoint_rate_defaults_by_device() -> None:
-    from services.decode.main import CPU_CHECKPOINT_RATE, checkpoint_rate
+def test_a_checkpoint_rate_must_be_a_rate() -> None:
+    from services.decode.main import checkpoint_rate
 
-    assert checkpoint_rate(None, "cpu") == CPU_CHECKPOINT_RATE > 0
-    assert checkpoint_rate(None, "cuda") == 0.0  # unpaced: the step does not share the cores
-    assert checkpoint_rate(0.0, "cpu") == 0.0 and checkpoint_rate(120.0, "cuda") == 120.0
+    assert checkpoint_rate(0.0) == 0.0 and checkpoint_rate(120.0) == 120.0
     with pytest.raises(SystemExit, match="must be >= 0"):
-        checkpoint_rate(-1.0, "cpu")
+        checkpoint_rate(-1.0)
     with pytest.raises(SystemExit, match="must be >= 0"):
-        checkpoint_rate(float("nan"), "cpu")
+        checkpoint_rate(float("nan"))

@@ -171,7 +171,7 @@ class Stack:
                     "router-1",
                     *(
                         ["--models-file", a.models_file]
-                        if getattr(a, "models_file", None)
+                        if a.models_file
                         else [arg for model in models for arg in ("--model", model.option)]
                     ),
                     "--host",

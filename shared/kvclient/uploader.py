@@ -110,9 +110,8 @@ class BlockUploader:
         while self.queue:
             if self.rate and (wait := self._free_at - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
-            batch = self._next_batch()
+            batch, nbytes = self._next_batch()
             links = self._batch_links(self._done_total, self._done_total + len(batch))
-            nbytes = sum(len(b) for _, b in batch)
             if self.rate:  # the next put waits until these bytes' share of time is over
                 self._free_at = max(self._free_at, time.monotonic()) + nbytes / self.rate
             with TRACER.start_as_current_span(
@@ -133,16 +132,16 @@ class BlockUploader:
             self._batch_done(len(batch), stored == len(batch))
         self._idle.set()
 
-    def _next_batch(self) -> list[tuple[bytes, bytes | memoryview]]:
-        """The next put's blocks: up to `max_put_bytes` (one block at least)."""
+    def _next_batch(self) -> tuple[list[tuple[bytes, bytes | memoryview]], int]:
+        """The next put's blocks, up to `max_put_bytes` (one block at least), and their bytes."""
         batch = [self.queue.popleft()]
         size = len(batch[0][1])
         while self.queue and len(batch) < MAX_BLOCKS_PER_PUT:
-            size += len(self.queue[0][1])
-            if size > self.max_put_bytes:
+            if size + len(self.queue[0][1]) > self.max_put_bytes:
                 break
+            size += len(self.queue[0][1])
             batch.append(self.queue.popleft())
-        return batch
+        return batch, size
 
     def _batch_links(self, start: int, end: int) -> list[Link]:
         """Links to the requests with a block in positions [start, end), at most MAX_LINKS."""

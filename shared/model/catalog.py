@@ -89,9 +89,8 @@ def _entry(table: object, number: int, path: str | Path) -> ModelEntry:
     limits: dict[str, int | None] = {}
     for key in ("max_tokens_limit", "max_prompt_tokens"):
         value = table.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ModelsFileError(f"{where}: '{key}' must be a positive integer")
-        if value is not None and value < 1:
+        positive = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if value is not None and not positive:
             raise ModelsFileError(f"{where}: '{key}' must be a positive integer")
         limits[key] = value
     return ModelEntry(name, source, dtype, limits["max_tokens_limit"], limits["max_prompt_tokens"])

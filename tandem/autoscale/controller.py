@@ -176,9 +176,11 @@ async def run_controller(
     """Scale one pool (a backend), or one pool per model (backends by served model name),
     each with a policy of its own, until `stop`."""
     bus = await Bus(nats_url, "autoscaler", auth).connect(stop=stop)
-    pools: dict[str | None, Backend] = {None: backends} if not isinstance(backends, Mapping) else {}
+    pools: dict[str | None, Backend] = {}
     if isinstance(backends, Mapping):
         pools.update(backends)
+    else:
+        pools[None] = backends
     try:
         controllers = [
             Controller(

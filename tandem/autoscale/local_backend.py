@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import threading
 from threading import Thread
@@ -27,7 +28,13 @@ def served_name(child: Child) -> str | None:
     """The served name of the model a model node's command names (None: not a model node)."""
     if "--model" not in child.argv:
         return None
-    return resolve_model(child.argv[child.argv.index("--model") + 1]).served_name
+    return _served_name(child.argv[child.argv.index("--model") + 1])
+
+
+@functools.lru_cache(maxsize=64)
+def _served_name(option: str) -> str:
+    # resolve_model looks at the filesystem; the backends ask for every child every tick
+    return resolve_model(option).served_name
 
 
 class LocalBackend:

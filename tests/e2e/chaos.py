@@ -162,12 +162,13 @@ def failed_over(log: Path) -> set[str]:
 
 
 def recomputed_tokens(log: Path) -> list[int]:
-    """Per resume a prefill node did: context tokens it recomputed (from its log)."""
-    return [int(m.group(2)) for m in RECOMPUTED.finditer(log.read_text(errors="replace"))]
+    """Per resume (a prefill node's, or a decode node's resuming locally): the context
+    tokens it recomputed (from the stack's log)."""
+    return [recomputed for recomputed, _ in resumes(log)]
 
 
 def resumes(log: Path) -> list[tuple[int, int]]:
-    """Per resume a prefill node did: (context tokens recomputed, context tokens)."""
+    """Per resume, as `recomputed_tokens`: (context tokens recomputed, context tokens)."""
     text = log.read_text(errors="replace")
     return [(int(m.group(2)), int(m.group(3))) for m in RECOMPUTED.finditer(text)]
 

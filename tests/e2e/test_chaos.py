@@ -26,7 +26,6 @@ from tests.e2e.chaos import (
     Request,
     Stream,
     failed_over,
-    recomputed_tokens,
     report,
     resumes,
     run_streams,
@@ -128,7 +127,8 @@ async def test_decode_then_prefill_killed_under_32_streams(
         for s in first_wave
         if s.rid in moved and (gap := s.gap_around(kills["decode-1"])) is not None
     ]
-    recomputed = recomputed_tokens(log)
+    resumed = resumes(log)
+    recomputed = [r for r, _ in resumed]
     ttft = [s.times[0] - kills["wave-2"] for s in streams[-SECOND_WAVE:]]
     victim = next(k for k in kills if k.startswith("prefill"))
     print(
@@ -145,8 +145,8 @@ async def test_decode_then_prefill_killed_under_32_streams(
     # alone recompute every token past the last full block (r >= c % 16), a stored tail
     # fewer. A tail is written a step or more behind (further on a loaded machine, and not
     # at all before its first interval), so not every resume finds one; some must.
-    helped = [r < c % BLOCK_SIZE for r, c in resumes(log) if c % BLOCK_SIZE]
-    assert recomputed and any(helped), f"no resume used a stored tail: {resumes(log)}"
+    helped = [r < c % BLOCK_SIZE for r, c in resumed if c % BLOCK_SIZE]
+    assert recomputed and any(helped), f"no resume used a stored tail: {resumed}"
     assert pinned and pinned[0] > 0, "no checkpoint block was pinned while streams ran"
     nodes = ("decode-2", "decode-3", "kvcache-1", "prefill-1", "prefill-2")
     survivors = [n for n in nodes if n not in kills]

@@ -168,6 +168,7 @@ class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):
     draining: bool = False  # shutting down: finishing its work, taking none
     timestamp: float = 0.0
     model: str = ""  # the served name of the model it serves ("": unknown, an older node)
+    ttl: float = 0.0  # seconds its entry outlives its last heartbeat (0: unknown, an older node)
 
 
 class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):

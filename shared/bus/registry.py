@@ -6,6 +6,10 @@ watchers (a PURGE entry), so a dead node leaves the registry without anyone dele
 The role leads the key so that NATS permissions can keep each role to its own entries
 (`$KV.tandem-nodes.<role>.>`): a prefill identity cannot write a decode node's entry.
 Readers take an entry only if the role inside it is the one its key names.
+
+A watcher does not depend on the marker alone: an entry not refreshed for well past its
+own TTL (which the entry states) is taken as gone too. The marker lives one TTL itself,
+and a watcher whose consumer was re-created in that window (under load) never sees it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
+import nats.errors
 from nats.js.errors import NoKeysError
-from nats.js.kv import KeyValue
+from nats.js.kv import KeyValue, StopIterSentinel
 
 from shared.bus.client import Bus
 from shared.bus.messages import NodeInfo, NodeRole, decode, encode
@@ -51,6 +57,8 @@ class NodeRegistry:
 
     async def heartbeat(self, info: NodeInfo) -> None:
         assert self.bus.js is not None
+        if not info.ttl:
+            info = msgspec.structs.replace(info, ttl=self.ttl)
         await self.bus.js.publish(
             f"$KV.{NODES_BUCKET}.{entry_key(info.role, info.node_id)}",
             encode(info),
@@ -116,16 +124,34 @@ class NodeRegistry:
         return out
 
     async def watch(self) -> AsyncIterator[RegistryEvent]:
-        """Joins, updates and leaves as they happen (starting with current entries as joins)."""
+        """Joins, updates and leaves as they happen (starting with current entries as joins).
+        A leave comes from the entry's expiry marker, or from the entry going unrefreshed
+        for `stale_after` its TTL (see the module docstring)."""
         assert self.kv is not None
         watcher = await self.kv.watchall()
         known: dict[str, str] = {}  # key → node id
+        deadline: dict[str, float] = {}  # key → when it is stale if not refreshed (monotonic)
         try:
-            async for entry in watcher:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=STALE_CHECK)
+                except nats.errors.TimeoutError:
+                    # Checked only with nothing queued: an update still waiting would refresh it.
+                    now = time.monotonic()
+                    for key in [k for k, at in deadline.items() if at < now]:
+                        del deadline[key]
+                        node_id = known.pop(key, None)
+                        if node_id is not None:
+                            log.warning("registry entry %s not refreshed: taken as gone", key)
+                            yield RegistryEvent("leave", node_id, None)
+                    continue
+                if isinstance(entry, StopIterSentinel):
+                    return
                 if entry is None:  # end of the initial snapshot: the nodes alive now are known
                     yield RegistryEvent("synced", "", None)
                     continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    deadline.pop(entry.key, None)
                     node_id = known.pop(entry.key, None)
                     if node_id is not None:
                         yield RegistryEvent("leave", node_id, None)
@@ -137,6 +163,8 @@ class NodeRegistry:
                 except WireFormatError as exc:
                     self.bus.count_drop(f"$KV.{NODES_BUCKET}.{entry.key}", str(exc))
                     continue
+                if info.ttl > 0:  # an older node states none: its marker alone counts
+                    deadline[entry.key] = time.monotonic() + stale_after(info.ttl)
                 kind = "update" if entry.key in known else "join"
                 known[entry.key] = info.node_id
                 yield RegistryEvent(kind, info.node_id, info)
@@ -144,11 +172,21 @@ class NodeRegistry:
             await watcher.stop()
 
 
+STALE_CHECK = 0.5  # seconds between looks for unrefreshed entries, when no update comes
+
+
+def stale_after(ttl: float) -> float:
+    """How long an entry with this TTL may go unrefreshed before a watcher takes its node
+    as gone: well past the TTL (heartbeats come every TTL/3), so the marker normally
+    decides and this only catches a lost one."""
+    return 3 * ttl + 2.0
+
+
 def entry_key(role: str, node_id: str) -> str:
     """A node's key in the registry bucket: its role first (see the module docstring)."""
     return f"{role}.{node_id}"
 
 
-def node_info(node_id: str, role: NodeRole, **fields: int | str) -> NodeInfo:
+def node_info(node_id: str, role: NodeRole, **fields: float | str) -> NodeInfo:
     """A NodeInfo stamped with the current time."""
     return NodeInfo(node_id=node_id, role=role, timestamp=time.time(), **fields)  # type: ignore[arg-type]

@@ -19,11 +19,12 @@ from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
-from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode
+from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode, encode
 from shared.bus.params import SamplingParams
-from shared.bus.registry import NodeRegistry, RegistryEvent, node_info
+from shared.bus.registry import NodeRegistry, RegistryEvent, node_info, stale_after
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
+    NODES_BUCKET,
     PREFILL_STREAM,
     PREFILL_SUBJECT,
     TopologyConfig,
@@ -194,38 +195,77 @@ async def test_nak_retries_and_malformed_jobs_are_terminated(nats_server: NatsSe
 
 async def test_registry_join_update_and_leave_by_ttl(nats_server: NatsServer) -> None:
     bus = await connect(nats_server, "watcher")
-    registry = await NodeRegistry(bus, ttl=FAST.node_ttl).start()
-    events: list[RegistryEvent] = []
-    seen_leave = asyncio.Event()
-
-    async def watch() -> None:
-        async for ev in registry.watch():
-            if ev.kind != "synced":  # the end of the initial snapshot: not a node's event
-                events.append(ev)
-            if ev.kind == "leave":
-                seen_leave.set()
-
-    watcher = asyncio.create_task(watch())
     node_bus = await connect(nats_server, "decode-1")
-    node_registry = await NodeRegistry(node_bus, ttl=FAST.node_ttl).start()
-    beats = asyncio.create_task(
-        node_registry.run_heartbeats(
-            lambda: node_info("decode-1", "decode", free_kv_blocks=10), interval=0.3
+    watcher: asyncio.Task[None] | None = None
+    try:
+        registry = await NodeRegistry(bus, ttl=FAST.node_ttl).start()
+        events: list[RegistryEvent] = []
+        seen_leave = asyncio.Event()
+
+        async def watch() -> None:
+            async for ev in registry.watch():
+                if ev.kind != "synced":  # the end of the initial snapshot: not a node's event
+                    events.append(ev)
+                if ev.kind == "leave":
+                    seen_leave.set()
+
+        watcher = asyncio.create_task(watch())
+        node_registry = await NodeRegistry(node_bus, ttl=FAST.node_ttl).start()
+        beats = asyncio.create_task(
+            node_registry.run_heartbeats(
+                lambda: node_info("decode-1", "decode", free_kv_blocks=10), interval=0.3
+            )
         )
-    )
-    await asyncio.sleep(1.5)
-    assert "decode-1" in await registry.nodes()
-    beats.cancel()
-    stopped = time.monotonic()
-    await asyncio.wait_for(seen_leave.wait(), timeout=2 * FAST.node_ttl + 3)
-    gone_after = time.monotonic() - stopped
-    assert "decode-1" not in await registry.nodes()
-    kinds = [e.kind for e in events]
-    assert kinds[0] == "join" and "update" in kinds and kinds[-1] == "leave"
-    assert gone_after <= 2 * FAST.node_ttl + 1.0  # heartbeat period + TTL + marker delivery
-    watcher.cancel()
-    await node_bus.close()
-    await bus.close()
+        await asyncio.sleep(1.5)
+        assert "decode-1" in await registry.nodes()
+        beats.cancel()
+        stopped = time.monotonic()
+        # By the expiry marker (about TTL + 1 s), or, if a loaded server's marker is lost
+        # to the watcher, by the entry going unrefreshed: either way within a deadline.
+        await asyncio.wait_for(seen_leave.wait(), timeout=stale_after(FAST.node_ttl) + 3)
+        gone_after = time.monotonic() - stopped
+        assert "decode-1" not in await registry.nodes()
+        kinds = [e.kind for e in events]
+        assert kinds[0] == "join" and "update" in kinds and kinds[-1] == "leave"
+        assert gone_after <= stale_after(FAST.node_ttl) + 1.0
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await node_bus.close()
+        await bus.close()
+
+
+async def test_an_entry_left_unrefreshed_leaves_the_watch_even_with_no_marker(
+    nats_server: NatsServer,
+) -> None:
+    """A watcher that missed an entry's expiry marker still sees its node leave: the entry
+    states its TTL, and one unrefreshed well past it is gone. An entry stating no TTL (an
+    older node) leaves by its marker only."""
+    bus = await connect(nats_server, "watcher-2")
+    try:
+        registry = await NodeRegistry(bus, ttl=FAST.node_ttl).start()
+        assert bus.js is not None
+        # The stream keeps both entries for 30 s: no marker comes during the test.
+        stating = node_info("decode-7", "decode", ttl=FAST.node_ttl)
+        silent = node_info("decode-6", "decode")
+        for info in (stating, silent):
+            key = f"$KV.{NODES_BUCKET}.decode.{info.node_id}"
+            await bus.js.publish(key, encode(info), msg_ttl=30)
+        left: list[str] = []
+        started = time.monotonic()
+
+        async def first_leave() -> None:
+            async for ev in registry.watch():
+                if ev.kind == "leave":
+                    left.append(ev.node_id)
+                    return
+
+        await asyncio.wait_for(first_leave(), timeout=stale_after(FAST.node_ttl) + 3)
+        assert left == ["decode-7"]
+        assert time.monotonic() - started >= stale_after(FAST.node_ttl) - 0.5
+        assert {"decode-6", "decode-7"} <= set(await registry.nodes())  # not expired
+    finally:
+        await bus.close()
 
 
 async def test_a_registry_entry_gone_between_listing_and_reading_skips_only_itself(

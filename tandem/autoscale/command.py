@@ -3,12 +3,20 @@
     tandem autoscale --nats nats://HOST:4222 --router-url http://HOST:8000 \\
         --project tandem --decode-max 4 --prefill-max 2
     tandem autoscale --backend kubernetes --namespace tandem ...
+    tandem autoscale --pool smollm2-135m-instruct=prefill:decode \
+        --pool smol-bf16=prefill-second:decode-second ...
 
 reads the cluster from NATS (credentials as for every service: TANDEM_NATS_USER/PASSWORD)
 and scales `prefill` and `decode`: the compose services through the Docker SDK, or the
 Deployments through the Kubernetes API (in a pod, with its service account:
 deploy/kubernetes/base/autoscaler.yaml). With `tandem up --autoscale` the same controller scales the
 local stack's processes instead.
+
+With `--pool MODEL=PREFILL:DECODE` (repeated, one per model) it scales each model's pool
+on its own, as `tandem up --autoscale` does for a models file: the compose services or
+Deployments PREFILL and DECODE hold that model's nodes (compose.second-model.yaml's
+`prefill-second`/`decode-second`, for example), and each pool gets its own policy over
+its own model's nodes, prefill queue and TTFT.
 """
 
 from __future__ import annotations
@@ -22,26 +30,60 @@ from shared.runtime.options import add_nats_auth_options, add_option
 from shared.runtime.service import run_service
 from tandem.autoscale.controller import run_controller
 from tandem.autoscale.options import add_policy_options
-from tandem.autoscale.types import Backend
+from tandem.autoscale.types import ROLES, Backend
 
 log = logging.getLogger("tandem.autoscale")
+
+
+def parse_pools(given: list[str] | None) -> dict[str, dict[str, str]]:
+    """`--pool MODEL=PREFILL:DECODE` values: each model's role → compose service or
+    Deployment name. A malformed or repeated one is an error naming it."""
+    pools: dict[str, dict[str, str]] = {}
+    for raw in given or []:
+        model, sep, names = raw.partition("=")
+        prefill, colon, decode = names.partition(":")
+        model, prefill, decode = model.strip(), prefill.strip(), decode.strip()
+        if not (sep and colon and model and prefill and decode) or ":" in decode:
+            raise SystemExit(f"error: --pool {raw!r}: expected MODEL=PREFILL:DECODE")
+        if model in pools:
+            raise SystemExit(f"error: --pool names model {model!r} twice")
+        pools[model] = dict(zip(ROLES, (prefill, decode), strict=True))
+    return pools
 
 
 async def serve(args: argparse.Namespace) -> None:
     setup_logging("autoscale", "autoscaler", args.log_level)
     stop = stop_on_signals()
-    backend: Backend
+    pools = parse_pools(args.pool)
+    backends: dict[str, Backend] = {}
+    backend: Backend | None = None
     if args.backend == "kubernetes":
         from tandem.autoscale.kubernetes_backend import KubernetesBackend
 
-        backend = KubernetesBackend.from_environment(args.namespace, args.kubeconfig)
-        log.info("autoscaling Deployments prefill and decode in namespace %s", backend.namespace)
+        for model, names in pools.items():
+            backends[model] = KubernetesBackend.from_environment(
+                args.namespace, args.kubeconfig, names
+            )
+        if not pools:
+            backend = KubernetesBackend.from_environment(args.namespace, args.kubeconfig)
+        where = f"Deployments in namespace {args.namespace or 'of the pod'}"
     else:
         from tandem.autoscale.docker_backend import DockerBackend
 
-        backend = DockerBackend(args.project, drain_timeout=args.drain_timeout)
-        log.info("autoscaling compose project %s", args.project)
-    await run_controller(args, backend, args.nats, BusAuth.from_args(args), args.router_url, stop)
+        for model, names in pools.items():
+            backends[model] = DockerBackend(
+                args.project, services=names, drain_timeout=args.drain_timeout
+            )
+        if not pools:
+            backend = DockerBackend(args.project, drain_timeout=args.drain_timeout)
+        where = f"compose project {args.project}"
+    for model, names in pools.items():
+        log.info("autoscaling %s: %s and %s (%s)", model, names["prefill"], names["decode"], where)
+    if backend is not None:
+        log.info("autoscaling prefill and decode (%s)", where)
+    await run_controller(
+        args, backend or backends, args.nats, BusAuth.from_args(args), args.router_url, stop
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -62,6 +104,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Kubernetes namespace of the Deployments (default: the pod's own)",
     )
     add_option(p, "--kubeconfig", default=None, help="outside a cluster: the kubeconfig file")
+    add_option(
+        p,
+        "--pool",
+        action="append",
+        default=None,
+        help="MODEL=PREFILL:DECODE: scale that model's nodes, held by these compose services "
+        "or Deployments, as a pool of their own; repeat it for each model (default: one "
+        "pool, the services or Deployments prefill and decode)",
+    )
     add_option(
         p, "--drain-timeout", type=float, default=30.0, help="the decode nodes' --drain-timeout"
     )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,17 +43,28 @@ class KubernetesBackendError(RuntimeError):
 
 
 class KubernetesBackend:
-    """Scales Deployments named after the roles (`prefill`, `decode`) in `namespace`."""
+    """Scales Deployments in `namespace`: named after the roles (`prefill`, `decode`) by
+    default, or as `deployments` maps the roles (one model's pool: `prefill-second`, ...).
+    A Deployment's pods carry its name in `app.kubernetes.io/name`, as deploy/kubernetes
+    labels them."""
 
-    def __init__(self, namespace: str, api_client: Any) -> None:
+    def __init__(
+        self, namespace: str, api_client: Any, deployments: Mapping[str, str] | None = None
+    ) -> None:
         from kubernetes import client
 
         self.namespace = namespace
+        self.deployments = dict(deployments or {"prefill": "prefill", "decode": "decode"})
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
 
     @classmethod
-    def from_environment(cls, namespace: str | None, kubeconfig: str | None) -> KubernetesBackend:
+    def from_environment(
+        cls,
+        namespace: str | None,
+        kubeconfig: str | None,
+        deployments: Mapping[str, str] | None = None,
+    ) -> KubernetesBackend:
         """In a pod: its service account (and its namespace unless given); elsewhere the
         kubeconfig (`--kubeconfig`, else KUBECONFIG or ~/.kube/config)."""
         from kubernetes import client, config
@@ -64,7 +75,7 @@ class KubernetesBackend:
                 namespace = SA_NAMESPACE.read_text().strip()
         else:
             config.load_kube_config(config_file=kubeconfig)
-        return cls(namespace or "default", client.ApiClient())
+        return cls(namespace or "default", client.ApiClient(), deployments)
 
     # ---- Backend -----------------------------------------------------------------------------
 
@@ -91,21 +102,29 @@ class KubernetesBackend:
 
     # ---- the API calls ---------------------------------------------------------------------
 
+    def _deployment(self, role: str) -> str:
+        try:
+            return self.deployments[role]
+        except KeyError:
+            raise KubernetesBackendError(f"no Deployment for role {role!r}") from None
+
     def _replicas(self, role: str) -> int:
+        name = self._deployment(role)
         scale = self._call(
             "get deployments/scale",
             lambda: self.apps.read_namespaced_deployment_scale(
-                role, self.namespace, _request_timeout=TIMEOUT
+                name, self.namespace, _request_timeout=TIMEOUT
             ),
         )
         return int(scale.spec.replicas or 0) if scale.spec is not None else 0
 
     def _set_replicas(self, role: str, replicas: int) -> None:
         body = {"spec": {"replicas": replicas}}
+        name = self._deployment(role)
         self._call(
             "patch deployments/scale",
             lambda: self.apps.patch_namespaced_deployment_scale(
-                role, self.namespace, body, _request_timeout=TIMEOUT
+                name, self.namespace, body, _request_timeout=TIMEOUT
             ),
         )
 
@@ -120,10 +139,11 @@ class KubernetesBackend:
 
     def _pods_of(self, role: str, node_ids: list[str]) -> list[str]:
         """The pods running these nodes (a node id with no pod is logged and left out)."""
+        selector = f"{NAME_LABEL}={self._deployment(role)}"
         listed = self._call(
             "list pods",
             lambda: self.core.list_namespaced_pod(
-                self.namespace, label_selector=f"{NAME_LABEL}={role}", _request_timeout=TIMEOUT
+                self.namespace, label_selector=selector, _request_timeout=TIMEOUT
             ),
         )
         names = [

@@ -361,3 +361,22 @@ def test_listing_filters_make_a_valid_request_for_the_real_sdk() -> None:
         "status": ["running"],
     }
     client.close()
+
+
+def test_a_models_pool_scales_its_own_services_only(engine: FakeEngine) -> None:
+    """`tandem autoscale --pool smol-bf16=prefill-second:decode-second`: that model's
+    backend counts, clones and stops the containers of its services, never the others'."""
+    engine.compose_replica("decode-second", 7)
+    b = backend(engine, services={"prefill": "prefill-second", "decode": "decode-second"})
+    assert b.count("decode") == 1 and b.count("prefill") == 0
+    assert b.scale_up("decode", 1) == ["tandem-decode-second-8"]
+    created = engine.containers.created[0]
+    assert created["labels"]["com.docker.compose.service"] == "decode-second"
+    assert b.count("decode") == 2
+    # a node of the default model's pool (tandem-decode-1) is not this backend's to stop
+    assert b.container_for("decode", "decode-d1ffffffffff-3a9c01") is None
+    b.scale_down("decode", ["decode-d1ffffffffff-3a9c01", "decode-d7ffffffffff-0a0b0c"])
+    b.wait_stopped(5)
+    assert engine.by_id["d1" + "f" * 62].stopped_with is None
+    assert "d7" + "f" * 62 not in engine.by_id  # its own: stopped and removed
+    assert b.count("decode") == 1 and backend(engine).count("decode") == 2

@@ -243,3 +243,26 @@ def test_the_role_allows_exactly_the_calls_it_makes(api: tuple[FakeApi, str]) ->
         for verb in rule["verbs"]
     }
     assert used == allowed
+
+
+def test_a_models_pool_scales_its_own_deployments(api: tuple[FakeApi, str]) -> None:
+    """`--pool smol-bf16=prefill-second:decode-second`: that model's backend reads and
+    patches those Deployments and lists their pods only; the default pool's are untouched."""
+    state, url = api
+    state.replicas |= {"prefill-second": 1, "decode-second": 2}
+    state.pods["decode-second"] = ["decode-second-5c6d7-abcde"]
+    state.pods["decode"] = ["decode-7d9f8c6b5-x2x4z"]
+    names = {"prefill": "prefill-second", "decode": "decode-second"}
+    backend = KubernetesBackend(NS, client.ApiClient(client.Configuration(host=url)), names)
+    assert backend.count("decode") == 2 and backend.count("prefill") == 1
+    backend.scale_up("prefill", 1)
+    assert state.replicas["prefill-second"] == 2 and state.replicas["prefill"] == 2
+    backend.scale_down(
+        "decode",
+        ["decode-decode-second-5c6d7-abcde-a1b2c3", "decode-decode-7d9f8c6b5-x2x4z-a1b2c3"],
+    )
+    assert state.replicas["decode-second"] == 1 and state.replicas["decode"] == 3
+    listed = [c for c in state.calls if PODS.match(c.path)]
+    assert [c.query["labelSelector"] for c in listed] == [["app.kubernetes.io/name=decode-second"]]
+    marked = [POD.match(c.path).group(1) for c in state.calls if POD.match(c.path)]  # type: ignore[union-attr]
+    assert marked == ["decode-second-5c6d7-abcde"]

@@ -55,6 +55,9 @@ REQUEST_TIMEOUT = 2.0
 TRANSFER_TIMEOUT = 10.0
 NODES_REFRESH = 1.0  # seconds a registry read is reused
 DOWN_BACKOFF = 3.0  # seconds a failed kvcache node is skipped
+# Seconds an unpin still goes to a kvcache node no longer listed: the pins' lease there
+# (services/kvcache/pins.py), past which it has released them itself.
+UNPIN_MEMORY = 60.0
 
 
 class KVCacheError(TandemError):
@@ -80,6 +83,7 @@ class KVCacheClient:
         self._nodes: list[NodeInfo] = []
         self._nodes_at = 0.0
         self._down_until: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # kvcache node → when it was last listed
 
     # ---- one node ---------------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class KVCacheClient:
                 self._nodes = sorted(
                     (n for n in found.values() if n.role == "kvcache"), key=lambda n: n.node_id
                 )
+                self._seen.update((n.node_id, now) for n in self._nodes)
             except Exception as exc:  # no registry now: keep the last view
                 log.warning("kvcache node list unavailable: %s", exc)
             self._nodes_at = now
@@ -238,12 +243,19 @@ class KVCacheClient:
     async def unpin(self, attempt_ids: list[AttemptId], over: bool) -> None:
         """Release these sequences' pins on every kvcache node known: this node's, or every
         node's (`over`: the requests ended). From the node list already read when there is
-        one (a registry read under load can take seconds), nodes marked down included: a
-        pin must not outlive its request for want of a fresh list."""
+        one (a registry read under load can take seconds), nodes marked down included, and
+        every node listed within the pins' lease: a pin must not outlive its request for
+        want of a fresh or complete list (a registry read under load skips slow entries)."""
         assert self.bus.nc is not None
         unpin = KVUnpin(attempt_ids=attempt_ids, node_id=self.bus.name, over=over)
-        for node in self._nodes or await self.nodes():
-            await self.bus.nc.publish(kvcache_subject(node.node_id, "unpin"), encode(unpin))
+        if not self._nodes:
+            await self.nodes()
+        now = time.monotonic()
+        for node_id, at in list(self._seen.items()):
+            if now - at > UNPIN_MEMORY:
+                del self._seen[node_id]
+                continue
+            await self.bus.nc.publish(kvcache_subject(node_id, "unpin"), encode(unpin))
 
     async def load_prefix(self, hashes: Sequence[bytes], block_bytes: int) -> list[memoryview]:
         """The blocks of the longest prefix of `hashes` that the live nodes hold together."""

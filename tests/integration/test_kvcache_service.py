@@ -13,14 +13,15 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared.bus.client import Bus
-from shared.bus.messages import KVPutTails, KVPutTailsReply, KVTail, decode, encode
-from shared.bus.registry import NodeRegistry
+from shared.bus.ids import AttemptId
+from shared.bus.messages import KVPutTails, KVPutTailsReply, KVTail, KVUnpin, decode, encode
+from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer, free_port
 from shared.bus.topology import ensure_topology, kvcache_subject
 from shared.kv.block_hash import BlockHash
 from shared.kv.sharding import shard
 from shared.kv.tail import TailBlock
-from shared.kvclient.client import KVCacheClient, KVCacheError
+from shared.kvclient.client import UNPIN_MEMORY, KVCacheClient, KVCacheError
 from shared.transport.base import Transport
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
@@ -372,3 +373,45 @@ async def test_purge_drops_the_blocks_one_node_stored(nats_server: NatsServer) -
         for bus in buses:
             await bus.close()
         stop(proc)
+
+
+async def test_unpins_reach_a_kvcache_node_a_registry_read_left_out(
+    nats_server: NatsServer,
+) -> None:
+    """A registry read under load skips entries it cannot read in time, so a kvcache node
+    can drop out of a client's list for a moment. Its pins must still be released when
+    their requests end: unpins go to every node listed within the pins' lease (not to one
+    listed longer ago: it has released them itself)."""
+    bus, transport, pending = await client_side(nats_server.url, "tcp")
+    try:
+        registry = await NodeRegistry(bus, ttl=30).start()
+        for name in ("kv-a", "kv-b"):
+            await registry.heartbeat(node_info(name, "kvcache"))
+        client = KVCacheClient(bus, transport, pending, registry)
+        await wait_for_nodes(client, {"kv-a", "kv-b"})
+        await registry.remove("kvcache", "kv-b")
+        await wait_for_nodes(client, {"kv-a"})
+        got: dict[str, list[KVUnpin]] = {"kv-a": [], "kv-b": []}
+        assert bus.nc is not None
+        for name, seen in got.items():
+
+            async def keep(msg: Any, seen: list[KVUnpin] = seen) -> None:
+                seen.append(decode(msg.data, KVUnpin))
+
+            await bus.nc.subscribe(kvcache_subject(name, "unpin"), cb=keep)
+        await client.unpin([AttemptId("r-1")], over=True)
+        await bus.nc.flush()
+        for _ in range(50):
+            if got["kv-a"] and got["kv-b"]:
+                break
+            await asyncio.sleep(0.1)
+        assert [u.attempt_ids for u in got["kv-b"]] == [["r-1"]] and got["kv-a"]
+        assert got["kv-b"][0].over and got["kv-b"][0].node_id == "client"
+        client._seen["kv-b"] -= UNPIN_MEMORY + 1  # listed last beyond the lease
+        await client.unpin([AttemptId("r-2")], over=True)
+        await bus.nc.flush()
+        await asyncio.sleep(0.3)
+        assert len(got["kv-a"]) == 2 and len(got["kv-b"]) == 1
+    finally:
+        await transport.close()
+        await bus.close()

@@ -107,7 +107,11 @@ class BlockStore:
         if block_bytes <= 0:
             raise BlockSizeError("a block needs at least one byte")
         if len(self.classes) >= MAX_SIZE_CLASSES:
-            raise BlockSizeError(f"this store keeps at most {MAX_SIZE_CLASSES} block sizes")
+            self._retire_empty_classes()
+        if len(self.classes) >= MAX_SIZE_CLASSES:
+            raise BlockSizeError(
+                f"this store keeps at most {MAX_SIZE_CLASSES} block sizes holding blocks"
+            )
         memory = SlabArena(block_bytes, self.memory_bytes // block_bytes)
         disk_slabs = self.disk_bytes // block_bytes
         disk_path = None
@@ -122,6 +126,21 @@ class BlockStore:
             disk_slabs,
         )
         return arenas
+
+    def _retire_empty_classes(self) -> None:
+        """Close the arenas of the classes that hold no block (their models gone, their
+        blocks evicted), so a long-lived node keeps taking new models' layouts. A class
+        whose memory is still lent out (a reply being sent from it) stays."""
+        for size, arenas in list(self.classes.items()):
+            if any(a.num_free != a.num_slabs for a in arenas):
+                continue
+            try:
+                for arena in arenas:
+                    arena.close()
+            except BufferError:  # a view of it is still in use: keep it for now
+                continue
+            del self.classes[size]
+            log.info("block store: the class of %d B blocks is empty: closed", size)
 
     def close(self) -> None:
         for arenas in self.classes.values():
@@ -343,10 +362,11 @@ class BlockStore:
         intact = checksum(data) == entry.checksum
         if not intact:  # never spill a block that went bad: it could only be served wrong
             self.stats.corrupt += 1
-        if tier == MEMORY and intact and self.classes[entry.size][DISK].num_slabs:
+        disk = self.classes[entry.size][DISK]
+        if tier == MEMORY and intact and disk.num_slabs:
             disk_slab = self._free_slab(entry.size, DISK)
             if disk_slab is not None:
-                self.classes[entry.size][DISK].view(disk_slab)[:] = data
+                disk.view(disk_slab)[:] = data
                 del self.lru[MEMORY][victim]
                 self._free(entry)
                 entry.tier, entry.slab = DISK, disk_slab

@@ -155,6 +155,24 @@ def test_block_sizes_are_bounded() -> None:
     assert len(store) == MAX_SIZE_CLASSES
 
 
+def test_a_class_left_empty_makes_way_for_a_new_block_size(tmp_path: Path) -> None:
+    """Models come and go on a long-lived node: once a size class holds no block (its
+    model's blocks removed or evicted), a new size takes its place; one that holds a
+    block is kept, with its block."""
+    store = BlockStore(memory_bytes=1 << 20, disk_bytes=1 << 20, disk_dir=tmp_path)
+    for size in range(1, MAX_SIZE_CLASSES + 1):
+        assert store.put(h(size), b"x" * size)
+    assert store.remove(h(3))  # the class of 3-byte blocks is empty now
+    new = MAX_SIZE_CLASSES + 1
+    assert store.put(h(new), b"y" * new)
+    assert 3 not in store.classes and new in store.classes
+    assert not (tmp_path / "blocks-3.arena").exists()  # its disk arena went with it
+    assert store.get(h(4)) == b"x" * 4 and store.get(h(new)) == b"y" * new
+    with pytest.raises(BlockSizeError):  # every class holds a block again
+        store.put(h(0), b"z" * (new + 1))
+    store.close()
+
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["put", "get", "pin", "unpin"]),

@@ -6,6 +6,9 @@ Hugging Face directory Tandem's loader already converted the default model into)
 each side in turn: starts the server, waits until it answers, runs `tandem bench serve`
 (closed loop, token-id prompts, greedy, ignore_eos) at each concurrency `--repeats` times,
 keeps the run with the best output throughput, and stops the server before the next side.
+The table gives every run's ITL p99 (it swings between runs of one setting) and the kept
+run's median gap after the first token (a wave's stall: the next prompts' prefill, a
+checkpoint upload).
 
     python benchmarks/vllm_compare.py [--concurrency 16,1] [--repeats 2] [--install-only]
 
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -162,7 +166,15 @@ def bench(
            "--output", str(out)]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     point = json.loads(out.read_text())["sweeps"][0]["points"][0]
-    return dict(point["metrics"])
+    return dict(point["metrics"]) | {"first_gap_p50": first_gap_p50(point["requests"])}
+
+
+def first_gap_p50(requests: list[dict[str, Any]]) -> float:
+    """The median over requests of the gap after each one's first token: where a wave's
+    stall shows (a checkpoint upload, the next prompts' prefill), which the ITL p99 over
+    every gap of the run hides or shows by chance."""
+    firsts = [o[1] - o[0] for r in requests if len(o := r.get("chunk_offsets") or []) >= 2]
+    return statistics.median(firsts) if firsts else float("nan")
 
 
 def measure(side: str, url: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -184,6 +196,8 @@ def measure(side: str, url: str, args: argparse.Namespace, workdir: Path) -> lis
                 "ok": f"{best['completed']}/{best['requests']}",
                 "ttft_p50": best["ttft"]["p50"],
                 "itl_p99": best["itl"]["p99"],
+                "itl_runs": [m["itl"]["p99"] for m in runs],
+                "first_gap_p50": best["first_gap_p50"],
                 "tpot_p50": best["tpot"]["p50"],
             }
         )
@@ -194,19 +208,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     base = {r["concurrency"]: r["output_throughput"] for r in rows if r["side"] == "vllm"}
     lines = [
         "| side | concurrent | ok | out tok/s (runs) | vs vLLM | TTFT p50 s | TPOT p50 ms "
-        "| ITL p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| ITL p99 ms (runs) | first gap p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = (
             r["output_throughput"] / base[r["concurrency"]] if r["concurrency"] in base else None
         )
         runs = " / ".join(f"{x:.1f}" for x in r["runs"])
+        itls = " / ".join(f"{x * 1000:.0f}" for x in r["itl_runs"])
         lines.append(
             f"| {r['side']} | {r['concurrency']} | {r['ok']} "
             f"| {r['output_throughput']:.1f} ({runs}) "
             f"| {f'{ratio:.2f}x' if ratio else '-'} | {r['ttft_p50']:.2f} "
-            f"| {r['tpot_p50'] * 1000:.0f} | {r['itl_p99'] * 1000:.0f} |"
+            f"| {r['tpot_p50'] * 1000:.0f} | {r['itl_p99'] * 1000:.0f} ({itls}) "
+            f"| {r['first_gap_p50'] * 1000:.0f} |"
         )
     return "\n".join(lines)
 

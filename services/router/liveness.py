@@ -28,6 +28,11 @@ back, probes give no verdict: after a NATS restart every node reconnects on its 
 schedule, and one that comes back a moment after the router has no subscription yet, so
 NATS answers "no responders" for a node that is alive (this once failed every stream of a
 NATS restart over to nodes that were all "dead").
+
+A probe whose timeout the router itself noticed late (its event loop held up for more than
+half a timeout: a starved or overloaded router process) gives no verdict either: the answer
+may be sitting unread in the router's socket, and its streams look quiet because their
+tokens are unread too. Under heavy CPU load this once moved streams off live nodes.
 """
 
 from __future__ import annotations
@@ -135,13 +140,22 @@ class LivenessProbe:
                 return
             self._forget_misses(node)
         except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
-            self._unanswered(node, isinstance(exc, NoRespondersError), sent)
+            if isinstance(exc, NoRespondersError) or not self._held_up(sent):
+                self._unanswered(node, isinstance(exc, NoRespondersError), sent)
+            else:
+                log.debug("probe of %s timed out while this router was held up", node)
         except Exception as exc:  # NATS itself away: no verdict on the node
             log.debug("probe of %s failed: %r", node, exc)
         finally:
             self.in_flight[node] -= 1
             if not self.in_flight[node]:
                 del self.in_flight[node]
+
+    def _held_up(self, sent: float) -> bool:
+        """Whether the router noticed a probe sent at `sent` time out late: its own loop
+        was held up, so the silence may be its own (see the module docstring)."""
+        late = time.monotonic() - sent - self.timing.timeout
+        return late > self.timing.timeout / 2
 
     def _forget_misses(self, node: str) -> None:
         self.missed.pop(node, None)

@@ -297,3 +297,40 @@ async def test_a_node_that_answers_stalled_is_dead_at_once(
             assert await lost_within(router, "d1", 1.0) < 0.5
     finally:
         await node.close()
+
+
+async def test_a_router_held_up_declares_no_live_node_dead(
+    router: RouterStandIn, nats_server: NatsServer
+) -> None:
+    """A starved router notices its probes' timeouts late, before it has read the answers
+    (and its streams look quiet, their tokens unread too): no verdict then. The same
+    node cut off (never answering) is still declared dead once the router runs freely."""
+    node = await Bus(nats_server.url, "d5").connect()
+    answering = True
+
+    replies: set[asyncio.Task[None]] = set()
+
+    async def later(msg: Msg) -> None:
+        await asyncio.sleep(0.1)
+        await msg.respond(b"ok")
+
+    async def maybe(msg: Msg) -> None:
+        if answering:  # 0.1 s later, within the timeout: a probe is always in flight
+            task = asyncio.create_task(later(msg))  # each apart: pings overlap
+            replies.add(task)
+            task.add_done_callback(replies.discard)
+
+    await subscribe_pings(router, node, maybe)
+    router.failovers["r5"] = Flow("d5", Stream(itl=0.05, last_delta_at=time.monotonic() - 9))
+    probe = probe_of(router, ProbeTiming(timeout=0.2, misses=3))
+    try:
+        async with running(probe):
+            for _ in range(6):  # the whole process (router and node) held up 0.5 s at a time
+                await asyncio.sleep(0.06)
+                time.sleep(0.5)
+            await asyncio.sleep(0.3)
+            assert "d5" not in router.lost
+            answering = False
+            assert await lost_within(router, "d5", 5.0) >= 0.5
+    finally:
+        await node.close()

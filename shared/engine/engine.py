@@ -37,6 +37,7 @@ from shared.errors import CapacityError, WireFormatError
 from shared.kv.block_pool import BlockPool
 from shared.kv.export import decode_kv, encode_kv
 from shared.kv.paged_cache import PagedKVCache
+from shared.kv.shared_pool import KVBudget, SharedBlockPool
 from shared.kv.tail import TailBlock
 from shared.model.loader import LoadedModel
 from shared.model.runner import ModelRunner, PackedItem, kv_layout
@@ -63,15 +64,30 @@ class Engine:
     """Owns the model runner, KV cache, block pool and scheduler, and the parts that move
     blocks (`exchange`) and tails (`tails`) in and out of the pool."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        budget: KVBudget | None = None,
+    ) -> None:
+        """`budget`: the node's KV memory, shared with other models' engines (CPU only;
+        shared/kv/shared_pool.py); else the pool is `config`'s, its own."""
         self.model = model
         self.config = config or EngineConfig()
         self.layout = kv_layout(model, self.config.block_size)
-        num_blocks = self.config.num_blocks or max(
-            1, self.config.kv_cache_bytes // self.layout.bytes_per_block
-        )
-        self.pool = BlockPool(num_blocks)
-        self.cache = PagedKVCache(self.layout, num_blocks, model.device)
+        self.pool: BlockPool
+        if budget is not None:
+            pool = SharedBlockPool(budget, self.layout.bytes_per_block)
+            num_blocks = pool.num_blocks
+            self.cache = PagedKVCache(self.layout, num_blocks, model.device, lazy=True)
+            pool.on_release = self.cache.release_block
+            self.pool = pool
+        else:
+            num_blocks = self.config.num_blocks or max(
+                1, self.config.kv_cache_bytes // self.layout.bytes_per_block
+            )
+            self.pool = BlockPool(num_blocks)
+            self.cache = PagedKVCache(self.layout, num_blocks, model.device)
         self.runner = ModelRunner(model, self.cache)
         hash_extra = f"{model.served_name}/{self.layout.dtype}".encode()
         self.scheduler = Scheduler(

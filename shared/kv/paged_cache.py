@@ -8,14 +8,22 @@ block is one contiguous run of bytes: the unit the data plane checksums and the 
 service stores by hash. Single token slots leave and enter *slot-major*
 (`[n, layers, 2, kv_heads, head_dim]`): a run of slots is one run of bytes, so a partly
 filled block can be sent, and extended, a few rows at a time (`shared.kv.tail`).
+
+A lazy cache (`lazy=True`, CPU only: the pool of a model sharing its node's KV budget with
+others, shared/kv/shared_pool.py) lives in anonymous memory whose pages the system gives
+only when first written (they read as zeros until then), and `release_block` hands a
+block's pages back: its memory then serves the other models.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -61,21 +69,45 @@ class KVLayout:
 class PagedKVCache:
     """Preallocated KV storage indexed by block id (allocation lives in BlockPool)."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: torch.device, lazy: bool = False
+    ) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(
-            (
-                layout.num_layers,
-                2,
-                num_blocks,
-                layout.block_size,
-                layout.num_kv_heads,
-                layout.head_dim,
-            ),
-            dtype=layout.dtype,
-            device=device,
+        shape = (
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
         )
+        self._map: mmap.mmap | None = None
+        if lazy:
+            if device.type != "cpu":
+                raise ValueError("a lazily committed KV cache is CPU memory only")
+            # Private: a released page is then dropped and reads as zeros (a shared
+            # mapping's pages would stay, as shared memory).
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._map = mmap.mmap(-1, layout.bytes_per_block * num_blocks, flags=flags)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.kv = raw.view(layout.dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=layout.dtype, device=device)
+
+    def release_block(self, block_id: int) -> None:
+        """Hand the pages wholly inside a block's bytes back to the system (a lazy cache;
+        a no-op otherwise): it reads as zeros until written again. A block is one run of
+        bytes per layer and per key/value."""
+        if self._map is None:
+            return
+        piece = self.layout.bytes_per_block // (2 * self.layout.num_layers)
+        plane = piece * self.num_blocks
+        for i in range(2 * self.layout.num_layers):
+            lo = i * plane + block_id * piece
+            start, end = -(-lo // PAGE) * PAGE, (lo + piece) // PAGE * PAGE
+            if end > start:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values `[n, kv_heads, head_dim]` at flat token slots `[n]`."""

@@ -83,13 +83,19 @@ class Stack:
             out += ["--node-id", name, "--metrics-port", str(self.metrics_ports[name])]
         return out
 
-    def _model(self, threads: int, model: ModelEntry) -> list[str]:
+    def _model(self, threads: int, model: ModelEntry | None) -> list[str]:
+        """A node's model options: `model`'s, or every model's (None: a decode node
+        hosting them all, `--shared-decode`)."""
         a = self.args
+        if model is not None:
+            which = ["--model", model.option, "--dtype", model.dtype or a.dtype]
+        elif a.models_file:
+            which = ["--models-file", a.models_file, "--dtype", a.dtype]
+        else:
+            which = [arg for m in served_models(a) for arg in ("--model", m.option)]
+            which += ["--dtype", a.dtype]
         return [
-            "--model",
-            model.option,
-            "--dtype",
-            model.dtype or a.dtype,
+            *which,
             "--device",
             a.device,
             "--threads",
@@ -104,9 +110,11 @@ class Stack:
         prefills = [
             (f"prefill-{i + 1}", models[i // prefill]) for i in range(prefill * len(models))
         ]
-        decodes = [
+        decodes: list[tuple[str, ModelEntry | None]] = [
             (f"decode-{i + 1}", models[i // a.decode]) for i in range(a.decode * len(models))
         ]
+        if a.shared_decode and len(models) > 1:
+            decodes = [(f"decode-{i + 1}", None) for i in range(a.decode)]
         workers = len(prefills) + len(decodes)
         cpus = sorted(os.sched_getaffinity(0))
         if a.pin_cores:

@@ -42,7 +42,14 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         p, "--profile", default=None, help="costs for --conditional (a tandem plan profile JSON)"
     )
     add_option(p, "--pin-cores", action="store_true", help="pin each model node to its own core")
-    add_option(p, "--decode", type=int, default=1, help="decode nodes")
+    add_option(p, "--decode", type=int, default=1, help="decode nodes (of each model)")
+    add_option(
+        p,
+        "--shared-decode",
+        action="store_true",
+        help="several models: each of the --decode nodes hosts every model, their KV memory "
+        "one --kv-cache-mb budget (instead of --decode nodes per model)",
+    )
     add_option(p, "--kvcache", type=int, default=1, help="KV-cache nodes")
     add_option(p, "--kvcache-mb", type=int, default=1024, help="memory per KV-cache node")
     add_option(p, "--host", default="127.0.0.1")
@@ -82,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
         return 2
     served_models(args)  # a bad models file stops here, before anything starts
+    if args.shared_decode and args.autoscale:
+        print("error: --shared-decode cannot be autoscaled yet", file=sys.stderr)
+        return 2
     stack = Stack(args)
     stopping = threading.Event()
 

@@ -1,21 +1,31 @@
-"""`tandem decode`: run one decode node until SIGINT/SIGTERM."""
+"""`tandem decode`: run one decode node until SIGINT/SIGTERM.
+
+Given several models (`--model` repeated, or a `--models-file`), the process hosts them
+all: one engine per model, every engine on the process's one engine thread (so two busy
+models step in turn), their KV pools drawing on one `--kv-cache-mb` budget
+(shared/kv/shared_pool.py). Each model serves as a node of its own to the rest of the
+cluster (its own id, registry entry, subjects and data-plane listener: `<id>` for the
+first model, `<id>-m2`, `<id>-m3`... for the others), so routing, checkpoints and
+failover work per model unchanged; a process that dies takes all of them with it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+from typing import Any
 
 from shared.runtime import faults
 from shared.runtime.node import NodeRuntime
-from shared.runtime.options import add_engine_node_parser, add_option
+from shared.runtime.options import add_engine_node_parser, add_option, model_entries
 from shared.runtime.service import run_service
 
 log = logging.getLogger("tandem.decode")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = add_engine_node_parser(sub, "decode", "run a decode node")
+    p = add_engine_node_parser(sub, "decode", "run a decode node", several_models=True)
     add_option(
         p,
         "--drain-timeout",
@@ -82,9 +92,61 @@ def checkpoint_rate(given: float) -> float:
     return given
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 async def serve(args: argparse.Namespace) -> None:
     # The engine (torch) and the worker load only when the node runs: the console script
     # that names this command also runs the router, which must not pay for them.
+    from shared.kv.shared_pool import KVBudget
+    from shared.runtime.engine import engine_from_args
+    from shared.runtime.engine_thread import EngineThread
+
+    if args.checkpoint_every < 0:
+        raise SystemExit("--checkpoint-every must be >= 0")
+    if not 0 <= args.checkpoint_tail_interval <= 60:
+        raise SystemExit("--checkpoint-tail-interval must be between 0 and 60 seconds")
+    rate = checkpoint_rate(args.checkpoint_rate)
+    entries = model_entries(args, DEFAULT_MODEL)
+    hosted = [
+        argparse.Namespace(**(vars(args) | {"model": e.option, "dtype": e.dtype or args.dtype}))
+        for e in entries
+    ]
+    first = await NodeRuntime.open("decode", hosted[0])
+    runtimes = [first]
+    thread = EngineThread()
+    workers: list[Any] = []
+    warming: list[asyncio.Task[None]] = []
+    try:
+        for i, margs in enumerate(hosted[1:], start=2):
+            # Its own listener and no metrics port of its own: the process's are the first's.
+            margs.data_port, margs.metrics_port = 0, None
+            margs.node_id = f"{first.node_id}-m{i}"
+            runtimes.append(await NodeRuntime.connect("decode", margs.node_id, margs, first.stop))
+        budget = KVBudget(args.kv_cache_mb << 20) if len(hosted) > 1 else None
+        for rt, margs in zip(runtimes, hosted, strict=True):
+            engine = await thread.call(engine_from_args, margs, budget)
+            worker, warm = await start_worker(rt, engine, thread, margs, rate)
+            workers.append(worker)
+            warming += [warm] if warm is not None else []
+        faults.install(thread)
+        await asyncio.gather(*(w.run(first.stop) for w in workers))
+    finally:
+        for task in warming:
+            task.cancel()
+        for rt in runtimes:
+            await rt.close()
+        for worker in workers:
+            worker.close()
+        if not workers:
+            thread.close()
+
+
+async def start_worker(
+    rt: NodeRuntime, engine: Any, thread: Any, args: argparse.Namespace, rate: float
+) -> tuple[Any, asyncio.Task[None] | None]:
+    """One model's node in this process: its worker, subscribed, listening and live, and
+    the task keeping its kvcache connections warm (None without a kvcache service)."""
     from services.decode.worker import DecodeWorker
     from shared.bus.journal import RequestJournal
     from shared.kvclient.client import KVCacheClient
@@ -92,22 +154,14 @@ async def serve(args: argparse.Namespace) -> None:
     from shared.kvclient.tails import TailUploader
     from shared.kvclient.uploader import BlockUploader
     from shared.kvclient.warm import keep_warm
-    from shared.runtime.engine import start_engine
     from shared.transport.pending import PendingTransfers, SplitHandler
 
-    rt = await NodeRuntime.open("decode", args)
     assert rt.bus is not None and rt.transport is not None
-    engine, thread = await start_engine(args)
-    if args.checkpoint_every < 0:
-        raise SystemExit("--checkpoint-every must be >= 0")
-    if not 0 <= args.checkpoint_tail_interval <= 60:
-        raise SystemExit("--checkpoint-tail-interval must be between 0 and 60 seconds")
     pending = PendingTransfers()  # kvcache replies to this node's gets
     client = uploader = journal = prefix = tails = None
     if not args.no_kvcache:
         client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
         prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
-    rate = checkpoint_rate(args.checkpoint_rate)
     if client is not None and args.checkpoint_every > 0:
         uploader = BlockUploader(client, rate=rate * 1e6)
         engine.exchange.checkpoint_every = args.checkpoint_every
@@ -129,26 +183,20 @@ async def serve(args: argparse.Namespace) -> None:
         thread=thread,
         stall_timeout=args.engine_stall_timeout,
     )
-    faults.install(thread)
-    warming: asyncio.Task[None] | None = None
-    try:
-        await rt.transport.start(SplitHandler(pending, worker.receiver))
-        await worker.subscribe()
-        await rt.live(worker.info, worker.metrics, worker.health)
-        if client is not None:  # checkpoint and prefix loads' first gets find it open
-            warming = asyncio.create_task(keep_warm(client, rt.stop))
-        log.info(
-            "decode node %s ready: %d KV blocks, data plane %s",
-            rt.node_id,
-            engine.pool.num_blocks,
-            rt.transport.address,
-        )
-        await worker.run(rt.stop)
-    finally:
-        if warming is not None:
-            warming.cancel()
-        await rt.close()
-        worker.close()
+    await rt.transport.start(SplitHandler(pending, worker.receiver))
+    await worker.subscribe()
+    await rt.live(worker.info, worker.metrics, worker.health)
+    warming = None
+    if client is not None:  # checkpoint and prefix loads' first gets find it open
+        warming = asyncio.create_task(keep_warm(client, rt.stop))
+    log.info(
+        "decode node %s ready (%s): %d KV blocks, data plane %s",
+        rt.node_id,
+        engine.model.served_name,
+        engine.pool.num_blocks,
+        rt.transport.address,
+    )
+    return worker, warming
 
 
 def run(args: argparse.Namespace) -> int:

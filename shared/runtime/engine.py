@@ -10,6 +10,7 @@ import os
 import torch
 
 from shared.engine.engine import Engine, EngineConfig
+from shared.kv.shared_pool import KVBudget
 from shared.runtime.engine_thread import EngineThread
 
 
@@ -25,8 +26,9 @@ def configure_threads(threads: int | None) -> int:
     return n
 
 
-def engine_from_args(args: argparse.Namespace) -> Engine:
-    """Load the model and build the engine a prefill or decode node runs."""
+def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -> Engine:
+    """Load the model and build the engine a prefill or decode node runs (`budget`: KV
+    memory shared with the node's other models' engines)."""
     from shared.model.loader import load_model
 
     configure_threads(args.threads)
@@ -42,6 +44,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
             prefill_chunk_tokens=args.prefill_chunk_tokens,
             prefill_bursts=not args.no_prefill_bursts,
         ),
+        budget,
     )
 
 

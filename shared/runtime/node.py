@@ -108,8 +108,17 @@ class NodeRuntime:
         node_id = make_node_id(role, args.node_id)
         setup_logs(role, node_id, args.log_level)
         setup_tracing(role, node_id)
+        return await cls.connect(role, node_id, args, stop_on_signals())
+
+    @classmethod
+    async def connect(
+        cls, role: str, node_id: str, args: Any, stop: asyncio.Event
+    ) -> NodeRuntime:
+        """A node's bus, registry and (unstarted) transport, stopping with `stop`: `open`'s
+        part per node (a process hosting several models runs one such node per model,
+        each under its own id, after one `open`)."""
         rt = cls(role, node_id, args)
-        rt.stop = stop_on_signals()
+        rt.stop = stop
         topology = TopologyConfig(replicas=args.nats_replicas)
         rt.bus = await connect_bus(
             args.nats, node_id, BusAuth.from_args(args), topology, stop=rt.stop

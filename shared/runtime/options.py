@@ -213,12 +213,17 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_node_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], role: str, help: str
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    role: str,
+    help: str,
+    several_models: bool = False,
 ) -> argparse.ArgumentParser:
     """The subcommand of a node that runs an engine (prefill, decode): the node's, the data
-    plane's and the engine's options; the caller adds its own and its `func`."""
+    plane's and the engine's options; the caller adds its own and its `func`.
+    `several_models`: `--model` repeated, or `--models-file` (a node hosting them all)."""
     p = sub.add_parser(role, help=help)
-    add_node_options(p)
+    add_node_options(p, model=False)
+    add_model_options(p, several=several_models)
     add_data_plane_options(p)
     add_engine_options(p)
     return p

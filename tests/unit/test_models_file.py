@@ -16,6 +16,7 @@ from shared.model.tokenizer import load_tokenizer
 from shared.runtime.options import model_entries
 from tandem.cli import build_parser
 from tandem.launcher import Stack
+from tandem.up import run as run_up
 
 pytestmark = pytest.mark.unit
 
@@ -124,3 +125,26 @@ def test_a_models_own_limits_hold_its_requests_alone(tmp_path: Path) -> None:
     parse_request({**long_prompt, "model": "smol"}, False, served, limits)
     with pytest.raises(InvalidRequestError, match="at most 20"):
         parse_request({**long_prompt, "model": "smol-bf16"}, False, served, limits)
+
+
+def test_shared_decode_plans_decode_processes_hosting_every_model(tmp_path: Path) -> None:
+    """`--shared-decode`: --decode processes in all, each given every model (the models
+    file, which carries each model's dtype, or every --model); prefill nodes stay per
+    model. The decode command reads the same models, a node per model in one process."""
+    path = str(write(tmp_path, TWO))
+    args = build_parser().parse_args(
+        ["up", "--models-file", path, "--decode", "2", "--shared-decode"]
+    )
+    children = {c.name: c.argv for c in Stack(args).plan()}
+    assert sorted(n for n in children if n.startswith("decode")) == ["decode-1", "decode-2"]
+    for name in ("decode-1", "decode-2"):
+        argv = children[name]
+        assert argv[argv.index("--models-file") + 1] == path and "--model" not in argv
+    assert sorted(n for n in children if n.startswith("prefill")) == ["prefill-1", "prefill-2"]
+    args = build_parser().parse_args(["up", "--model", "a", "--model", "b=c", "--shared-decode"])
+    decode = next(c.argv for c in Stack(args).plan() if c.name == "decode-1")
+    assert [decode[i + 1] for i, x in enumerate(decode) if x == "--model"] == ["a", "b=c"]
+    decode_args = build_parser().parse_args(decode)
+    assert [m.option for m in model_entries(decode_args, "d")] == ["a", "b=c"]
+    both = ["up", "--model", "a", "--model", "b", "--shared-decode", "--autoscale"]
+    assert run_up(build_parser().parse_args(both)) == 2  # refused before anything starts

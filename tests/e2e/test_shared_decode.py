@@ -1,0 +1,150 @@
+"""A decode pool shared across models (issue 27): `tandem up --model A --model B
+--decode 2 --shared-decode` starts two decode processes, each hosting both models (one
+engine per model on one engine thread, one KV budget), each model a node of its own in
+the registry. Every answer is its model's; a process hosting streams of both models is
+SIGKILLed mid-stream, and every stream of both completes, identical, on the other."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from shared.bus.client import Bus
+from shared.bus.messages import NodeInfo
+from shared.bus.registry import NodeRegistry
+from shared.bus.server import free_port
+from shared.model.loader import LoadedModel
+from tandem.launcher import Stack
+from tests.e2e.conftest import running_stack
+from tests.e2e.streaming import MODEL, complete
+from tests.e2e.test_api import reference, text_of
+
+TINY = "tiny-random"
+
+
+async def decode_entries(stack: Stack) -> list[NodeInfo]:
+    bus = await Bus(stack.nats_url, "e2e-shared", stack.auth).connect()
+    try:
+        nodes = (await (await NodeRegistry(bus).start()).nodes()).values()
+    finally:
+        await bus.close()
+    return [n for n in nodes if n.role == "decode"]
+
+
+def process_of(node_id: str) -> str:
+    """The launcher's name of the process a decode node runs in (`decode-1-m2` → `decode-1`)."""
+    base, _, model = node_id.rpartition("-m")
+    return base if base and model.isdigit() else node_id
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    argv = [
+        "--model", MODEL,
+        "--model", f"{TINY}={tiny_model_dir}",
+        "--prefill", "1",
+        "--decode", "2",
+        "--shared-decode",
+        "--kvcache", "1",
+        "--transport", "tcp",
+        "--kv-cache-mb", "128",  # one budget per decode process, both models' blocks
+        "--heartbeat-ttl", "2",
+        "--port", str(free_port()),
+    ]  # fmt: skip
+    log = tmp_path_factory.mktemp("shared-decode") / "stack.log"
+    with running_stack(argv, log) as stack:
+        deadline = time.monotonic() + 300
+        while len(asyncio.run(decode_entries(stack))) < 4:
+            assert time.monotonic() < deadline, "the decode processes' 4 nodes did not register"
+            time.sleep(0.5)
+        yield stack
+
+
+def test_each_decode_process_hosts_both_models_and_answers_are_exact(
+    shared: Stack, real_model: LoadedModel, tiny_model: LoadedModel
+) -> None:
+    stack = shared
+    entries = asyncio.run(decode_entries(stack))
+    hosted = {(process_of(n.node_id), n.model) for n in entries}
+    assert hosted == {(p, m) for p in ("decode-1", "decode-2") for m in (MODEL, TINY)}
+    assert [c.name for c in stack.children if c.name.startswith("decode")] == [
+        "decode-1",
+        "decode-2",
+    ]
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
+    requests = [
+        (real_model if i % 2 == 0 else tiny_model, prompts[i % 4] + " " * (i // 8))
+        for i in range(16)
+    ]
+    ids = [model.tokenizer.encode(prompt) for model, prompt in requests]
+
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            return list(
+                await asyncio.gather(
+                    *(
+                        complete(
+                            session,
+                            stack.url,
+                            prompt_ids,
+                            8,
+                            {"model": MODEL if model is real_model else TINY},
+                        )
+                        for (model, _), prompt_ids in zip(requests, ids, strict=True)
+                    )
+                )
+            )
+
+    for (model, prompt), prompt_ids, text in zip(requests, ids, asyncio.run(run()), strict=True):
+        assert text == text_of(model, reference(model, prompt_ids, 8)), prompt
+
+
+def test_a_process_hosting_both_models_killed_mid_stream_loses_no_stream(
+    shared: Stack, real_model: LoadedModel, tiny_model: LoadedModel
+) -> None:
+    stack = shared
+    # four streams of each model (the tiny one steps far faster: its streams are longer)
+    runs = [(real_model, MODEL, 40)] * 4 + [(tiny_model, TINY, 400)] * 4
+    prompt = "Once upon a time, in a land far away,"
+    ids = [model.tokenizer.encode(prompt + " " * i) for i, (model, _, _) in enumerate(runs)]
+    events: list[list[str]] = [[] for _ in runs]
+
+    async def run() -> tuple[list[str], str]:
+        async with aiohttp.ClientSession() as session:
+            streams = [
+                asyncio.create_task(
+                    complete(session, stack.url, prompt_ids, n, {"model": name}, events[i])
+                )
+                for i, ((_, name, n), prompt_ids) in enumerate(zip(runs, ids, strict=True))
+            ]
+
+            async def victim() -> str | None:
+                """A process running streams of both models, once every stream is under way."""
+                if min(len(e) for e in events) < 4:
+                    return None
+                busy: dict[str, set[str]] = {}
+                for n in await decode_entries(stack):
+                    if n.running > 0:
+                        busy.setdefault(process_of(n.node_id), set()).add(n.model)
+                return next((p for p, models in busy.items() if len(models) == 2), None)
+
+            deadline = time.monotonic() + 120
+            while (chosen := await victim()) is None:
+                assert time.monotonic() < deadline, "no process ran streams of both models"
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(stack.kill, chosen)
+            return list(await asyncio.gather(*streams)), chosen
+
+    got, killed = asyncio.run(run())
+    assert killed in ("decode-1", "decode-2")
+    for (model, name, n), prompt_ids, text in zip(runs, ids, got, strict=True):
+        assert text == text_of(model, reference(model, prompt_ids, n)), name
+    deadline = time.monotonic() + 20  # both of its nodes leave the registry with it
+    while killed in {process_of(n.node_id) for n in asyncio.run(decode_entries(stack))}:
+        assert time.monotonic() < deadline, f"{killed}'s nodes still registered"
+        time.sleep(0.5)

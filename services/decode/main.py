@@ -129,6 +129,9 @@ async def serve(args: argparse.Namespace) -> None:
             worker, warm = await start_worker(rt, engine, thread, margs, rate)
             workers.append(worker)
             warming += [warm] if warm is not None else []
+        if len(workers) > 1:  # each node's heartbeat tells what its process runs in all
+            for worker in workers:
+                worker.siblings = [w.engine for w in workers]
         faults.install(thread)
         await asyncio.gather(*(w.run(first.stop) for w in workers))
     finally:

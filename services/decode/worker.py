@@ -80,6 +80,9 @@ class DecodeWorker:
         self.transport = transport  # None: no data plane (tests)
         self.presence = Presence(registry, lease, drain_timeout)
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
+        # Every engine of this process, this one's included, when it hosts several models
+        # (their steps share the thread); empty alone.
+        self.siblings: list[Engine] = []
         self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
@@ -286,7 +289,13 @@ class DecodeWorker:
             block_size=self.engine.config.block_size,
             draining=self.draining,
             model=self.engine.model.served_name,
+            host_running=self.host_running(),
         )
+
+    def host_running(self) -> int:
+        """Sequences this node's process runs for every model it hosts (set by a process
+        hosting several: services/decode/main.py); alone, its own."""
+        return sum(e.num_running for e in self.siblings) if self.siblings else 0
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None

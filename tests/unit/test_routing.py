@@ -161,3 +161,31 @@ def test_requests_are_routed_among_their_models_nodes_only() -> None:
     assert [n.node_id for n in table.by_role("decode", "a")] == ["old"]
     plan = PrefixRouter(table, KVIndex()).plan(list(range(300)), 20, model="b")
     assert plan.model == "b" and plan.local_node is None
+
+
+def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> None:
+    """Shared decode processes (each hosting both models): a model's request goes to the
+    process where no other model runs, while there is one, even if its own batch is
+    bigger there; with the other model idle everywhere, to the least loaded node."""
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+
+    def hosted(name: str, running: int, host_running: int) -> NodeInfo:
+        node = decode_node(name, running=running)
+        return msgspec.structs.replace(node, host_running=host_running)
+
+    table.nodes = {
+        "p1": hosted("p1", running=4, host_running=4),  # model A alone on process 1
+        "p2": hosted("p2", running=0, host_running=4),  # process 2 runs model B's 4
+    }
+    choice = table.best_decode(2)
+    assert choice is not None and choice.node_id == "p1"
+    table.nodes = {
+        "p1": hosted("p1", running=4, host_running=4),
+        "p2": hosted("p2", running=0, host_running=0),  # model B idles: p2 is free
+    }
+    choice = table.best_decode(2)
+    assert choice is not None and choice.node_id == "p2"
+    # a single-model node states no host_running: as before, the least loaded one
+    table.nodes = {"d1": decode_node("d1", running=4), "d2": decode_node("d2", running=1)}
+    choice = table.best_decode(2)
+    assert choice is not None and choice.node_id == "d2"

@@ -16,9 +16,6 @@ from shared.tasks import cancel_and_wait
 log = logging.getLogger("tandem.router.nodes")
 PREFILL_POOL = "prefill-pool"  # where a job waits for any prefill node (backlog key)
 REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
-# What a decode node loses in `best_decode` when its process runs another model's
-# sequences too: worth 10 of its own (their steps take turns with its own).
-HOST_SHARED = 0.5
 
 
 def prefill_pool(model: str = "") -> str:
@@ -201,10 +198,14 @@ class NodeTable:
         Free blocks are estimated from the last heartbeat less what this router sent since;
         a node short of room now is still chosen (it queues or refuses, and the prefill
         node then tries another), but never one whose whole pool could not hold the request.
-        A node whose process also runs other models' sequences (a shared decode process)
-        counts them against it, and `HOST_SHARED` more: their steps take turns with its
-        own on one core, so a model's requests gather on a process where it runs alone
-        while there is one, and spread over every process when the others idle.
+        The load counted is its process's (`host_running`: a shared decode process runs
+        other models' sequences too), and a node gains its model's share of that load
+        (1 with no other model running): another model's steps take turns with its own on
+        one core, and a step costs much the same at any batch size, so a model's requests
+        gather where it already runs (under a steady load of several models, placement
+        converges to a process per model) unless that process carries 20 more sequences;
+        a model busy while the others idle spreads over every process. For single-model
+        nodes the share is 1 everywhere: the least loaded one, as ever.
         """
         best: tuple[float, str] | None = None
         choice = None
@@ -215,9 +216,9 @@ class NodeTable:
                 continue
             sent = self.inflight.get(node.node_id, 0)
             free = self.room(node, blocks_needed)
-            score = free / max(1, node.total_kv_blocks) - 0.05 * (node.running + sent)
-            if (others := node.host_running - node.running) > 0:
-                score -= HOST_SHARED + 0.05 * others
+            host = max(node.host_running, node.running) + sent
+            share = (node.running + sent) / host if host else 1.0
+            score = free / max(1, node.total_kv_blocks) + share - 0.05 * host
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node
         return choice

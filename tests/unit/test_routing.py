@@ -165,8 +165,9 @@ def test_requests_are_routed_among_their_models_nodes_only() -> None:
 
 def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> None:
     """Shared decode processes (each hosting both models): a model's request goes to the
-    process where no other model runs, while there is one, even if its own batch is
-    bigger there; with the other model idle everywhere, to the least loaded node."""
+    process where the other model runs least, even if its own batch is bigger there (so
+    placement converges to a process per model); with the other model idle everywhere, to
+    the least loaded node."""
     table = NodeTable(registry=None)  # type: ignore[arg-type]
 
     def hosted(name: str, running: int, host_running: int) -> NodeInfo:
@@ -185,6 +186,13 @@ def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> Non
     }
     choice = table.best_decode(2)
     assert choice is not None and choice.node_id == "p2"
+    # both processes run both models: the one where this model has the larger share
+    table.nodes = {
+        "p1": hosted("p1", running=3, host_running=4),
+        "p2": hosted("p2", running=1, host_running=4),
+    }
+    choice = table.best_decode(2)
+    assert choice is not None and choice.node_id == "p1"
     # a single-model node states no host_running: as before, the least loaded one
     table.nodes = {"d1": decode_node("d1", running=4), "d2": decode_node("d2", running=1)}
     choice = table.best_decode(2)

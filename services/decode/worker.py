@@ -290,6 +290,7 @@ class DecodeWorker:
             draining=self.draining,
             model=self.engine.model.served_name,
             host_running=self.host_running(),
+            hosted_models=max(1, len(self.siblings)),
         )
 
     def host_running(self) -> int:

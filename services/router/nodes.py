@@ -16,6 +16,11 @@ from shared.tasks import cancel_and_wait
 log = logging.getLogger("tandem.router.nodes")
 PREFILL_POOL = "prefill-pool"  # where a job waits for any prefill node (backlog key)
 REWATCH_GRACE = 8.0  # seconds for every live node to heartbeat into a re-created registry
+# An idle decode process's share for any model in `best_decode`: between none (another
+# model runs there) and all: a model's requests gather on a process until it carries 10
+# more sequences than an idle one, so that steady loads of several models do not start
+# mixed on shared processes (a mix takes tens of seconds to sort itself out).
+IDLE_SHARE = 0.5
 
 
 def prefill_pool(model: str = "") -> str:
@@ -200,12 +205,13 @@ class NodeTable:
         node then tries another), but never one whose whole pool could not hold the request.
         The load counted is its process's (`host_running`: a shared decode process runs
         other models' sequences too), and a node gains its model's share of that load
-        (1 with no other model running): another model's steps take turns with its own on
-        one core, and a step costs much the same at any batch size, so a model's requests
-        gather where it already runs (under a steady load of several models, placement
-        converges to a process per model) unless that process carries 20 more sequences;
-        a model busy while the others idle spreads over every process. For single-model
-        nodes the share is 1 everywhere: the least loaded one, as ever.
+        (`IDLE_SHARE` on an idle process): another model's steps take turns with its own
+        on one core, and a step costs much the same at any batch size, so a model's
+        requests gather where it already runs (under a steady load of several models,
+        placement converges to a process per model) unless that process carries 20 more
+        sequences; a model busy while the others idle spreads over every process once its
+        own carries 10 more than an idle one. Single-model nodes: the least loaded one,
+        as ever (their share is 1).
         """
         best: tuple[float, str] | None = None
         choice = None
@@ -216,8 +222,10 @@ class NodeTable:
                 continue
             sent = self.inflight.get(node.node_id, 0)
             free = self.room(node, blocks_needed)
-            host = max(node.host_running, node.running) + sent
-            share = (node.running + sent) / host if host else 1.0
+            host = (node.host_running if node.hosted_models > 1 else node.running) + sent
+            share = 1.0  # a node alone in its process: its model's share is all
+            if node.hosted_models > 1:
+                share = (node.running + sent) / host if host else IDLE_SHARE
             score = free / max(1, node.total_kv_blocks) + share - 0.05 * host
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node

@@ -173,6 +173,7 @@ class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):
     # several, each a node; 0: unknown, or the node's own `running`): the others' steps
     # take turns with its own on one engine thread.
     host_running: int = 0
+    hosted_models: int = 0  # models its process hosts (0: unknown, an older node; 1: alone)
 
 
 class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):

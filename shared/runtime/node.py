@@ -111,9 +111,7 @@ class NodeRuntime:
         return await cls.connect(role, node_id, args, stop_on_signals())
 
     @classmethod
-    async def connect(
-        cls, role: str, node_id: str, args: Any, stop: asyncio.Event
-    ) -> NodeRuntime:
+    async def connect(cls, role: str, node_id: str, args: Any, stop: asyncio.Event) -> NodeRuntime:
         """A node's bus, registry and (unstarted) transport, stopping with `stop`: `open`'s
         part per node (a process hosting several models runs one such node per model,
         each under its own id, after one `open`)."""

@@ -172,7 +172,7 @@ def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> Non
 
     def hosted(name: str, running: int, host_running: int) -> NodeInfo:
         node = decode_node(name, running=running)
-        return msgspec.structs.replace(node, host_running=host_running)
+        return msgspec.structs.replace(node, host_running=host_running, hosted_models=2)
 
     table.nodes = {
         "p1": hosted("p1", running=4, host_running=4),  # model A alone on process 1
@@ -181,11 +181,17 @@ def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> Non
     choice = table.best_decode(2)
     assert choice is not None and choice.node_id == "p1"
     table.nodes = {
-        "p1": hosted("p1", running=4, host_running=4),
+        "p1": hosted("p1", running=12, host_running=12),
         "p2": hosted("p2", running=0, host_running=0),  # model B idles: p2 is free
     }
     choice = table.best_decode(2)
-    assert choice is not None and choice.node_id == "p2"
+    assert choice is not None and choice.node_id == "p2"  # 10 more than an idle one
+    table.nodes = {
+        "p1": hosted("p1", running=8, host_running=8),
+        "p2": hosted("p2", running=0, host_running=0),
+    }
+    choice = table.best_decode(2)
+    assert choice is not None and choice.node_id == "p1"  # not yet: steady loads stay apart
     # both processes run both models: the one where this model has the larger share
     table.nodes = {
         "p1": hosted("p1", running=3, host_running=4),

@@ -13,9 +13,22 @@ a get's payload is cut to the blocks copied into it. Nothing stale can leave the
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
+
+PAGE = mmap.PAGESIZE
 
 
 def uninitialised(nbytes: int) -> memoryview:
     """A writable byte buffer (format "B") of `nbytes` whose contents are undefined."""
     return np.empty(nbytes, dtype=np.uint8).data
+
+
+def release_pages(mapping: mmap.mmap, lo: int, hi: int, advice: int) -> None:
+    """`madvise(advice)` the pages wholly inside bytes `lo`..`hi` of `mapping` (those
+    shared with a neighbouring range are kept): handing a slab's or a block's memory back
+    to the system."""
+    start, end = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
+    if end > start:
+        mapping.madvise(advice, start, end - start)

@@ -294,8 +294,9 @@ class DecodeWorker:
         )
 
     def host_running(self) -> int:
-        """Sequences this node's process runs for every model it hosts (set by a process
-        hosting several: services/decode/main.py); alone, its own."""
+        """Sequences this node's process runs for every model it hosts (`siblings`, set by a
+        process hosting several: services/decode/main.py); alone, 0 (the router then
+        counts its own `running`)."""
         return sum(e.num_running for e in self.siblings) if self.siblings else 0
 
     async def subscribe(self) -> None:

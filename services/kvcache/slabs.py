@@ -14,7 +14,7 @@ import mmap
 import os
 from pathlib import Path
 
-PAGE = mmap.PAGESIZE
+from shared.buffers import release_pages
 
 
 class SlabArena:
@@ -60,13 +60,11 @@ class SlabArena:
         """Hand the pages wholly inside a free slab back to the system (memory, or the disk
         blocks under a file): the slab reads as zeros until written again. Used when a
         block of another size takes its room, so the tier's bytes stay within its limit."""
-        start = -(-slab * self.slab_bytes // PAGE) * PAGE
-        end = (slab + 1) * self.slab_bytes // PAGE * PAGE
-        if end > start:
-            # MADV_REMOVE frees shared memory and file blocks alike (DONTNEED would keep a
-            # shared mapping's pages); a file system without hole punching keeps them.
-            with contextlib.suppress(OSError):
-                self._map.madvise(mmap.MADV_REMOVE, start, end - start)
+        lo = slab * self.slab_bytes
+        # MADV_REMOVE frees shared memory and file blocks alike (DONTNEED would keep a
+        # shared mapping's pages); a file system without hole punching keeps them.
+        with contextlib.suppress(OSError):
+            release_pages(self._map, lo, lo + self.slab_bytes, mmap.MADV_REMOVE)
 
     def view(self, slab: int) -> memoryview:
         """The slab's bytes (writable; valid until the slab is freed and reused)."""

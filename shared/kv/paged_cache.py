@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-PAGE = mmap.PAGESIZE
+from shared.buffers import release_pages
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,7 @@ class PagedKVCache:
         plane = piece * self.num_blocks
         for i in range(2 * self.layout.num_layers):
             lo = i * plane + block_id * piece
-            start, end = -(-lo // PAGE) * PAGE, (lo + piece) // PAGE * PAGE
-            if end > start:
-                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            release_pages(self._map, lo, lo + piece, mmap.MADV_DONTNEED)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values `[n, kv_heads, head_dim]` at flat token slots `[n]`."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 
 from shared.bus.auth import BusAuth
 from shared.runtime.node import setup_logging, stop_on_signals
@@ -55,34 +56,28 @@ async def serve(args: argparse.Namespace) -> None:
     setup_logging("autoscale", "autoscaler", args.log_level)
     stop = stop_on_signals()
     pools = parse_pools(args.pool)
-    backends: dict[str, Backend] = {}
-    backend: Backend | None = None
+    make: Callable[[dict[str, str] | None], Backend]
     if args.backend == "kubernetes":
         from tandem.autoscale.kubernetes_backend import KubernetesBackend
 
-        for model, names in pools.items():
-            backends[model] = KubernetesBackend.from_environment(
-                args.namespace, args.kubeconfig, names
-            )
-        if not pools:
-            backend = KubernetesBackend.from_environment(args.namespace, args.kubeconfig)
+        def make(names: dict[str, str] | None) -> Backend:
+            return KubernetesBackend.from_environment(args.namespace, args.kubeconfig, names)
+
         where = f"Deployments in namespace {args.namespace or 'of the pod'}"
     else:
         from tandem.autoscale.docker_backend import DockerBackend
 
-        for model, names in pools.items():
-            backends[model] = DockerBackend(
-                args.project, services=names, drain_timeout=args.drain_timeout
-            )
-        if not pools:
-            backend = DockerBackend(args.project, drain_timeout=args.drain_timeout)
+        def make(names: dict[str, str] | None) -> Backend:
+            return DockerBackend(args.project, services=names, drain_timeout=args.drain_timeout)
+
         where = f"compose project {args.project}"
     for model, names in pools.items():
         log.info("autoscaling %s: %s and %s (%s)", model, names["prefill"], names["decode"], where)
-    if backend is not None:
+    if not pools:
         log.info("autoscaling prefill and decode (%s)", where)
+    backends = {model: make(names) for model, names in pools.items()}
     await run_controller(
-        args, backend or backends, args.nats, BusAuth.from_args(args), args.router_url, stop
+        args, backends or make(None), args.nats, BusAuth.from_args(args), args.router_url, stop
     )
 
 

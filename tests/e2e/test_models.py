@@ -103,6 +103,41 @@ async def stored_prefix(
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
 
 
+def sixteen_mixed_streams_are_exact(
+    stack: Stack, real_model: LoadedModel, tiny_model: LoadedModel
+) -> list[list[int]]:
+    """16 concurrent streams, SmolLM2 and the tiny model alternating: each answer equals
+    its model's `transformers` greedy output. The prompts' ids, in order."""
+    requests = [
+        (real_model if i % 2 == 0 else tiny_model, PROMPTS[i % len(PROMPTS)] + " " * (i // 8))
+        for i in range(16)
+    ]
+    ids = [model.tokenizer.encode(prompt) for model, prompt in requests]
+
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            return list(
+                await asyncio.gather(
+                    *(
+                        complete(
+                            session,
+                            stack.url,
+                            prompt_ids,
+                            8,
+                            {"model": MODEL if model is real_model else TINY},
+                        )
+                        for (model, _), prompt_ids in zip(requests, ids, strict=True)
+                    )
+                )
+            )
+
+    got = asyncio.run(run())
+    for (model, prompt), prompt_ids, text in zip(requests, ids, got, strict=True):
+        want = text_of(model, reference(model, prompt_ids, 8))
+        assert text == want, (prompt, "tiny" if model is tiny_model else MODEL)
+    return ids
+
+
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     """SmolLM2 and the tiny model, each with a prefill node and two decode nodes."""
@@ -145,34 +180,7 @@ def test_two_models_in_one_cluster_each_answer_is_its_models(
         assert exc.code == 404
         assert json.load(exc)["error"]["code"] == "model_not_found"
 
-    # 16 concurrent streams, the two models alternating
-    requests = [
-        (real_model if i % 2 == 0 else tiny_model, PROMPTS[i % len(PROMPTS)] + " " * (i // 8))
-        for i in range(16)
-    ]
-    ids = [model.tokenizer.encode(prompt) for model, prompt in requests]
-
-    async def run() -> list[str]:
-        async with aiohttp.ClientSession() as session:
-            return list(
-                await asyncio.gather(
-                    *(
-                        complete(
-                            session,
-                            stack.url,
-                            prompt_ids,
-                            8,
-                            {"model": MODEL if model is real_model else TINY},
-                        )
-                        for (model, _), prompt_ids in zip(requests, ids, strict=True)
-                    )
-                )
-            )
-
-    got = asyncio.run(run())
-    for (model, prompt), prompt_ids, text in zip(requests, ids, got, strict=True):
-        want = text_of(model, reference(model, prompt_ids, 8))
-        assert text == want, (prompt, "tiny" if model is tiny_model else MODEL)
+    ids = sixteen_mixed_streams_are_exact(stack, real_model, tiny_model)
     # the router's latency metrics are per model
     with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as r:
         counts = {

@@ -23,8 +23,7 @@ from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack
 from tests.e2e.streaming import MODEL, complete
 from tests.e2e.test_api import reference, text_of
-
-TINY = "tiny-random"
+from tests.e2e.test_models import TINY, sixteen_mixed_streams_are_exact
 
 
 async def decode_entries(stack: Stack) -> list[NodeInfo]:
@@ -76,32 +75,7 @@ def test_each_decode_process_hosts_both_models_and_answers_are_exact(
         "decode-1",
         "decode-2",
     ]
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
-    requests = [
-        (real_model if i % 2 == 0 else tiny_model, prompts[i % 4] + " " * (i // 8))
-        for i in range(16)
-    ]
-    ids = [model.tokenizer.encode(prompt) for model, prompt in requests]
-
-    async def run() -> list[str]:
-        async with aiohttp.ClientSession() as session:
-            return list(
-                await asyncio.gather(
-                    *(
-                        complete(
-                            session,
-                            stack.url,
-                            prompt_ids,
-                            8,
-                            {"model": MODEL if model is real_model else TINY},
-                        )
-                        for (model, _), prompt_ids in zip(requests, ids, strict=True)
-                    )
-                )
-            )
-
-    for (model, prompt), prompt_ids, text in zip(requests, ids, asyncio.run(run()), strict=True):
-        assert text == text_of(model, reference(model, prompt_ids, 8)), prompt
+    sixteen_mixed_streams_are_exact(stack, real_model, tiny_model)
 
 
 def test_a_process_hosting_both_models_killed_mid_stream_loses_no_stream(

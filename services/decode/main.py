@@ -132,6 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
         if len(workers) > 1:  # each node's heartbeat tells what its process runs in all
             for worker in workers:
                 worker.siblings = [w.engine for w in workers]
+                worker.host = first.node_id
         faults.install(thread)
         await asyncio.gather(*(w.run(first.stop) for w in workers))
     finally:

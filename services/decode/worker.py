@@ -83,6 +83,7 @@ class DecodeWorker:
         # Every engine of this process, this one's included, when it hosts several models
         # (their steps share the thread); empty alone.
         self.siblings: list[Engine] = []
+        self.host = ""  # the process's first node id when it hosts several models
         self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
@@ -291,13 +292,18 @@ class DecodeWorker:
             model=self.engine.model.served_name,
             host_running=self.host_running(),
             hosted_models=max(1, len(self.siblings)),
+            host=self.host,
         )
 
     def host_running(self) -> int:
-        """Sequences this node's process runs for every model it hosts (`siblings`, set by a
-        process hosting several: services/decode/main.py); alone, 0 (the router then
-        counts its own `running`)."""
-        return sum(e.num_running for e in self.siblings) if self.siblings else 0
+        """Sequences this node's process runs or queues for every model it hosts
+        (`siblings`, set by a process hosting several: services/decode/main.py); alone, 0
+        (the router then counts its own `running`). Queued ones count: a request waiting
+        for its local prefill when a heartbeat goes out would otherwise leave its process
+        looking idle to the next request of another model."""
+        if not self.siblings:
+            return 0
+        return sum(e.num_running + e.num_waiting for e in self.siblings)
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None

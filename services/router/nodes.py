@@ -57,12 +57,14 @@ class NodeTable:
         self._nodes = dict(nodes)
         self._view = MappingProxyType(self._nodes)
         self._roles: dict[tuple[str, str], list[NodeInfo]] = {}  # (role, model) -> nodes
+        self._hosts: dict[str, list[NodeInfo]] | None = None  # process -> its nodes (shared)
 
     def put(self, info: NodeInfo) -> None:
         """A node's latest registry entry."""
         old = self._nodes.get(info.node_id)
         self._nodes[info.node_id] = info
         self._forget_lists(info.role)
+        self._hosts = None
         if old is not None and old.role != info.role:
             self._forget_lists(old.role)
 
@@ -71,6 +73,7 @@ class NodeTable:
         gone = self._nodes.pop(node_id, None)
         if gone is not None:
             self._forget_lists(gone.role)
+            self._hosts = None
         return gone
 
     def _forget_lists(self, role: str) -> None:
@@ -203,7 +206,7 @@ class NodeTable:
         Free blocks are estimated from the last heartbeat less what this router sent since;
         a node short of room now is still chosen (it queues or refuses, and the prefill
         node then tries another), but never one whose whole pool could not hold the request.
-        The load counted is its process's (`host_running`: a shared decode process runs
+        The load counted is its process's (`host_load`: a shared decode process runs
         other models' sequences too), and a node gains its model's share of that load
         (`IDLE_SHARE` on an idle process): another model's steps take turns with its own
         on one core, and a step costs much the same at any batch size, so a model's
@@ -222,14 +225,30 @@ class NodeTable:
                 continue
             sent = self.inflight.get(node.node_id, 0)
             free = self.room(node, blocks_needed)
-            host = (node.host_running if node.hosted_models > 1 else node.running) + sent
-            share = 1.0  # a node alone in its process: its model's share is all
             if node.hosted_models > 1:
-                share = (node.running + sent) / host if host else IDLE_SHARE
+                host = self.host_load(node)  # queued sequences too (host_running)
+                share = (node.load + sent) / host if host else IDLE_SHARE
+            else:  # a node alone in its process: its model's share is all
+                host, share = node.running + sent, 1.0
             score = free / max(1, node.total_kv_blocks) + share - 0.05 * host
             if best is None or (score, node.node_id) > best:
                 best, choice = (score, node.node_id), node
         return choice
+
+    def host_load(self, node: NodeInfo) -> int:
+        """Sequences a shared decode process runs for all its models: what its freshest
+        entry says, and every request sent to any of its nodes since their own last entries
+        (heartbeats of one process's nodes come at different times: a request sent to one
+        model's node a moment ago must count against the others', or the next model's first
+        request looks at an idle process and joins it)."""
+        if self._hosts is None:
+            self._hosts = {}
+            for other in self._nodes.values():
+                if other.role == "decode" and other.host:
+                    self._hosts.setdefault(other.host, []).append(other)
+        siblings = self._hosts.get(node.host, [node]) if node.host else [node]
+        latest = max(siblings, key=lambda n: n.timestamp)
+        return latest.host_running + sum(self.inflight.get(n.node_id, 0) for n in siblings)
 
     def prefill_sent(self, rid: str, where: str, tokens: int) -> None:
         """A request's prompt (its uncached tokens) went to be prefilled at `where`."""

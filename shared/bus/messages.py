@@ -169,11 +169,14 @@ class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):
     timestamp: float = 0.0
     model: str = ""  # the served name of the model it serves ("": unknown, an older node)
     ttl: float = 0.0  # seconds its entry outlives its last heartbeat (0: unknown, an older node)
-    # Sequences its process runs for every model it hosts (a decode process hosting
-    # several, each a node; 0: unknown, or the node's own `running`): the others' steps
-    # take turns with its own on one engine thread.
+    # Sequences its process runs or queues for every model it hosts (a decode process
+    # hosting several, each a node; 0: unknown, or the node's own `running`): the others'
+    # steps take turns with its own on one engine thread.
     host_running: int = 0
     hosted_models: int = 0  # models its process hosts (0: unknown, an older node; 1: alone)
+    # The process's first node id, the same for every node of a process hosting several
+    # models ("" alone): a router counts what it sent to any of them as that process's load.
+    host: str = ""
 
 
 class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):

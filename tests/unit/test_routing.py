@@ -172,7 +172,9 @@ def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> Non
 
     def hosted(name: str, running: int, host_running: int) -> NodeInfo:
         node = decode_node(name, running=running)
-        return msgspec.structs.replace(node, host_running=host_running, hosted_models=2)
+        return msgspec.structs.replace(
+            node, load=running, host_running=host_running, hosted_models=2
+        )
 
     table.nodes = {
         "p1": hosted("p1", running=4, host_running=4),  # model A alone on process 1
@@ -203,3 +205,66 @@ def test_a_models_requests_gather_where_its_process_runs_no_other_model() -> Non
     table.nodes = {"d1": decode_node("d1", running=4), "d2": decode_node("d2", running=1)}
     choice = table.best_decode(2)
     assert choice is not None and choice.node_id == "d2"
+
+
+def test_a_request_sent_to_one_model_of_a_process_counts_for_its_other_models() -> None:
+    """Two idle shared processes (p1, p2), each hosting models a and b. Model a's first
+    request goes to one of them; model b's first request, sent before any heartbeat tells
+    of a's, goes to the other process: what was sent to p2's node of a is p2's load."""
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+
+    def hosted(name: str, host: str, model: str, at: float = 1.0) -> NodeInfo:
+        node = decode_node(name)
+        return msgspec.structs.replace(node, model=model, hosted_models=2, host=host, timestamp=at)
+
+    table.nodes = {
+        n.node_id: n
+        for n in [
+            hosted("p1", "p1", "a"),
+            hosted("p1-m2", "p1", "b"),
+            hosted("p2", "p2", "a"),
+            hosted("p2-m2", "p2", "b"),
+        ]
+    }
+    first = table.pick_decode(2, model="a")
+    assert first is not None
+    second = table.pick_decode(2, model="b")
+    assert second is not None and second.host != first.host
+    # a's second request joins a's first (b runs on the other process)
+    third = table.pick_decode(2, model="a")
+    assert third is not None and third.node_id == first.node_id
+    # the freshest entry of a process tells its load: p-of-first says 5 run there now
+    fresh = msgspec.structs.replace(
+        table.nodes[first.node_id], load=5, running=5, host_running=5, timestamp=2.0
+    )
+    table.put(fresh)
+    table.inflight[fresh.node_id] = 0
+    assert table.host_load(table.nodes[second.node_id]) == 1  # b's one, sent
+    assert table.host_load(fresh) == 5
+    sibling = next(n for n in table.nodes.values() if n.host == fresh.host and n is not fresh)
+    assert table.host_load(sibling) == 5  # the older entry of the same process reads it too
+
+
+def test_a_sequence_queued_for_its_prefill_keeps_its_process_from_looking_idle() -> None:
+    """A heartbeat sent while model a's request waits for its local prefill: its node
+    states it as load (not running) and its process counts it (host_running); model b's
+    next request then goes to the idle process, not this one."""
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+
+    def hosted(name: str, host: str, model: str, load: int, on_host: int) -> NodeInfo:
+        node = msgspec.structs.replace(decode_node(name), model=model, load=load)
+        return msgspec.structs.replace(node, host_running=on_host, hosted_models=2, host=host)
+
+    table.nodes = {
+        n.node_id: n
+        for n in [
+            hosted("p1", "p1", "a", 0, 0),
+            hosted("p1-m2", "p1", "b", 0, 0),
+            hosted("p2", "p2", "a", 1, 1),  # a's request queued on process 2
+            hosted("p2-m2", "p2", "b", 0, 1),
+        ]
+    }
+    choice = table.best_decode(2, model="b")
+    assert choice is not None and choice.node_id == "p1-m2"
+    choice = table.best_decode(2, model="a")
+    assert choice is not None and choice.node_id == "p2"  # a gathers where it queues

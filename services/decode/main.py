@@ -119,7 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
     warming: list[asyncio.Task[None]] = []
     try:
         for i, margs in enumerate(hosted[1:], start=2):
-            # Its own listener and no metrics port of its own: the process's are the first's.
+            # Its own listener; its metrics on the process's port (the first node's).
             margs.data_port, margs.metrics_port = 0, None
             margs.node_id = f"{first.node_id}-m{i}"
             runtimes.append(await NodeRuntime.connect("decode", margs.node_id, margs, first.stop))
@@ -133,6 +133,10 @@ async def serve(args: argparse.Namespace) -> None:
             for worker in workers:
                 worker.siblings = [w.engine for w in workers]
                 worker.host = first.node_id
+            # the process's one metrics port (the first node's) serves every model's
+            workers[0].metrics.serve_models(
+                {w.engine.model.served_name: w.metrics for w in workers}
+            )
         faults.install(thread)
         await asyncio.gather(*(w.run(first.stop) for w in workers))
     finally:

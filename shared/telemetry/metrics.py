@@ -1,14 +1,16 @@
 """Per-node Prometheus metrics, served on a node's own metrics port.
 
 Gauges read live engine and store state through callbacks at scrape time, so the hot path
-only increments counters and observes histograms.
+only increments counters and observes histograms. A decode process hosting several models
+(a node per model) serves them all on its one port, each sample labelled `model`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -20,6 +22,8 @@ class NodeMetrics:
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # What the port serves: this registry, or several nodes' (`serve_models`)
+        self._exposition = _Exposition(self.registry)
         self.role = role
         self.batch_size = Histogram(
             f"tandem_{role}_batch_size",
@@ -80,5 +84,37 @@ class NodeMetrics:
         """Serve /metrics on `port` (0 picks a free one); None leaves it off."""
         if port is None:
             return None
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        served = CollectorRegistry()
+        served.register(self._exposition)
+        server, _ = start_http_server(port, addr=host, registry=served)
         return int(server.server_port)
+
+    def serve_models(self, nodes: Mapping[str, NodeMetrics]) -> None:
+        """From now on this node's port serves the metrics of every node of its process, a
+        model each (served name → its node's metrics; this one's among them), every sample
+        labelled with its model."""
+        self._exposition.parts = {model: m.registry for model, m in nodes.items()}
+
+
+class _Exposition:
+    """A node's registry as it is, or several (by model) merged into one family per metric
+    name with a `model` label: one exposition may name a metric family only once."""
+
+    def __init__(self, own: CollectorRegistry) -> None:
+        self.own = own
+        self.parts: dict[str, CollectorRegistry] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.parts is None:
+            yield from self.own.collect()
+            return
+        merged: dict[str, Metric] = {}
+        for model, registry in self.parts.items():
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = out
+                for sample in family.samples:
+                    out.samples.append(sample._replace(labels={**sample.labels, "model": model}))
+        yield from merged.values()

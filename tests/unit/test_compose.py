@@ -27,6 +27,7 @@ import pytest
 from shared.bus.auth import EXAMPLE_PASSWORD
 from shared.bus.permissions import ROLES, compose_authorization, compose_password_var
 from shared.bus.server import MAX_PAYLOAD, nats_server_binary
+from shared.runtime.options import model_entries
 from tandem.cli import build_parser
 
 pytestmark = pytest.mark.unit
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 SECOND_MODEL_FILE = ROOT / "compose.second-model.yaml"  # merged over compose.yaml
+SHARED_DECODE_FILE = ROOT / "compose.shared-decode.yaml"  # merged over both
 ENV_EXAMPLE = ROOT / ".env.example"
 NATS_CONF = ROOT / "deploy" / "nats.conf"
 TRACING_SOURCE = ROOT / "shared" / "telemetry" / "tracing.py"
@@ -142,11 +144,21 @@ def second_model(workdir: Path, password_only: Path) -> dict[str, Any]:
     return resolve([COMPOSE_FILE, SECOND_MODEL_FILE], password_only, workdir)
 
 
-@pytest.fixture(scope="module", params=["password only", ".env.example", "second model"])
+@pytest.fixture(scope="module")
+def shared_decode(workdir: Path, password_only: Path) -> dict[str, Any]:
+    """The second model's files with compose.shared-decode.yaml merged over them."""
+    return resolve([COMPOSE_FILE, SECOND_MODEL_FILE, SHARED_DECODE_FILE], password_only, workdir)
+
+
+@pytest.fixture(
+    scope="module", params=["password only", ".env.example", "second model", "shared decode"]
+)
 def config(request: pytest.FixtureRequest) -> dict[str, Any]:
-    name = {"password only": "defaults", ".env.example": "with_example"}.get(
-        request.param, "second_model"
-    )
+    name = {
+        "password only": "defaults",
+        ".env.example": "with_example",
+        "second model": "second_model",
+    }.get(request.param, "shared_decode")
     model: dict[str, Any] = request.getfixturevalue(name)
     return model
 
@@ -233,6 +245,38 @@ def test_a_second_models_services_serve_it_and_the_router_both(
         env.setenv("TANDEM_MODEL", environment(services["router"])["TANDEM_MODEL"])
         args = build_parser().parse_args(["router"])
     assert args.model == [first, second]
+
+
+def test_shared_decode_processes_host_both_models_in_their_prefill_nodes_dtypes(
+    shared_decode: dict[str, Any], tmp_path: Path
+) -> None:
+    """The decode service's models file names each model as its prefill service serves it
+    (name, source, dtype: a decode node takes KV only from prefill nodes of its model and
+    dtype), the router serves the same names, and no decode service per model runs."""
+    services = shared_decode["services"]
+    decode = services["decode"]
+    (mount,) = decode["configs"]
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(shared_decode["configs"][mount["source"]]["content"])
+    assert environment(decode)["TANDEM_MODELS_FILE"] == mount["target"]
+    with pytest.MonkeyPatch.context() as env:
+        clear_tandem_env(env)
+        for key, value in (environment(decode) | {"TANDEM_MODELS_FILE": str(models_file)}).items():
+            env.setenv(key, value)
+        args = build_parser().parse_args(["decode"])
+    entries = model_entries(args, "unused")
+    served = []
+    for prefill in ("prefill", "prefill-second"):
+        env_of = environment(services[prefill])
+        name, _, source = env_of["TANDEM_MODEL"].partition("=")
+        served.append((name, source or name, env_of["TANDEM_DTYPE"]))
+    assert [(e.name, e.source, e.dtype) for e in entries] == served
+    with pytest.MonkeyPatch.context() as env:
+        clear_tandem_env(env)
+        env.setenv("TANDEM_MODEL", environment(services["router"])["TANDEM_MODEL"])
+        router = build_parser().parse_args(["router"])
+    assert [m.partition("=")[0] for m in router.model] == [e.name for e in entries]
+    assert services["decode-second"]["deploy"]["replicas"] == 0
 
 
 @pytest.mark.parametrize(

@@ -82,20 +82,32 @@ def test_a_process_hosting_both_models_killed_mid_stream_loses_no_stream(
     shared: Stack, real_model: LoadedModel, tiny_model: LoadedModel
 ) -> None:
     stack = shared
-    # four streams of each model (the tiny one steps far faster: its streams are longer)
-    runs = [(real_model, MODEL, 40)] * 4 + [(tiny_model, TINY, 400)] * 4
+    # The router gathers a model's streams on the process where that model already runs
+    # and spills onto an idle process once its own carries 10 more (`best_decode`): 12
+    # streams of the real model put 11 on one process and 1 on the other; the tiny
+    # model's streams, sent once all of those are placed, join the less loaded process,
+    # which then runs both models. The tiny model steps far faster: its streams are longer.
+    runs = [(real_model, MODEL, 64)] * 12 + [(tiny_model, TINY, 400)] * 4
+    first_tiny = 12
     prompt = "Once upon a time, in a land far away,"
     ids = [model.tokenizer.encode(prompt + " " * i) for i, (model, _, _) in enumerate(runs)]
     events: list[list[str]] = [[] for _ in runs]
 
     async def run() -> tuple[list[str], str]:
         async with aiohttp.ClientSession() as session:
-            streams = [
-                asyncio.create_task(
+
+            def start(i: int) -> asyncio.Task[str]:
+                (_, name, n), prompt_ids = runs[i], ids[i]
+                return asyncio.create_task(
                     complete(session, stack.url, prompt_ids, n, {"model": name}, events[i])
                 )
-                for i, ((_, name, n), prompt_ids) in enumerate(zip(runs, ids, strict=True))
-            ]
+
+            streams = [start(i) for i in range(first_tiny)]
+            deadline = time.monotonic() + 120
+            while min(len(e) for e in events[:first_tiny]) < 1:  # every one placed
+                assert time.monotonic() < deadline, "the real model's streams did not start"
+                await asyncio.sleep(0.05)
+            streams += [start(i) for i in range(first_tiny, len(runs))]
 
             async def victim() -> str | None:
                 """A process running streams of both models, once every stream is under way."""
@@ -107,7 +119,6 @@ def test_a_process_hosting_both_models_killed_mid_stream_loses_no_stream(
                         busy.setdefault(process_of(n.node_id), set()).add(n.model)
                 return next((p for p, models in busy.items() if len(models) == 2), None)
 
-            deadline = time.monotonic() + 120
             while (chosen := await victim()) is None:
                 assert time.monotonic() < deadline, "no process ran streams of both models"
                 await asyncio.sleep(0.1)

@@ -2,7 +2,9 @@
 and `--decode-steps`: a float32 decode step at batch 1, 16 and 32, and a prefill of 4 x 256
 tokens, with the portable torch ops (gather + SDPA, transformers' modules, torch's linear),
 the CPU kernels (shared/model/cpu_kernels.py: paged attention, fused norms, rotary and
-SiLU), and the kernels with the linear layers through oneDNN (shared/model/cpu_gemm.py).
+SiLU), the kernels with the linear layers through oneDNN (shared/model/cpu_gemm.py), and
+the kernels with each linear layer's library chosen per size (`TANDEM_CPU_GEMM=auto`, the
+default: torch's linear for the few rows where it timed faster, oneDNN otherwise).
 
 Every configuration runs once per round and the order rotates between rounds (A/B
 interleaving), so machine noise spreads over all of them; the table shows medians over rounds
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -26,6 +29,7 @@ import torch
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
+from shared.model import cpu_gemm
 from shared.model.loader import LoadedModel, load_model
 from tandem.plan.profile import cpu_flags
 
@@ -109,15 +113,25 @@ def decode_steps(args: argparse.Namespace) -> None:
     config = EngineConfig(
         num_blocks=4096, max_num_seqs=64, detokenize=False, enable_prefix_caching=False
     )
+    os.environ[cpu_gemm.ENV_SWITCH] = "onednn"
     onednn, fused, portable = (Engine(model, config) for _ in range(3))
+    os.environ[cpu_gemm.ENV_SWITCH] = "auto"
+    auto = Engine(model, config)
     if onednn.runner.kernels is None:
         raise SystemExit("the CPU kernels are unavailable here (see the log)")
     if all(f is m for m, f in onednn.runner.linear.items()):
-        raise SystemExit("the oneDNN GEMMs are unavailable here (TANDEM_CPU_GEMM, torch build)")
+        raise SystemExit("the oneDNN GEMMs are unavailable here (torch build)")
     for engine in (fused, portable):  # torch's own linear
         engine.runner.linear = {m: m for m in engine.runner.linear}
     portable.runner.kernels = None
-    engines = {"portable ops": portable, "CPU kernels": fused, "kernels + oneDNN": onednn}
+    engines = {
+        "portable ops": portable,
+        "CPU kernels": fused,
+        "kernels + oneDNN": onednn,
+        "kernels + auto": auto,
+    }
+    print("auto: torch's linear up to these rows per weight shape (out, in, bias):",
+          cpu_gemm._TUNED)  # fmt: skip
     samples: dict[tuple[str, str], list[float]] = defaultdict(list)
     cases: list[tuple[str, str, Callable[[Engine], float]]] = [
         (name, f"decode b{b}", lambda e, b=b: decode_step_ms(e, b, args.context, 8))
@@ -137,11 +151,12 @@ def decode_steps(args: argparse.Namespace) -> None:
           f"{torch.get_num_threads()} threads, float32, context ~{args.context}\n")  # fmt: skip
     names = list(engines)
     print("| case | " + " | ".join(f"{n} ms" for n in names) + " | kernels / portable "
-          "| oneDNN / kernels |")  # fmt: skip
-    print("|---|" + "---:|" * (len(names) + 2))
+          "| oneDNN / kernels | auto / oneDNN |")  # fmt: skip
+    print("|---|" + "---:|" * (len(names) + 3))
     for case in dict.fromkeys(c for _, c, _ in cases):
-        g, k, o = (statistics.median(samples[(n, case)]) for n in names)
-        print(f"| {case} | {g:.1f} | {k:.1f} | {o:.1f} | {g / k:.2f}x | {k / o:.2f}x |")
+        g, k, o, a = (statistics.median(samples[(n, case)]) for n in names)
+        print(f"| {case} | {g:.1f} | {k:.1f} | {o:.1f} | {a:.1f} | {g / k:.2f}x | {k / o:.2f}x "
+              f"| {o / a:.2f}x |")  # fmt: skip
 
 
 def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:

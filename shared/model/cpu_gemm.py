@@ -15,28 +15,51 @@ rows aside): resident until the kernel needs the memory, then reclaimed like pag
 The results differ from MKL's in the last bits (another summation order), as any two GEMM
 libraries do; the greedy identity tests hold.
 
-Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=torch` keeps
-torch's own `linear` (MKL, or whatever the build uses); CUDA never takes this path.
+Which library wins depends on the CPU and on the rows: on an Intel Xeon (AMX) MKL's
+`linear` is about twice as fast at one row for the small projections (0.017 against 0.034
+ms for 576 x 576: oneDNN's fixed cost per call), slower from 16 rows, and the two are even
+at hundreds of rows. So the default (`auto`) times both, once per weight shape in a
+process, at 1, 4 and 32 rows, and a call of up to 64 rows takes the faster for its size
+(MKL only if it is 10% faster: a near tie keeps one library); more rows always go to oneDNN
+(compute-bound, where it was never slower on the hosts measured). Those small-row calls
+read the modules' own weights, which then stay resident.
+
+Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=onednn` takes
+oneDNN at every size, `=torch` keeps torch's own `linear` (MKL, or whatever the build
+uses); CUDA never takes this path.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-ENV_SWITCH = "TANDEM_CPU_GEMM"  # "onednn" (default where it applies) or "torch"
+ENV_SWITCH = "TANDEM_CPU_GEMM"  # "auto" (default where it applies), "onednn" or "torch"
+CHOICES = ("auto", "onednn", "torch")
+# calls of up to this many rows may take torch's linear: (largest rows, rows timed at)
+SMALL_ROW_BUCKETS = ((1, 1), (8, 4), (64, 32))
+TORCH_MARGIN = 0.9  # torch's linear is taken where it needs at most this share of the time
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]
+
+
+def choice() -> str:
+    chosen = os.environ.get(ENV_SWITCH, "auto").strip().lower()
+    if chosen not in CHOICES:
+        raise ValueError(f"{ENV_SWITCH} must be one of {', '.join(CHOICES)}, not {chosen!r}")
+    return chosen
 
 
 def wanted() -> bool:
-    choice = os.environ.get(ENV_SWITCH, "onednn").strip().lower()
-    if choice not in ("onednn", "torch"):
-        raise ValueError(f"{ENV_SWITCH} must be 'onednn' or 'torch', not {choice!r}")
-    return choice == "onednn"
+    return choice() != "torch"
 
 
 def available() -> bool:
@@ -68,8 +91,72 @@ class PackedLinear:
         return out
 
 
-def linears(modules: list[Any], device: torch.device, dtype: torch.dtype) -> dict[Any, Linear]:
-    """Each module's linear function: a packed copy's where it applies, else the module."""
+def median_ms(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:
+    """The medians of 7 calls of `a` and of `b`, taken in turns (a noisy moment costs
+    both alike), after one untimed call of each."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(7):
+        for fn, got in ((a, times[0]), (b, times[1])):
+            start = time.perf_counter()
+            fn()
+            got.append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1000, statistics.median(times[1]) * 1000
+
+
+def torch_faster(torch_ms: float, onednn_ms: float) -> bool:
+    return torch_ms <= TORCH_MARGIN * onednn_ms
+
+
+_TUNED: dict[tuple[int, int, bool], int] = {}  # this process's timings: rows torch serves
+
+
+class TunedLinear:
+    """`module(x)` through torch's linear or the packed copy, whichever was faster at
+    about x's number of rows when this weight's shape was timed."""
+
+    def __init__(self, module: Any, packed: PackedLinear, torch_rows: int) -> None:
+        self.weight = module.weight.detach()  # the module's own (no second copy)
+        self.bias = None if module.bias is None else module.bias.detach()
+        self.packed = packed
+        self.torch_rows = torch_rows  # calls of up to this many rows take torch's linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.torch_rows:
+            return F.linear(x, self.weight, self.bias)
+        return self.packed(x)
+
+
+def torch_rows_for(module: Any, packed: PackedLinear, timer: Timer = median_ms) -> int:
+    """Up to how many rows torch's linear is the faster for this weight: the buckets are
+    timed from one row up, and the first where oneDNN wins ends the range (both libraries
+    grow with the rows alike, and a range keeps each call's choice a comparison)."""
+    served = 0
+    with torch.inference_mode():
+        for largest, rows in SMALL_ROW_BUCKETS:
+            x = torch.randn(rows, module.in_features, dtype=module.weight.dtype)
+            by_torch = functools.partial(F.linear, x, module.weight, module.bias)
+            if not torch_faster(*timer(by_torch, functools.partial(packed, x))):
+                break
+            served = largest
+    return served
+
+
+def linears(
+    modules: list[Any], device: torch.device, dtype: torch.dtype, timer: Timer = median_ms
+) -> dict[Any, Linear]:
+    """Each module's linear function: a packed copy's where it applies (with torch's for
+    the row counts where that was faster, under `auto`), else the module."""
     if not applies(device, dtype):
         return {m: m for m in modules}
-    return {m: PackedLinear(m) for m in modules}
+    packed = {m: PackedLinear(m) for m in modules}
+    if choice() == "onednn":
+        return dict(packed)
+    tuned = _TUNED if timer is median_ms else {}  # one timing per weight shape
+    out: dict[Any, Linear] = {}
+    for m, p in packed.items():
+        shape = (m.out_features, m.in_features, m.bias is not None)
+        if shape not in tuned:
+            tuned[shape] = torch_rows_for(m, p, timer)
+        out[m] = TunedLinear(m, p, tuned[shape]) if tuned[shape] else p
+    return out

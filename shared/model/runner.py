@@ -9,7 +9,8 @@ attention is computed with the same `scaled_dot_product_attention` calls transfo
 so float32 greedy tokens equal `model.generate`'s. On CPU in float32 the same arithmetic
 runs through Tandem's kernels where they built (`cpu_kernels.py`: decode attention read in
 place from the cache, fused norms and rotary) and the linear layers through oneDNN
-with prepacked weights (`cpu_gemm.py`), tested to the same greedy tokens.
+with prepacked weights, or MKL where it timed faster (`cpu_gemm.py`), tested to the
+same greedy tokens.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class ModelRunner:
         silu = str(getattr(cfg, "hidden_act", "silu")) == "silu"
         self.kernels = cpu_kernels.load(self.device, model.dtype) if silu else None
         self.norms = [(ly.input_layernorm, ly.post_attention_layernorm) for ly in self.layers]
-        # every linear layer's function: through a oneDNN-packed weight on CPU float32
+        # every linear layer's function: a oneDNN-packed weight (or MKL at few rows) on CPU fp32
         modules = [self.lm_head]
         for ly in self.layers:
             a, m = ly.self_attn, ly.mlp

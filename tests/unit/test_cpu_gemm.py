@@ -45,6 +45,55 @@ def test_the_switch_and_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("TANDEM_CPU_GEMM", "onednn")
     got = cpu_gemm.linears([module], CPU, torch.float32)[module]
     assert isinstance(got, cpu_gemm.PackedLinear) == cpu_gemm.available()
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "auto")
+    got = cpu_gemm.linears([module], CPU, torch.float32)[module]
+    kinds = (cpu_gemm.PackedLinear, cpu_gemm.TunedLinear)
+    assert isinstance(got, kinds) == cpu_gemm.available()
+
+
+def timings(torch_wins_at: set[int], ratio: float = 0.5) -> tuple[cpu_gemm.Timer, list[int]]:
+    """A timer that reports torch's linear as taking `ratio` of oneDNN's time at the row
+    counts given (and twice it elsewhere), and the row counts it was asked about."""
+    asked: list[int] = []
+
+    def timer(by_torch: object, by_onednn: object) -> tuple[float, float]:
+        rows = by_torch.args[0].shape[0]  # type: ignore[attr-defined]
+        asked.append(rows)
+        return (ratio if rows in torch_wins_at else 2.0), 1.0
+
+    return timer, asked
+
+
+def test_auto_takes_torchs_linear_up_to_the_rows_where_it_was_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not cpu_gemm.available():
+        pytest.skip("this torch has no oneDNN linear (the torch path serves)")
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "auto")
+    torch.manual_seed(0)
+    a, b, other = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32), torch.nn.Linear(32, 64)
+    timer, asked = timings({1, 4})
+    got = cpu_gemm.linears([a, b, other], CPU, torch.float32, timer)
+    assert asked == [1, 4, 32] * 2  # once per weight shape, from one row up
+    tuned = got[a]
+    assert isinstance(tuned, cpu_gemm.TunedLinear) and tuned.torch_rows == 8
+    tuned.packed = lambda x: torch.full((x.shape[0], 32), 7.0)  # type: ignore[assignment]
+    with torch.inference_mode():
+        for rows in (1, 8):  # torch's product, from the module's own weight
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(tuned(x), a(x))
+        assert bool((tuned(torch.randn(9, 64)) == 7.0).all())  # the packed copy's
+    # oneDNN faster at one row: the packed copy at every size, and no more timing
+    timer, asked = timings(set())
+    assert isinstance(cpu_gemm.linears([a], CPU, torch.float32, timer)[a], cpu_gemm.PackedLinear)
+    assert asked == [1]
+    # torch faster but within the margin: a near tie keeps oneDNN
+    timer, asked = timings({1, 4, 32}, ratio=0.95)
+    assert isinstance(cpu_gemm.linears([a], CPU, torch.float32, timer)[a], cpu_gemm.PackedLinear)
+    # faster at every size timed: up to 64 rows, and oneDNN beyond
+    timer, asked = timings({1, 4, 32})
+    tuned = cpu_gemm.linears([a], CPU, torch.float32, timer)[a]
+    assert isinstance(tuned, cpu_gemm.TunedLinear) and tuned.torch_rows == 64
 
 
 def test_the_runner_uses_it_and_its_logits_agree(tiny_model: LoadedModel) -> None:
@@ -56,7 +105,8 @@ def test_the_runner_uses_it_and_its_logits_agree(tiny_model: LoadedModel) -> Non
     runner = ModelRunner(tiny_model, cache)
     layers = len(runner.layers)
     assert len(runner.linear) == 1 + 7 * layers
-    assert all(isinstance(f, cpu_gemm.PackedLinear) for f in runner.linear.values())
+    kinds = (cpu_gemm.PackedLinear, cpu_gemm.TunedLinear)
+    assert all(isinstance(f, kinds) for f in runner.linear.values())
     assert all(isinstance(m, torch.nn.Linear) for m in runner.linear)
     torch.manual_seed(3)
     cache.kv.normal_()
@@ -73,7 +123,10 @@ def test_greedy_tokens_are_the_same_either_way(
 ) -> None:
     prompts = [[5, 9, 200, 31, 7], list(range(40, 140))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with_auto = Engine(tiny_model, EngineConfig(num_blocks=64)).generate(prompts, params)
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "onednn")
     with_onednn = Engine(tiny_model, EngineConfig(num_blocks=64)).generate(prompts, params)
+    assert with_onednn == with_auto
     monkeypatch.setenv("TANDEM_CPU_GEMM", "torch")
     engine = Engine(tiny_model, EngineConfig(num_blocks=64))
     assert all(f is m for m, f in engine.runner.linear.items())

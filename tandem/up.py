@@ -89,9 +89,6 @@ def run(args: argparse.Namespace) -> int:
         print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
         return 2
     served_models(args)  # a bad models file stops here, before anything starts
-    if args.shared_decode and args.autoscale:
-        print("error: --shared-decode cannot be autoscaled yet", file=sys.stderr)
-        return 2
     stack = Stack(args)
     stopping = threading.Event()
 

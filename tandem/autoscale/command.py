@@ -16,7 +16,10 @@ With `--pool MODEL=PREFILL:DECODE` (repeated, one per model) it scales each mode
 on its own, as `tandem up --autoscale` does for a models file: the compose services or
 Deployments PREFILL and DECODE hold that model's nodes (compose.second-model.yaml's
 `prefill-second`/`decode-second`, for example), and each pool gets its own policy over
-its own model's nodes, prefill queue and TTFT.
+its own model's nodes, prefill queue and TTFT. Pools that all name one decode service
+(`--pool A=prefill:decode --pool B=prefill-second:decode`, compose.shared-decode.yaml)
+share its processes, each hosting every model: each model's policy then scales its
+prefill service, and one more scales the decode service, a process counting once.
 """
 
 from __future__ import annotations
@@ -52,6 +55,18 @@ def parse_pools(given: list[str] | None) -> dict[str, dict[str, str]]:
     return pools
 
 
+def shared_decode_service(pools: dict[str, dict[str, str]]) -> str | None:
+    """The decode service every pool names, when they name one (decode processes hosting
+    every model, compose.shared-decode.yaml); None when each model has its own. Pools
+    sharing a decode service with some models and not others are an error."""
+    decodes = {names["decode"] for names in pools.values()}
+    if len(pools) < 2 or len(decodes) == len(pools):
+        return None
+    if len(decodes) > 1:
+        raise SystemExit("error: --pool: a decode service is shared by some models only")
+    return decodes.pop()
+
+
 async def serve(args: argparse.Namespace) -> None:
     setup_logging("autoscale", "autoscaler", args.log_level)
     stop = stop_on_signals()
@@ -76,8 +91,17 @@ async def serve(args: argparse.Namespace) -> None:
     if not pools:
         log.info("autoscaling prefill and decode (%s)", where)
     backends = {model: make(names) for model, names in pools.items()}
+    shared = shared_decode_service(pools)
+    if shared is not None:
+        log.info("%s: decode processes every model shares, scaled as one pool", shared)
     await run_controller(
-        args, backends or make(None), args.nats, BusAuth.from_args(args), args.router_url, stop
+        args,
+        backends or make(None),
+        args.nats,
+        BusAuth.from_args(args),
+        args.router_url,
+        stop,
+        None if shared is None else make(next(iter(pools.values()))),
     )
 
 

@@ -9,6 +9,12 @@ A controller given a `model` scales that model's pool alone: it sees only that m
 its prefill queue and its requests' TTFT, and its backend starts and stops that model's
 nodes. `run_controller` runs one such controller per model (each with its own policy, so
 one model's load never starts or stops another's nodes) when it is given several.
+
+Decode processes that host every model (`tandem up --shared-decode`) are one pool for all
+models: each model's controller then scales its prefill nodes alone, and one more
+controller scales the decode processes, seeing each process as one node (its models'
+node entries summed: the sequences it runs for all of them; its KV use is the fullest
+entry's, since they share one budget).
 """
 
 from __future__ import annotations
@@ -70,6 +76,34 @@ def p90_between(before: dict[float, float], now: dict[float, float]) -> float | 
     return bounds[-1]
 
 
+def per_process(nodes: list[NodeSample], hosts: Mapping[str, str]) -> list[NodeSample]:
+    """Decode node entries of one process (`hosts`: node id → its process's, for the
+    nodes of processes hosting several models) as one sample named after the process:
+    the sequences all of them run, the KV use of the fullest (one budget shared), draining
+    if any is. Other nodes are as they were."""
+    out: list[NodeSample] = []
+    groups: dict[str, list[NodeSample]] = {}
+    for n in nodes:
+        host = hosts.get(n.node_id)
+        if n.role == "decode" and host:
+            groups.setdefault(host, []).append(n)
+        else:
+            out.append(n)
+    for host, group in sorted(groups.items()):
+        fullest = max(group, key=lambda n: n.kv_used)
+        out.append(
+            NodeSample(
+                node_id=host,
+                role="decode",
+                running=sum(n.running for n in group),
+                free_kv_blocks=fullest.free_kv_blocks,
+                total_kv_blocks=fullest.total_kv_blocks,
+                draining=any(n.draining for n in group),
+            )
+        )
+    return out
+
+
 @dataclass
 class Controller:
     bus: Bus
@@ -81,6 +115,8 @@ class Controller:
     history: deque[Observation] = field(default_factory=lambda: deque(maxlen=3600))
     on_decision: Callable[[Decision], None] | None = None
     model: str | None = None  # the model whose pool this scales (None: every node)
+    roles: tuple[str, ...] = ROLES  # the roles it scales (a shared decode pool: its own)
+    by_process: bool = False  # a decode process hosting several models is one node
     _registry: NodeRegistry | None = None
     _buckets: dict[float, float] = field(default_factory=dict)
 
@@ -100,6 +136,8 @@ class Controller:
             for n in entries
             if n.role in ROLES and self.model in (None, n.model)
         ]
+        if self.by_process:
+            nodes = per_process(nodes, {n.node_id: n.host for n in entries if n.host})
         if self.model is not None:
             models = {self.model}
         else:
@@ -140,7 +178,7 @@ class Controller:
     async def tick(self) -> list[Decision]:
         obs = await self.sample()
         self.history.append(obs)
-        current = {role: self.backend.count(role) for role in ROLES}
+        current = {role: self.backend.count(role) for role in self.roles}
         decisions = self.policy.observe(obs, current)
         pool = "" if self.model is None else f" of {self.model}"
         for d in decisions:
@@ -172,9 +210,11 @@ async def run_controller(
     auth: BusAuth,
     router_url: str | None,
     stop: asyncio.Event,
+    shared_decode: Backend | None = None,
 ) -> None:
     """Scale one pool (a backend), or one pool per model (backends by served model name),
-    each with a policy of its own, until `stop`."""
+    each with a policy of its own, until `stop`. `shared_decode`: the decode processes
+    every model shares, scaled as one pool (the models' backends then scale prefill)."""
     bus = await Bus(nats_url, "autoscaler", auth).connect(stop=stop)
     pools: dict[str | None, Backend] = {}
     if isinstance(backends, Mapping):
@@ -182,6 +222,7 @@ async def run_controller(
     else:
         pools[None] = backends
     try:
+        roles = ("prefill",) if shared_decode is not None else ROLES
         controllers = [
             Controller(
                 bus,
@@ -190,9 +231,22 @@ async def run_controller(
                 router_url,
                 interval=args.scale_interval,
                 model=model,
+                roles=roles,
             )
             for model, backend in pools.items()
         ]
+        if shared_decode is not None:
+            controllers.append(
+                Controller(
+                    bus,
+                    shared_decode,
+                    policy_from_args(args),
+                    router_url,
+                    interval=args.scale_interval,
+                    roles=("decode",),
+                    by_process=True,
+                )
+            )
         await asyncio.gather(*(c.run(stop) for c in controllers))
     finally:
         await bus.close()

@@ -3,7 +3,8 @@
 A new node is a copy of the stack's first node of that role (same model, transport and
 engine options) under a fresh name and metrics port, with its share of the cores as torch
 threads. A backend given a model counts, copies and stops that model's nodes alone (one
-backend per model: `tandem up --autoscale` with several models). Removing a node sends it
+backend per model: `tandem up --autoscale` with several models); decode processes hosting
+every model (`--shared-decode`) are one backend's, for all models. Removing a node sends it
 SIGTERM, so a
 decode node drains (finishes its streams, takes no new ones) before it exits, and the
 routers resume anything left when it leaves.
@@ -118,8 +119,10 @@ def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Even
         every = LocalBackend(stack)
         models = sorted({m for c in stack.children if (m := served_name(c)) is not None})
         pools = {m: LocalBackend(stack, m, like=every) for m in models}
+        # decode processes hosting every model: one pool of processes, every model's
+        shared = every if len(pools) > 1 and stack.args.shared_decode else None
         await run_controller(
-            args, pools if len(pools) > 1 else every, stack.nats_url, auth, stack.url, stop
+            args, pools if len(pools) > 1 else every, stack.nats_url, auth, stack.url, stop, shared
         )
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), name="autoscale", daemon=True)

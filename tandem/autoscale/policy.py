@@ -99,10 +99,13 @@ class Policy:
 
     def observe(self, obs: Observation, current: Mapping[str, int]) -> list[Decision]:
         """Decisions for this tick, at most one per role. `current[role]` is the backend's
-        count of nodes started and not asked to stop (including ones still loading)."""
+        count of nodes started and not asked to stop (including ones still loading); a role
+        missing from it is another controller's to scale (a decode pool shared by models)."""
         decisions = []
         for role in ROLES:
-            decision = self._decide(role, obs, current.get(role, 0))
+            if role not in current:
+                continue
+            decision = self._decide(role, obs, current[role])
             if decision is not None:
                 self._record(decision, obs.time)
                 decisions.append(decision)

@@ -90,3 +90,47 @@ async def test_each_models_controller_sees_and_scales_its_own_pool(
         assert set(pools["a"].started) == {"decode"} and set(pools["b"].started) == {"prefill"}
     finally:
         await bus.close()
+
+
+async def test_a_shared_decode_pool_is_scaled_by_process_and_by_one_controller(
+    nats_server: NatsServer,
+) -> None:
+    """Decode processes hosting both models (`--shared-decode`): the decode controller sees
+    each process as one node carrying both models' sequences, and scales it; the models'
+    own controllers scale their prefill nodes alone (their backends have no decode count)."""
+    bus = await Bus(nats_server.url, "autoscale-shared").connect()
+    try:
+        assert bus.js is not None
+        await ensure_topology(bus.js, TopologyConfig())
+        registry = await NodeRegistry(bus, ttl=30).start()
+        # process decode-1 runs 5 sequences of each model (10: past the threshold of 8),
+        # its KV half used by one model's entry; decode-2 runs 4 + 5
+        for host, running in (("decode-1", (5, 5)), ("decode-2", (4, 5))):
+            for node_id, model, n in zip((host, host + "-m2"), "ab", running, strict=True):
+                free = 50 if node_id == "decode-1" else 90
+                info = node_info(
+                    node_id, "decode", model=model, host=host, hosted_models=2, running=n,
+                    total_kv_blocks=100, free_kv_blocks=free,
+                )  # fmt: skip
+                await registry.heartbeat(info)
+        for model in "ab":
+            await registry.heartbeat(node_info(f"prefill-{model}", "prefill", model=model))
+        quick = PolicyConfig(up_window=0.0)
+        shared = CountingBackend({"decode": 2})
+        decode = Controller(bus, shared, Policy(quick), roles=("decode",), by_process=True)
+        seen = await decode.sample()
+        processes = {n.node_id: n for n in seen.serving("decode")}
+        assert set(processes) == {"decode-1", "decode-2"}
+        assert (processes["decode-1"].running, processes["decode-2"].running) == (10, 9)
+        assert processes["decode-1"].kv_used == 0.5  # the fullest entry's: one budget
+        pools = {m: CountingBackend({"prefill": 1}) for m in "ab"}
+        models = [
+            Controller(bus, pools[m], Policy(quick), model=m, roles=("prefill",)) for m in "ab"
+        ]
+        for _ in range(2):  # the first tick starts each condition's window, the next acts
+            for c in [decode, *models]:
+                await c.tick()
+        assert shared.started == ["decode"]  # 19 sequences over 2 processes: one more
+        assert all(not p.started for p in pools.values())  # no model's pool touched decode
+    finally:
+        await bus.close()

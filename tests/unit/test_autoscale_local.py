@@ -80,3 +80,37 @@ def test_ttft_is_read_for_one_models_pool_or_all() -> None:
     assert ttft_buckets(text) == {0.5: 3.0, float("inf"): 5.0}
     assert ttft_buckets(text, "a") == {0.5: 1.0, float("inf"): 3.0}
     assert ttft_buckets(text, "c") == {}
+
+
+def test_shared_decode_processes_are_one_pool_whose_copies_host_every_model(
+    tiny_model_dir: Path,
+) -> None:
+    """`tandem up --shared-decode --autoscale`: the decode processes, each hosting both
+    models, are counted and copied as one pool (the backend start_local gives the decode
+    controller), and a copy hosts both models too."""
+    argv = ["up", "--model", "smollm2-135m-instruct", "--model", f"tiny={tiny_model_dir}"]
+    args = [*argv, "--prefill", "1", "--decode", "1", "--shared-decode", "--autoscale"]
+    stack = Stack(build_parser().parse_args(args))
+    stack.children = stack.plan()
+    sleepers = []
+    try:
+        for child in stack.children:
+            child.proc = subprocess.Popen(["sleep", "60"], text=True)
+            sleepers.append(child.proc)
+
+        def spawn(child: Child) -> None:  # a stand-in process, not a model node
+            child.proc = subprocess.Popen(["sleep", "60"], text=True)
+            sleepers.append(child.proc)
+
+        stack._spawn = spawn  # type: ignore[method-assign]
+        every = LocalBackend(stack)
+        assert every.count("decode") == 1 and every.count("prefill") == 2
+        assert every.scale_up("decode", 1) == ["decode-2"]
+        new = stack.child("decode-2")
+        models = [new.argv[i + 1] for i, a in enumerate(new.argv) if a == "--model"]
+        assert models == ["smollm2-135m-instruct", f"tiny={tiny_model_dir}"]
+        assert every.count("decode") == 2
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()

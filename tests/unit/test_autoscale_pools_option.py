@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.autoscale.command import parse_pools
+from tandem.autoscale.command import parse_pools, shared_decode_service
 
 pytestmark = pytest.mark.unit
 
@@ -31,3 +31,14 @@ def test_a_malformed_pool_is_an_error_naming_it(bad: str) -> None:
 def test_a_model_named_twice_is_an_error() -> None:
     with pytest.raises(SystemExit, match="names model 'smol' twice"):
         parse_pools(["smol=prefill:decode", "smol=p2:d2"])
+
+
+def test_pools_naming_one_decode_service_share_it() -> None:
+    shared = parse_pools(["a=prefill:decode", "b=prefill-second:decode"])
+    assert shared_decode_service(shared) == "decode"
+    own = parse_pools(["a=prefill:decode", "b=prefill-second:decode-second"])
+    assert shared_decode_service(own) is None
+    assert shared_decode_service(parse_pools(["a=prefill:decode"])) is None
+    partly = parse_pools(["a=p:decode", "b=p2:decode", "c=p3:decode-c"])
+    with pytest.raises(SystemExit, match="shared by some models only"):
+        shared_decode_service(partly)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import logging
 from typing import Any
 
@@ -20,6 +21,7 @@ from shared.runtime import faults
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_engine_node_parser, add_option, model_entries
 from shared.runtime.service import run_service
+from shared.telemetry.logs import bind
 
 log = logging.getLogger("tandem.decode")
 
@@ -124,9 +126,17 @@ async def serve(args: argparse.Namespace) -> None:
             margs.node_id = f"{first.node_id}-m{i}"
             runtimes.append(await NodeRuntime.connect("decode", margs.node_id, margs, first.stop))
         budget = KVBudget(args.kv_cache_mb << 20) if len(hosted) > 1 else None
+        contexts = []
         for rt, margs in zip(runtimes, hosted, strict=True):
             engine = await thread.call(engine_from_args, margs, budget)
-            worker, warm = await start_worker(rt, engine, thread, margs, rate)
+            # Each model's node logs as itself: its tasks (subscriptions, loops) start in a
+            # context naming its node and model (the process's default is the first node).
+            context = contextvars.copy_context()
+            context.run(bind, node_id=rt.node_id, model=engine.model.served_name)
+            contexts.append(context)
+            worker, warm = await asyncio.create_task(
+                start_worker(rt, engine, thread, margs, rate), context=context
+            )
             workers.append(worker)
             warming += [warm] if warm is not None else []
         if len(workers) > 1:  # each node's heartbeat tells what its process runs in all
@@ -138,7 +148,12 @@ async def serve(args: argparse.Namespace) -> None:
                 {w.engine.model.served_name: w.metrics for w in workers}
             )
         faults.install(thread)
-        await asyncio.gather(*(w.run(first.stop) for w in workers))
+        await asyncio.gather(
+            *(
+                asyncio.create_task(w.run(first.stop), context=c)
+                for w, c in zip(workers, contexts, strict=True)
+            )
+        )
     finally:
         for task in warming:
             task.cancel()

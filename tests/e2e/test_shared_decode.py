@@ -7,6 +7,7 @@ SIGKILLed mid-stream, and every stream of both completes, identical, on the othe
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,14 @@ def test_each_decode_process_hosts_both_models_and_answers_are_exact(
         "decode-2",
     ]
     sixteen_mixed_streams_are_exact(stack, real_model, tiny_model)
+    # each model's node logs as itself, naming its model (not as the process's first node)
+    assert stack.out is not None
+    lines = [json.loads(line.split("] ", 1)[1]) for line in Path(stack.out.name).read_text()
+             .splitlines() if line.startswith("[decode-") and "] {" in line]  # fmt: skip
+    admitted = {(e["node_id"], e.get("model")) for e in lines if "admitted" in e["event"]}
+    assert {(n, TINY) for n in ("decode-1-m2", "decode-2-m2")} <= admitted, admitted
+    assert all(m == TINY for n, m in admitted if n.endswith("-m2"))
+    assert all(m == MODEL for n, m in admitted if not n.endswith("-m2"))
 
 
 def test_a_process_hosting_both_models_killed_mid_stream_loses_no_stream(

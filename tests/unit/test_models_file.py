@@ -16,7 +16,6 @@ from shared.model.tokenizer import load_tokenizer
 from shared.runtime.options import model_entries
 from tandem.cli import build_parser
 from tandem.launcher import Stack
-from tandem.up import run as run_up
 
 pytestmark = pytest.mark.unit
 
@@ -146,5 +145,3 @@ def test_shared_decode_plans_decode_processes_hosting_every_model(tmp_path: Path
     assert [decode[i + 1] for i, x in enumerate(decode) if x == "--model"] == ["a", "b=c"]
     decode_args = build_parser().parse_args(decode)
     assert [m.option for m in model_entries(decode_args, "d")] == ["a", "b=c"]
-    both = ["up", "--model", "a", "--model", "b", "--shared-decode", "--autoscale"]
-    assert run_up(build_parser().parse_args(both)) == 2  # refused before anything starts

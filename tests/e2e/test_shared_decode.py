@@ -1,8 +1,10 @@
 """A decode pool shared across models (issue 27): `tandem up --model A --model B
 --decode 2 --shared-decode` starts two decode processes, each hosting both models (one
 engine per model on one engine thread, one KV budget), each model a node of its own in
-the registry. Every answer is its model's; a process hosting streams of both models is
-SIGKILLed mid-stream, and every stream of both completes, identical, on the other."""
+the registry. Every answer is its model's; a load of both models makes the autoscaler
+add a process hosting both, and drain it away after; a process hosting streams of both
+models is SIGKILLed mid-stream, and every stream of both completes, identical, on the
+other."""
 
 from __future__ import annotations
 
@@ -20,10 +22,15 @@ from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import free_port
 from shared.model.loader import LoadedModel
+from tandem.autoscale.controller import Controller
+from tandem.autoscale.local_backend import LocalBackend
+from tandem.autoscale.policy import Policy, PolicyConfig
+from tandem.autoscale.types import Decision, RoleBounds
 from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack
 from tests.e2e.streaming import MODEL, complete
 from tests.e2e.test_api import reference, text_of
+from tests.e2e.test_failover import router_metric
 from tests.e2e.test_models import TINY, sixteen_mixed_streams_are_exact
 
 
@@ -82,9 +89,90 @@ def test_each_decode_process_hosts_both_models_and_answers_are_exact(
     lines = [json.loads(line.split("] ", 1)[1]) for line in Path(stack.out.name).read_text()
              .splitlines() if line.startswith("[decode-") and "] {" in line]  # fmt: skip
     admitted = {(e["node_id"], e.get("model")) for e in lines if "admitted" in e["event"]}
-    assert {(n, TINY) for n in ("decode-1-m2", "decode-2-m2")} <= admitted, admitted
+    assert {m for _, m in admitted} == {MODEL, TINY}, admitted  # wherever they were placed
     assert all(m == TINY for n, m in admitted if n.endswith("-m2"))
     assert all(m == MODEL for n, m in admitted if not n.endswith("-m2"))
+
+
+def test_a_load_of_both_models_adds_a_decode_process_hosting_both_and_removes_it_after(
+    shared: Stack, real_model: LoadedModel, tiny_model: LoadedModel
+) -> None:
+    """`--shared-decode --autoscale`: the decode controller sees each process as one node
+    (both models' sequences counted), starts a third process, which hosts both models and
+    takes requests of both, and drains it away once the load is over."""
+    stack = shared
+    policy = Policy(
+        PolicyConfig(
+            decode_running_high=3,
+            decode_running_low=1,
+            up_window=1.0,
+            down_window=4.0,
+            cooldown=2.0,
+            down_after_up=5.0,
+            bounds={"decode": RoleBounds(2, 3)},
+        )
+    )
+    backend = LocalBackend(stack)
+
+    async def run() -> tuple[list[str], list[Decision]]:
+        bus = await Bus(stack.nats_url, "autoscaler", stack.auth).connect()
+        controller = Controller(
+            bus, backend, policy, interval=0.5, roles=("decode",), by_process=True
+        )
+        stop = asyncio.Event()
+        loop_task = asyncio.create_task(controller.run(stop))
+        runs = [(MODEL, 48), (TINY, 300)] * 6
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                def wave(first: int) -> list[asyncio.Task[str]]:
+                    return [
+                        asyncio.create_task(
+                            complete(
+                                session,
+                                stack.url,
+                                [5, 6, 7, first + i],
+                                n,
+                                {"model": m, "ignore_eos": True},
+                            )
+                        )
+                        for i, (m, n) in enumerate(runs)
+                    ]
+
+                streams = wave(100)
+                deadline = time.monotonic() + 240
+                while len({process_of(n.node_id) for n in await decode_entries(stack)}) < 3:
+                    assert time.monotonic() < deadline, "no third decode process registered"
+                    await asyncio.sleep(0.5)
+                while len(await decode_entries(stack)) < 6:  # both its models' nodes
+                    assert time.monotonic() < deadline, "the new process lacks a model"
+                    await asyncio.sleep(0.5)
+                streams += wave(200)  # the router spreads it over all three
+                texts = list(await asyncio.gather(*streams))
+                while backend.count("decode") > 2:
+                    assert time.monotonic() < deadline, "decode was not scaled back down"
+                    await asyncio.sleep(0.5)
+                # within the loop: the thread that started it is the loop's executor's,
+                # and a child gets SIGTERM when that thread ends (shared/procs.py)
+                new = stack.child("decode-3")
+                assert new.proc is not None
+                exited = await asyncio.to_thread(new.proc.wait, 60)
+                assert exited == 0  # drained, then exited
+        finally:
+            stop.set()
+            await loop_task
+            await bus.close()
+        return texts, [d for _, d in controller.decisions]
+
+    texts, decisions = asyncio.run(run())
+    assert len(texts) == 24 and all(texts)  # every stream of both waves completed
+    assert [d.delta for d in decisions] == [1, -1]
+    assert decisions[1].remove == ("decode-3",)  # the process, by its first node's id
+    served = {
+        m: router_metric(stack, "tandem_node_requests_total", role="decode", node=n)
+        for m, n in ((MODEL, "decode-3"), (TINY, "decode-3-m2"))
+    }
+    assert all(v > 0 for v in served.values()), served  # it took requests of both models
 
 
 def test_a_process_hosting_both_models_killed_mid_stream_loses_no_stream(

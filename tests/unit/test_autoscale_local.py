@@ -3,8 +3,10 @@ with several models, each model's backend scales its own nodes; TTFT per model."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.autoscale.controller import ttft_buckets
@@ -13,14 +15,31 @@ from tandem.cli import build_parser
 from tandem.launcher import Child, Stack
 
 
+@contextlib.contextmanager
+def stand_ins(stack: Stack) -> Iterator[None]:
+    """The stack's planned children, and any it starts, as `sleep` processes (not model
+    nodes), killed on the way out."""
+    sleepers: list[subprocess.Popen[str]] = []
+
+    def spawn(child: Child) -> None:
+        child.proc = subprocess.Popen(["sleep", "60"], text=True)
+        sleepers.append(child.proc)
+
+    try:
+        for child in stack.children:
+            spawn(child)
+        stack._spawn = spawn  # type: ignore[method-assign]
+        yield
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+
+
 def test_a_new_node_gets_its_share_of_the_cores() -> None:
     stack = Stack(build_parser().parse_args(["up", "--prefill", "1", "--decode", "1"]))
     stack.children = stack.plan()
-    sleepers = []
-    try:
-        for child in stack.children:  # stand-ins for the running services
-            child.proc = subprocess.Popen(["sleep", "60"], text=True)
-            sleepers.append(child.proc)
+    with stand_ins(stack):
         template = next(c for c in stack.children if c.name == "decode-1")
         cores = len(os.sched_getaffinity(0))
         assert template.argv[template.argv.index("--threads") + 1] == str(max(1, cores // 2))
@@ -28,10 +47,6 @@ def test_a_new_node_gets_its_share_of_the_cores() -> None:
         assert child.name == "decode-2"
         assert child.argv[child.argv.index("--threads") + 1] == str(max(1, cores // 3))
         assert child.argv[child.argv.index("--node-id") + 1] == "decode-2"
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()
 
 
 def test_each_models_backend_counts_copies_and_stops_its_own_nodes(tiny_model_dir: Path) -> None:
@@ -40,17 +55,7 @@ def test_each_models_backend_counts_copies_and_stops_its_own_nodes(tiny_model_di
     stack = Stack(build_parser().parse_args([*argv, "--prefill", "1", "--decode", "1"]))
     stack.children = stack.plan()
     assert {served_name(c) for c in stack.children} == {"smollm2-135m-instruct", "tiny", None}
-    sleepers = []
-    try:
-        for child in stack.children:
-            child.proc = subprocess.Popen(["sleep", "60"], text=True)
-            sleepers.append(child.proc)
-
-        def spawn(child: Child) -> None:  # a stand-in process, not a model node
-            child.proc = subprocess.Popen(["sleep", "60"], text=True)
-            sleepers.append(child.proc)
-
-        stack._spawn = spawn  # type: ignore[method-assign]
+    with stand_ins(stack):
         every = LocalBackend(stack)
         tiny = LocalBackend(stack, "tiny", like=every)
         smol = LocalBackend(stack, "smollm2-135m-instruct", like=every)
@@ -64,10 +69,6 @@ def test_each_models_backend_counts_copies_and_stops_its_own_nodes(tiny_model_di
         assert new.argv[new.argv.index("--threads") + 1] == str(max(1, cores // 5))
         tiny.scale_down("decode", ["decode-3"])
         assert (tiny.count("decode"), smol.count("decode"), every.count("decode")) == (1, 1, 2)
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()
 
 
 def test_ttft_is_read_for_one_models_pool_or_all() -> None:
@@ -92,17 +93,7 @@ def test_shared_decode_processes_are_one_pool_whose_copies_host_every_model(
     args = [*argv, "--prefill", "1", "--decode", "1", "--shared-decode", "--autoscale"]
     stack = Stack(build_parser().parse_args(args))
     stack.children = stack.plan()
-    sleepers = []
-    try:
-        for child in stack.children:
-            child.proc = subprocess.Popen(["sleep", "60"], text=True)
-            sleepers.append(child.proc)
-
-        def spawn(child: Child) -> None:  # a stand-in process, not a model node
-            child.proc = subprocess.Popen(["sleep", "60"], text=True)
-            sleepers.append(child.proc)
-
-        stack._spawn = spawn  # type: ignore[method-assign]
+    with stand_ins(stack):
         every = LocalBackend(stack)
         assert every.count("decode") == 1 and every.count("prefill") == 2
         assert every.scale_up("decode", 1) == ["decode-2"]
@@ -110,7 +101,3 @@ def test_shared_decode_processes_are_one_pool_whose_copies_host_every_model(
         models = [new.argv[i + 1] for i, a in enumerate(new.argv) if a == "--model"]
         assert models == ["smollm2-135m-instruct", f"tiny={tiny_model_dir}"]
         assert every.count("decode") == 2
-    finally:
-        for p in sleepers:
-            p.kill()
-            p.wait()

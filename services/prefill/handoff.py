@@ -22,7 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 from shared.bus.client import Bus
 from shared.bus.ids import handoff_transfer_id
 from shared.bus.messages import DecodeAssignment, NodeInfo, SequenceSnapshot, encode, read_reply
-from shared.bus.registry import NodeRegistry
+from shared.bus.registry import CachedNodes, NodeRegistry
 from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
@@ -64,6 +64,7 @@ class HandOff:
         self.bus = bus
         self.transport = transport
         self.registry = registry
+        self.decode_nodes = CachedNodes(registry)  # one read serves a second's hand-offs
         self.metrics = metrics
         self.cancelled = cancelled  # request ids the worker heard cancelled
         self.stopping = stopping  # the node's stop: no more retries
@@ -100,8 +101,9 @@ class HandOff:
         delay = 0.05
         # Decode nodes refuse while full; keep the computed KV and retry them (with backoff)
         # rather than recomputing later, until the request's deadline.
+        fresh = False  # the first pass from the last registry read; retries read afresh
         while time.time() < deadline and not self.stopping.is_set():
-            for node in await self._decode_candidates(job.job.decode_node):
+            for node in await self._decode_candidates(job.job.decode_node, fresh):
                 if job.job.attempt_id in self.cancelled:
                     await job.term()
                     return
@@ -110,6 +112,7 @@ class HandOff:
                     await job.ack()
                     return
             await job.in_progress()  # still ours: do not let ack_wait redeliver it
+            fresh = True
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
         log.warning("no decode node took %s (tried %s)", job.job.attempt_id, sorted(tried))
@@ -119,13 +122,13 @@ class HandOff:
         else:
             await job.nak(delay=RETRY_DELAY)
 
-    async def _decode_candidates(self, preferred: str) -> list[NodeInfo]:
+    async def _decode_candidates(self, preferred: str, fresh: bool = False) -> list[NodeInfo]:
         # only nodes that key their blocks as this one does: the same model and dtype
         # (an older node, without a hash key, is taken on trust)
         key = self.engine.hash_extra.decode()
         nodes = [
             n
-            for n in (await self.registry.nodes()).values()
+            for n in (await self.decode_nodes.nodes(preferred, fresh)).values()
             if n.role == "decode" and not n.draining and n.hash_key in ("", key)
         ]
         nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))

@@ -172,6 +172,33 @@ class NodeRegistry:
             await watcher.stop()
 
 
+class CachedNodes:
+    """A registry read reused for `refresh` seconds, for callers on a request's critical
+    path: a read is a round trip per entry (6-20 ms measured for a prefill node's hand-off
+    on a 2-core host with five entries, more on a larger cluster). Read afresh when stale,
+    when asked for a node it does not list (one that joined since), or when told to
+    (`fresh`: after every listed node failed). An empty read (the registry unreadable)
+    keeps the last view."""
+
+    def __init__(self, registry: NodeRegistry, refresh: float = 1.0) -> None:
+        self.registry = registry
+        self.refresh = refresh
+        self.view: dict[str, NodeInfo] = {}
+        self.reads = 0  # registry reads made
+        self._read_at = -float("inf")
+
+    async def nodes(self, wanted: str = "", fresh: bool = False) -> dict[str, NodeInfo]:
+        now = time.monotonic()
+        stale = now - self._read_at > self.refresh
+        if fresh or stale or (wanted and wanted not in self.view):
+            found = await self.registry.nodes()
+            self.reads += 1
+            self._read_at = now
+            if found or not self.view:
+                self.view = found
+        return self.view
+
+
 STALE_CHECK = 0.5  # seconds between looks for unrefreshed entries, when no update comes
 
 

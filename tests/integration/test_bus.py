@@ -21,7 +21,13 @@ from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode, encode
 from shared.bus.params import SamplingParams
-from shared.bus.registry import NodeRegistry, RegistryEvent, node_info, stale_after
+from shared.bus.registry import (
+    CachedNodes,
+    NodeRegistry,
+    RegistryEvent,
+    node_info,
+    stale_after,
+)
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
     NODES_BUCKET,
@@ -374,3 +380,27 @@ async def test_server_with_credentials_refuses_others_fast() -> None:
 def test_user_without_password_is_a_clear_error() -> None:
     with pytest.raises(TandemError, match="go together"):
         BusAuth(user="tandem").connect_kwargs()
+
+
+async def test_a_cached_registry_view_is_read_again_only_when_it_must_be(
+    nats_server: NatsServer,
+) -> None:
+    """A prefill node's hand-offs read the registry once a second, not once each: again
+    when the view is stale, when the wanted node is not in it, or when told to."""
+    bus = await connect(nats_server, "cached-view")
+    try:
+        registry = await NodeRegistry(bus, ttl=30).start()
+        await registry.heartbeat(node_info("decode-1", "decode"))
+        view = CachedNodes(registry, refresh=60.0)
+        assert set(await view.nodes()) == {"decode-1"} and view.reads == 1
+        await registry.heartbeat(node_info("decode-2", "decode"))
+        assert set(await view.nodes("decode-1")) == {"decode-1"}  # from the last read
+        assert view.reads == 1
+        assert set(await view.nodes("decode-2")) == {"decode-1", "decode-2"}  # unknown: read
+        await registry.heartbeat(node_info("decode-3", "decode"))
+        assert "decode-3" in await view.nodes(fresh=True) and view.reads == 3
+        view.refresh = 0.0  # stale at once: every call reads
+        await registry.heartbeat(node_info("decode-4", "decode"))
+        assert "decode-4" in await view.nodes() and view.reads == 4
+    finally:
+        await bus.close()

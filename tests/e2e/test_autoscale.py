@@ -48,6 +48,22 @@ def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
+def quick_policy(bounds: dict[str, RoleBounds]) -> Policy:
+    """The seed policy with thresholds and windows for a 2-core machine and a test's time:
+    HIGH sequences a decode node call for another, short windows and cooldowns."""
+    return Policy(
+        PolicyConfig(
+            decode_running_high=HIGH,
+            decode_running_low=1,
+            up_window=1.0,
+            down_window=4.0,
+            cooldown=2.0,
+            down_after_up=5.0,
+            bounds=bounds,
+        )
+    )
+
+
 def crossing(history: list[Observation]) -> float | None:
     """When mean running sequences per serving decode node first reached HIGH."""
     for obs in history:
@@ -60,17 +76,7 @@ def crossing(history: list[Observation]) -> float | None:
 async def test_spike_scales_decode_up_and_back_down_without_failures(
     small_stack: Stack,
 ) -> None:
-    policy = Policy(
-        PolicyConfig(
-            decode_running_high=HIGH,
-            decode_running_low=1,
-            up_window=1.0,
-            down_window=4.0,
-            cooldown=2.0,
-            down_after_up=5.0,
-            bounds={"decode": RoleBounds(1, 2), "prefill": RoleBounds(1, 1)},
-        )
-    )
+    policy = quick_policy({"decode": RoleBounds(1, 2), "prefill": RoleBounds(1, 1)})
     backend = LocalBackend(small_stack)
     bus = await Bus(small_stack.nats_url, "autoscaler", small_stack.auth).connect()
     controller = Controller(bus, backend, policy, small_stack.url, interval=0.5)

@@ -24,12 +24,12 @@ from shared.bus.server import free_port
 from shared.model.loader import LoadedModel
 from tandem.autoscale.controller import Controller
 from tandem.autoscale.local_backend import LocalBackend
-from tandem.autoscale.policy import Policy, PolicyConfig
 from tandem.autoscale.types import Decision, RoleBounds
 from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack
 from tests.e2e.streaming import MODEL, complete
 from tests.e2e.test_api import reference, text_of
+from tests.e2e.test_autoscale import quick_policy
 from tests.e2e.test_failover import router_metric
 from tests.e2e.test_models import TINY, sixteen_mixed_streams_are_exact
 
@@ -101,17 +101,7 @@ def test_a_load_of_both_models_adds_a_decode_process_hosting_both_and_removes_it
     (both models' sequences counted), starts a third process, which hosts both models and
     takes requests of both, and drains it away once the load is over."""
     stack = shared
-    policy = Policy(
-        PolicyConfig(
-            decode_running_high=3,
-            decode_running_low=1,
-            up_window=1.0,
-            down_window=4.0,
-            cooldown=2.0,
-            down_after_up=5.0,
-            bounds={"decode": RoleBounds(2, 3)},
-        )
-    )
+    policy = quick_policy({"decode": RoleBounds(2, 3)})  # 3 sequences a process call for one more
     backend = LocalBackend(stack)
 
     async def run() -> tuple[list[str], list[Decision]]:

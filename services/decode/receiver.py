@@ -166,7 +166,8 @@ class KVReceiver:
         bind(request_id=rid)
         with TRACER.start_as_current_span("decode.admission", context=ctx) as admission:
             try:
-                await self.node.on_engine(self.engine.add_snapshot, exp.snapshot, bytes(payload))
+                # the received buffer itself: imported into the pool, its one copy
+                await self.node.on_engine(self.engine.add_snapshot, exp.snapshot, payload)
             except TandemError as exc:
                 admission.set_status(Status(StatusCode.ERROR, exc.message))
                 raise TransferRejected(exc.message, request_id=rid) from exc

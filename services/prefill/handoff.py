@@ -75,7 +75,7 @@ class HandOff:
         job: ReceivedJob,
         out: StepOutput,
         snap: SequenceSnapshot | None,
-        frame: bytes | None,
+        frame: memoryview | None,
         ctx: otel_context.Context,
     ) -> None:
         bind(request_id=job.job.attempt_id)  # this task's log lines carry the request id
@@ -90,7 +90,11 @@ class HandOff:
                     await job.term()
 
     async def _hand_off(
-        self, job: ReceivedJob, out: StepOutput, snap: SequenceSnapshot | None, frame: bytes | None
+        self,
+        job: ReceivedJob,
+        out: StepOutput,
+        snap: SequenceSnapshot | None,
+        frame: memoryview | None,
     ) -> None:
         await self._publish_first(job, out)
         if snap is None or frame is None:  # finished on its first token
@@ -135,7 +139,7 @@ class HandOff:
         return nodes
 
     async def _send_to(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
+        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: memoryview
     ) -> bool:
         with TRACER.start_as_current_span(
             "kv.transfer.send",
@@ -158,7 +162,7 @@ class HandOff:
             return ok
 
     async def _assign_and_send(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: bytes
+        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: memoryview
     ) -> bool:
         assert self.bus.nc is not None
         rid = job.job.attempt_id
@@ -186,7 +190,7 @@ class HandOff:
         if not answer.accepted:
             log.info("%s refused %s: %s", node.node_id, rid, answer.reason)
             return False
-        payload = memoryview(frame)
+        payload = frame
         header = make_header(
             rid,
             assignment.transfer_id,

@@ -185,19 +185,37 @@ class PrefillWorker:
             span.end()
         by_id: dict[str, ReceivedJob] = {j.job.attempt_id: j for j in jobs}
         self._count(jobs, by_id, results, fetched)
-        for out, _, frame in results:
-            if frame is not None:
-                job = by_id[out.request_id].job
-                request = compute[out.request_id].get_span_context()
-                self.prefix.store(
-                    job.prompt_ids + job.output_ids, out, frame, request, job.params.cache_salt
-                )
         await asyncio.gather(
             *(
-                handoff.run(by_id[out.request_id], out, snap, frame, contexts[out.request_id])
+                self._hand_off_and_store(
+                    handoff, by_id[out.request_id], out, snap, frame, contexts, compute
+                )
                 for out, snap, frame in results
             )
         )
+
+    async def _hand_off_and_store(
+        self,
+        handoff: HandOff,
+        received: ReceivedJob,
+        out: StepOutput,
+        snap: SequenceSnapshot | None,
+        frame: memoryview | None,
+        contexts: dict[str, otel_context.Context],
+        compute: dict[str, Span],
+    ) -> None:
+        """Hand a prefilled sequence over, then queue its new blocks for kvcache. In this
+        order because the store's copies, checksums and sends share the node's core and
+        event loop with the hand-off: queued first, they stretched the gap before a
+        stream's second token (measured: the transfer started 12 ms after the first token
+        instead of 4, a 240-token prompt). A later prompt finds the blocks a hand-off later."""
+        await handoff.run(received, out, snap, frame, contexts[out.request_id])
+        if frame is not None:
+            job = received.job
+            request = compute[out.request_id].get_span_context()
+            self.prefix.store(
+                job.prompt_ids + job.output_ids, out, frame, request, job.params.cache_salt
+            )
 
     def _start_spans(
         self, jobs: list[ReceivedJob], contexts: dict[str, otel_context.Context], fetched: int
@@ -244,7 +262,7 @@ class PrefillWorker:
         self,
         jobs: list[ReceivedJob],
         by_id: dict[str, ReceivedJob],
-        results: list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]],
+        results: list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]],
         fetched: int,
     ) -> None:
         """The batch's metrics, and how much of each resumed request was recomputed."""
@@ -269,7 +287,7 @@ class PrefillWorker:
         self,
         prefixes: list[tuple[list[BlockHash], list[memoryview]]],
         jobs: list[ReceivedJob],
-    ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
+    ) -> list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]]:
         """On the engine thread: place loaded prefix blocks, then prefill (nothing between)."""
         for hashes, blocks in prefixes:
             if blocks:

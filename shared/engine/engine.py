@@ -35,7 +35,7 @@ from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine.tail_exchange import TailExchange
 from shared.errors import CapacityError, WireFormatError
 from shared.kv.block_pool import BlockPool
-from shared.kv.export import decode_kv, encode_kv
+from shared.kv.export import decode_kv, new_frame
 from shared.kv.paged_cache import PagedKVCache
 from shared.kv.shared_pool import KVBudget, SharedBlockPool
 from shared.kv.tail import TailBlock
@@ -186,8 +186,9 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def add_snapshot(self, snapshot: SequenceSnapshot, kv_frame: bytes) -> str:
-        """Continue a sequence computed elsewhere: import its KV, then join the batch."""
+    def add_snapshot(self, snapshot: SequenceSnapshot, kv_frame: bytes | memoryview) -> str:
+        """Continue a sequence computed elsewhere: import its KV, then join the batch (a
+        writable frame, as received, is copied once: into the pool)."""
         header, blocks = decode_kv(kv_frame)
         if header.layout() != self.layout:
             raise WireFormatError(
@@ -235,12 +236,14 @@ class Engine:
             self.scheduler.add(seq, front=True)
         return seq.request_id
 
-    def export(self, request_id: str) -> tuple[SequenceSnapshot, bytes]:
-        """Snapshot and KV frame of a sequence (its blocks stay allocated)."""
+    def export(self, request_id: str) -> tuple[SequenceSnapshot, memoryview]:
+        """Snapshot and KV frame of a sequence (its blocks stay allocated); the blocks
+        are copied once, straight into the frame."""
         seq = self.requests[request_id]
         nblocks = self.scheduler.blocks_for(seq.num_computed)
-        data = self.cache.read_blocks(seq.block_ids[:nblocks])
-        return seq.snapshot(), encode_kv(self.layout, data, seq.num_computed)
+        frame, payload = new_frame(self.layout, nblocks, seq.num_computed)
+        self.cache.read_blocks(seq.block_ids[:nblocks], out=payload)
+        return seq.snapshot(), frame
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks are freed. False if unknown."""
@@ -377,7 +380,7 @@ class Engine:
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
         resumed: dict[str, list[int]] | None = None,
-    ) -> list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]]:
+    ) -> list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]]:
         """Prefill node: one packed forward for all, first tokens, KV frames; blocks freed.
 
         A request finished by its first token (EOS, max_tokens=1) has no snapshot to ship.
@@ -385,7 +388,7 @@ class Engine:
         """
         if self.has_unfinished():
             raise RuntimeError("prefill_and_export needs an engine with no other work")
-        results: list[tuple[StepOutput, SequenceSnapshot | None, bytes | None]] = []
+        results: list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]] = []
         try:
             for request_id, prompt_ids, params in requests:
                 self.add_request(prompt_ids, params, request_id, (resumed or {}).get(request_id))

@@ -11,8 +11,10 @@ from __future__ import annotations
 import struct
 
 import msgspec
+import numpy as np
 import torch
 
+from shared.buffers import uninitialised
 from shared.errors import WireFormatError
 from shared.kv.paged_cache import KVLayout
 
@@ -20,6 +22,7 @@ MAGIC = b"TKV1"
 EXPORT_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 1 << 20
+_ALIGN = 64  # bytes: where a frame we build puts its payload
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -53,11 +56,16 @@ class KVExportHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
-def encode_kv(
-    layout: KVLayout, blocks: torch.Tensor, num_tokens: int, first_block: int = 0
-) -> bytes:
-    """Frame `blocks` (as returned by `PagedKVCache.read_blocks`) with its header."""
-    raw = blocks.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+def new_frame(
+    layout: KVLayout, num_blocks: int, num_tokens: int, first_block: int = 0
+) -> tuple[memoryview, torch.Tensor]:
+    """A frame for `num_blocks` blocks with its header written, and a block-major tensor
+    over its payload that the caller fills whole (the payload is left uninitialised).
+
+    Filling the payload in place is the export's one copy: a gather into a tensor, its
+    bytes, then the header joined on, made three (and faulted in fresh pages each time):
+    35 ms for a 610-token prompt's 29 MB on the engine thread, measured."""
+    payload_bytes = num_blocks * layout.bytes_per_block
     header = KVExportHeader(
         version=EXPORT_VERSION,
         num_layers=layout.num_layers,
@@ -67,20 +75,43 @@ def encode_kv(
         dtype=DTYPE_NAMES[layout.dtype],
         num_tokens=num_tokens,
         first_block=first_block,
-        num_blocks=int(blocks.shape[0]),
-        payload_bytes=len(raw),
+        num_blocks=num_blocks,
+        payload_bytes=payload_bytes,
     )
     head = msgspec.msgpack.encode(header)
-    return _PREFIX.pack(MAGIC, len(head)) + head + raw
+    start = _PREFIX.size + len(head)
+    raw = uninitialised(start + payload_bytes + _ALIGN)
+    # the payload at an aligned address: the copies into and out of it go at full speed
+    skip = -(np.frombuffer(raw, dtype=np.uint8).ctypes.data + start) % _ALIGN
+    frame = raw[skip : skip + start + payload_bytes]
+    _PREFIX.pack_into(frame, 0, MAGIC, len(head))
+    frame[_PREFIX.size : start] = head
+    shape = layout.blocks_shape(num_blocks)
+    if not payload_bytes:
+        return frame, torch.empty(shape, dtype=layout.dtype)
+    payload = torch.frombuffer(frame[start:], dtype=torch.uint8)
+    return frame, payload.view(layout.dtype).view(shape)
+
+
+def encode_kv(
+    layout: KVLayout, blocks: torch.Tensor, num_tokens: int, first_block: int = 0
+) -> memoryview:
+    """Frame `blocks` (block-major, as `PagedKVCache.read_blocks` returns them)."""
+    frame, payload = new_frame(layout, int(blocks.shape[0]), num_tokens, first_block)
+    payload.copy_(blocks.detach())
+    return frame
 
 
 _header_decoder = msgspec.msgpack.Decoder(KVExportHeader)
 
 
 def decode_kv(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, torch.Tensor]:
-    """Validate a frame and return its header and a tensor (a copy) of its blocks."""
+    """Validate a frame and return its header and a tensor of its blocks: a view of a
+    writable frame's payload (a received buffer is imported without a copy of its own),
+    a copy of a read-only one's."""
     header, payload = split_frame(frame)
-    return header, header.layout().blocks_from_bytes(bytearray(payload), header.num_blocks)
+    raw = bytearray(payload) if payload.readonly else payload
+    return header, header.layout().blocks_from_bytes(raw, header.num_blocks)
 
 
 def split_frame(frame: bytes | bytearray | memoryview) -> tuple[KVExportHeader, memoryview]:

@@ -57,7 +57,7 @@ class KVLayout:
             self.head_dim,
         )
 
-    def blocks_from_bytes(self, raw: bytearray, num_blocks: int) -> torch.Tensor:
+    def blocks_from_bytes(self, raw: bytearray | memoryview, num_blocks: int) -> torch.Tensor:
         """A tensor view of `num_blocks` block-major blocks held in `raw` (no copy)."""
         data = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
         return data.view(self.blocks_shape(num_blocks))
@@ -126,13 +126,17 @@ class PagedKVCache:
         v = self.kv[layer, 1].index_select(0, flat).view(shape).transpose(1, 2)
         return k, v
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A block-major copy `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`.
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A block-major copy `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`,
+        into `out` if given (an export frame's payload: no copy after this one).
 
         One pass over the data: block by block into the result (index_select, then making
         it block-major, copied everything twice, on the engine thread between steps)."""
         shape = self.layout.blocks_shape(len(block_ids))
-        out = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+        if out is None:
+            out = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+        elif out.shape != shape or out.dtype != self.kv.dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, blocks need {shape}")
         for i, block_id in enumerate(block_ids):
             out[i].copy_(self.kv[:, :, block_id])
         return out

@@ -86,7 +86,7 @@ class PrefixCache:
         self,
         token_ids: list[int],
         out: StepOutput,
-        frame: bytes,
+        frame: memoryview,
         request: SpanContext | None = None,
         cache_salt: str = "",
     ) -> None:

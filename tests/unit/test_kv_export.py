@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.errors import WireFormatError
-from shared.kv.export import decode_kv, encode_kv
+from shared.kv.export import decode_kv, encode_kv, new_frame
 from shared.kv.paged_cache import KVLayout, PagedKVCache
 
 pytestmark = pytest.mark.unit
@@ -31,6 +31,26 @@ def test_round_trip_between_caches(dtype: torch.dtype) -> None:
     assert torch.equal(dst.kv[:, :, 0], src.kv[:, :, 7])
     assert torch.equal(dst.kv[:, :, 1], src.kv[:, :, 2])
     assert torch.equal(dst.kv[:, :, 2], src.kv[:, :, 5])
+
+
+def test_blocks_are_read_straight_into_an_aligned_frame_and_imported_from_it() -> None:
+    lay = layout()
+    src = PagedKVCache(lay, 10, torch.device("cpu"))
+    src.kv.copy_(torch.randn(src.kv.shape))
+    frame, payload = new_frame(lay, 2, num_tokens=7)
+    src.read_blocks([3, 8], out=payload)
+    assert payload.data_ptr() % 64 == 0  # the copies into and out of it at full speed
+    header, data = decode_kv(frame)
+    assert header.num_blocks == 2 and header.num_tokens == 7
+    assert torch.equal(data[1], src.kv[:, :, 8])
+    data[1].zero_()  # a writable frame (as received) is viewed, not copied
+    assert not payload[1].any()
+    frozen = bytes(frame)  # a read-only one is copied: its tensor may be written
+    _, copy = decode_kv(frozen)
+    copy.zero_()
+    assert decode_kv(frozen)[1][0].abs().sum() > 0
+    with pytest.raises(ValueError):
+        src.read_blocks([3], out=payload)  # out must fit the blocks exactly
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,7 +80,7 @@ def test_slots_leave_slot_major_and_go_back_into_any_block(dtype: torch.dtype) -
 def good_frame() -> bytes:
     lay = layout()
     cache = PagedKVCache(lay, 2, torch.device("cpu"))
-    return encode_kv(lay, cache.read_blocks([0, 1]), num_tokens=8)
+    return bytes(encode_kv(lay, cache.read_blocks([0, 1]), num_tokens=8))
 
 
 def test_truncated_frame_is_rejected() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from shared.runtime import faults
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_engine_node_parser, add_option, model_entries
-from shared.runtime.service import run_service
+from shared.runtime.service import freeze_startup_objects, run_service
 from shared.telemetry.logs import bind
 
 log = logging.getLogger("tandem.decode")
@@ -148,6 +148,7 @@ async def serve(args: argparse.Namespace) -> None:
                 {w.engine.model.served_name: w.metrics for w in workers}
             )
         faults.install(thread)
+        freeze_startup_objects()
         await asyncio.gather(
             *(
                 asyncio.create_task(w.run(first.stop), context=c)

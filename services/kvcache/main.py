@@ -11,7 +11,7 @@ from services.kvcache.tails import TAIL_TTL, TailStore
 from services.kvcache.worker import KVCacheWorker
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_data_plane_options, add_node_options, add_option
-from shared.runtime.service import run_service
+from shared.runtime.service import freeze_startup_objects, run_service
 
 log = logging.getLogger("tandem.kvcache")
 
@@ -73,6 +73,7 @@ async def serve(args: argparse.Namespace) -> None:
             args.disk_mb,
             rt.transport.address,
         )
+        freeze_startup_objects()
         await rt.stop.wait()
     finally:
         await worker.close()

@@ -8,7 +8,7 @@ import logging
 
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import add_engine_node_parser
-from shared.runtime.service import run_service
+from shared.runtime.service import freeze_startup_objects, run_service
 
 log = logging.getLogger("tandem.prefill")
 
@@ -42,6 +42,7 @@ async def serve(args: argparse.Namespace) -> None:
         if cache is not None:  # prefix loads' first gets find it open
             warming = asyncio.create_task(keep_warm(cache, rt.stop))
         log.info("prefill node %s ready", rt.node_id)
+        freeze_startup_objects()
         await worker.run(rt.stop)
     finally:
         if warming is not None:

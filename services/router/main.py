@@ -41,7 +41,7 @@ from shared.runtime.options import (
     add_option,
     model_entries,
 )
-from shared.runtime.service import run_service
+from shared.runtime.service import freeze_startup_objects, run_service
 from shared.telemetry.tracing import setup_tracing
 
 log = logging.getLogger("tandem.router")
@@ -289,6 +289,7 @@ async def serve(args: argparse.Namespace) -> None:
             bus, parts.inflight, nodes, parts.metrics, parts.inflight.node_lost, timing
         )
         tasks.append(asyncio.create_task(probe.run(stop)))
+    freeze_startup_objects()  # its tokenizers' and libraries' objects: see the docstring
     try:
         await stop.wait()
     finally:

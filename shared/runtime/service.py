@@ -1,4 +1,5 @@
-"""Running a service's main coroutine: one-line errors, and a bounded end.
+"""Running a service's main coroutine: one-line errors, a bounded end, and a collector
+that leaves the start-up objects alone.
 
 A TandemError (bad model, bad option) ends the process with one line and exit 2; once the
 service's own shutdown is done, tasks it left behind get a few seconds before the process
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import logging
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from shared.errors import Stopped, TandemError
@@ -35,6 +38,30 @@ def run_service(
     except Stopped as exc:
         print(f"stopped: {exc}", file=sys.stderr)
     return 0
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then keep everything alive now out of later collections.
+
+    A model node holds ~410,000 objects once its model, tokenizer and libraries are loaded,
+    and a full collection walks them all: 95-125 ms measured, and up to 165 ms inside a
+    decode node under load, during which the GIL is held and every stream's next token
+    waits. They live as long as the process, so the collector has nothing to find there.
+    Call once start-up is done (what is garbage by then is collected first, not frozen)."""
+    gc.collect()
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def objects_frozen() -> Iterator[None]:
+    """`freeze_startup_objects` for the length of a block, then the heap as it was: for a
+    process whose timed work is one part of its life (the load generator's run, whose own
+    full collections, 94-120 ms measured, delayed the chunks it was timing)."""
+    freeze_startup_objects()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def _with_bounded_end(service: Coroutine[Any, Any, None]) -> None:

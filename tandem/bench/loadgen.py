@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from shared.runtime.service import objects_frozen
 from tandem.bench.client import request_body, send
 from tandem.bench.metrics import RequestRecord
 from tandem.bench.workload import RequestSpec
@@ -105,7 +106,7 @@ async def run_load(
     slots = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task[RequestRecord]] = []
-    start = time.perf_counter()
+    start = 0.0  # set once the collection below is done
 
     def clock() -> float:
         return time.perf_counter() - start
@@ -121,20 +122,25 @@ async def run_load(
             on_done(rec)
         return rec
 
-    async with session(target, load.concurrency or len(specs)) as http:
-        try:
-            for spec, at in zip(specs, offsets, strict=True):
-                if load.duration is not None and max(at, clock()) >= load.duration:
-                    break
-                if (delay := at - clock()) > 0:
-                    await asyncio.sleep(delay)
-                if slots is not None:
-                    await slots.acquire()  # closed loop: wait for a request to finish
-                rec = RequestRecord(prompt_tokens=len(spec.prompt_ids), max_tokens=spec.max_tokens)
-                records.append(rec)
-                tasks.append(asyncio.create_task(one(spec, rec)))
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # interrupted: leave no request running
-                task.cancel()
+    # the load generator's own full collections must not delay the chunks it times
+    with objects_frozen():
+        start = time.perf_counter()
+        async with session(target, load.concurrency or len(specs)) as http:
+            try:
+                for spec, at in zip(specs, offsets, strict=True):
+                    if load.duration is not None and max(at, clock()) >= load.duration:
+                        break
+                    if (delay := at - clock()) > 0:
+                        await asyncio.sleep(delay)
+                    if slots is not None:
+                        await slots.acquire()  # closed loop: wait for a request to finish
+                    rec = RequestRecord(
+                        prompt_tokens=len(spec.prompt_ids), max_tokens=spec.max_tokens
+                    )
+                    records.append(rec)
+                    tasks.append(asyncio.create_task(one(spec, rec)))
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:  # interrupted: leave no request running
+                    task.cancel()
     return records

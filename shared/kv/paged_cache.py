@@ -137,6 +137,8 @@ class PagedKVCache:
             out = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
         elif out.shape != shape or out.dtype != self.kv.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, blocks need {shape}")
+        elif out.device != self.kv.device:  # a GPU's blocks: gathered there, moved at once
+            return out.copy_(self.read_blocks(block_ids))
         for i, block_id in enumerate(block_ids):
             out[i].copy_(self.kv[:, :, block_id])
         return out

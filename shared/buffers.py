@@ -7,8 +7,10 @@ node. A numpy array is left uninitialised, and numpy asks for transparent huge p
 large ones: allocating and filling 90 MB took ~20 ms (the first one in a process ~150 ms).
 
 Every byte of such a buffer is written before anyone reads it: a transfer's receive buffer
-is filled whole and verified before it is used (a failed transfer's buffer is dropped), and
-a get's payload is cut to the blocks copied into it. Nothing stale can leave the process.
+is filled whole and verified before it is used (a failed transfer's buffer is dropped), a
+get's payload is cut to the blocks copied into it, and an export frame is its header plus
+a payload the gather that follows fills whole (the alignment slack around it is never
+part of the frame). Nothing stale can leave the process.
 """
 
 from __future__ import annotations

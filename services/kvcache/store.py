@@ -96,6 +96,7 @@ class BlockStore:
         )
         self.pins: dict[bytes, int] = {}
         self.stats = StoreStats()
+        self.last_size = 0  # the size class of the latest put (the one to fault in ahead)
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class BlockStore:
         stored it. False if not stored."""
         size = len(data)
         self.size_class(size)
+        self.last_size = size
         if block_hash in self.entries:
             self._touch(block_hash)
             return True

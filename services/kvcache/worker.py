@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.kvcache.pins import CheckpointPins
+from services.kvcache.prefault import keep_faulted_in
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
 from services.kvcache.tails import TailStore
 from services.kvcache.warm import WarmSender
@@ -50,6 +51,7 @@ from shared.bus.registry import node_info
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import extract_context
 from shared.errors import WireFormatError
+from shared.tasks import cancel_and_wait
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import TransferError, TransferRejected, Transport
@@ -96,6 +98,7 @@ class KVCacheWorker:
         self.pins = CheckpointPins(store)
         self.warm = WarmSender(bus, transport)
         self.metrics = _metrics(store, self.tails, lambda: self.lookups)
+        self._prefault: asyncio.Task[None] | None = None
 
     async def subscribe(self) -> None:
         assert self.bus.nc is not None
@@ -112,9 +115,11 @@ class KVCacheWorker:
         await self.bus.nc.subscribe(kvcache_subject(self.node_id, "purge"), cb=self.on_purge)
         self.events.cleared()  # a fresh store: whatever an earlier run announced is gone
         self.events.start()
+        self._prefault = asyncio.create_task(keep_faulted_in(self.store), name="prefault")
 
     async def close(self) -> None:
         self.warm.close()
+        await cancel_and_wait(self._prefault)
         await self.events.close()
 
     async def on_put(self, msg: Msg) -> None:

@@ -2,17 +2,18 @@
 
 A memory arena is an anonymous map: its pages cost nothing until first written, and then
 each 4 KiB page faults and is zeroed inside the put that writes it. On a fresh node every
-put paid that: measured on a 2-core VM, copying a 737 KB block into never-used slabs ran
-at 0.4-2.2 GB/s against ~10 GB/s into used ones, and while a wave of prompts was stored the
-kvcache node took 100-125 ms of CPU per decode step, beside the decode node's own step
-(docs/benchmarks.md, "The kvcache node's first-touch faults"). A background task now faults
-the next slabs in, a few MB at a time between the node's other work, so the bursts find
-them ready.
+put paid that: a 737 KB block took 0.40 ms to store into never-used slabs against 0.15 ms
+into slabs used before (benchmarks/kvcache_put.py), and py-spy found half of the node's
+busy time in that copy while a wave of prompts was stored, beside the decode node's steps
+(docs/benchmarks.md, "Where the split's ITL tail at 16 streams comes from"). A background
+task now faults the next slabs in, a few MB at a time between the node's other work, so
+the bursts find them ready.
 
-It stays within the memory tier's limit: it faults in only while the tier has room for
-the pages beside the blocks it holds and whatever is already faulted in ahead, and never
-more than `AHEAD_BYTES` ahead of a class's use. The class the latest put went to is the
-one kept ahead (one model's layout, usually the only one).
+It stays within the memory tier's limit: it faults in only while the extents every class
+has touched (slabs used at least once, which keep their pages when freed, and what is
+faulted in ahead) fit in the limit, and never more than `AHEAD_BYTES` ahead of a class's
+use. The class the latest put went to is the one kept ahead (one model's layout, usually
+the only one).
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ IDLE_PAUSE = 0.05  # and while nothing is left to do
 
 
 def prefault_step(store: BlockStore, nbytes: int = STEP_BYTES) -> int:
-    """Fault in up to `nbytes` ahead of the latest put's class, within the tier's room;
+    """Fault in up to `nbytes` ahead of the latest put's class, within the tier's limit;
     the bytes faulted in (0: nothing to do). Raises OSError where the system cannot."""
     arenas = store.classes.get(store.last_size)
     if arenas is None:
         return 0
     arena = arenas[MEMORY]
-    ahead = sum(a[MEMORY].ahead_bytes() for a in store.classes.values())
-    room = store.memory_bytes - store.used_bytes(MEMORY) - ahead
+    room = store.memory_bytes - sum(a[MEMORY].touched_bytes() for a in store.classes.values())
     n = min(nbytes, room, AHEAD_BYTES - arena.ahead_bytes())
     return arena.prefault(n) if n > 0 else 0
 

@@ -81,6 +81,11 @@ class SlabArena:
         """Bytes faulted in by `prefault` that no slab handed out so far covers."""
         return max(0, self.prefaulted - self.fresh * self.slab_bytes)
 
+    def touched_bytes(self) -> int:
+        """The extent whose pages may be resident: every slab handed out at least once (a
+        freed one keeps its pages until `release`) and what is faulted in ahead."""
+        return max(self.prefaulted, self.fresh * self.slab_bytes)
+
     def prefault(self, nbytes: int) -> int:
         """Fault in up to `nbytes` of the pages of the slabs never used yet, in the order
         they will be handed out, so the puts that fill them copy at memory speed instead

@@ -30,24 +30,33 @@ from tandem.plan.profile import cpu_flags  # noqa: E402
 BLOCK = 737_280
 
 
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def new_store(capacity: int, block: memoryview) -> BlockStore:
+    """A store whose size class exists (its first put, under a key no run uses)."""
+    store = BlockStore(capacity)
+    store.put(b"first".ljust(16, b"\0"), block)
+    return store
+
+
 def put_all(store: BlockStore, blocks: list[memoryview]) -> float:
     """Seconds to store every block (their hashes are new to the store)."""
     started = time.perf_counter()
     for i, data in enumerate(blocks):
-        store.put(i.to_bytes(16, "little"), data)
+        store.put(key(i), data)
     return time.perf_counter() - started
 
 
 def one_round(blocks: list[memoryview], capacity: int) -> dict[str, float]:
     seconds: dict[str, float] = {}
     # never used: the put faults in each page
-    store = BlockStore(capacity)
-    store.put(b"first".ljust(16, b"\0"), blocks[0])  # makes the size class
+    store = new_store(capacity, blocks[0])
     seconds["fresh"] = put_all(store, blocks)
     store.close()
     # faulted in ahead, as the node's background task does between puts
-    store = BlockStore(capacity)
-    store.put(b"first".ljust(16, b"\0"), blocks[0])
+    store = new_store(capacity, blocks[0])
     started = time.perf_counter()
     while prefault_step(store, 1 << 30):
         pass
@@ -55,11 +64,10 @@ def one_round(blocks: list[memoryview], capacity: int) -> dict[str, float]:
     seconds["faulted in ahead"] = put_all(store, blocks)
     store.close()
     # used before: the same store again, its blocks dropped
-    store = BlockStore(capacity)
-    store.put(b"first".ljust(16, b"\0"), blocks[0])
+    store = new_store(capacity, blocks[0])
     put_all(store, blocks)
     for i in range(len(blocks)):
-        store.remove(i.to_bytes(16, "little"))
+        store.remove(key(i))
     seconds["used before"] = put_all(store, blocks)
     store.close()
     return seconds

@@ -1,9 +1,12 @@
-"""Child-process helpers: children that die with their parent and ignore terminal signals."""
+"""Child-process helpers: children that die with their parent and run on the CPUs given."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import signal
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -15,3 +18,33 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: children then rely on the parent's orderly shutdown
+
+
+def child_setup(cpus: set[int] | None = None) -> None:
+    """preexec_fn: die with the parent; run only on `cpus` when given (its threads inherit
+    them)."""
+    die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The threads of a running process (pid 0: this one)."""
+    return [int(task.name) for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir()]
+
+
+def move_process(pid: int, cpus: set[int]) -> None:
+    """Run a running process, every thread of it, only on `cpus` (threads it starts later
+    inherit them from the thread that starts them). pid 0: this process."""
+    for tid in thread_ids(pid):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cpus)
+
+
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of a running process may run on (pid 0: this one)."""
+    out = []
+    for tid in thread_ids(pid):
+        with contextlib.suppress(ProcessLookupError):
+            out.append(os.sched_getaffinity(tid))
+    return out

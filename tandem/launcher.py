@@ -12,6 +12,11 @@ Children also get PR_SET_PDEATHSIG, so even a SIGKILLed launcher takes them down
 requests, the one-engine baseline `tandem bench compare` measures disaggregation against.
 `--pin-cores` pins each model node to one core of its own (round-robin), so N nodes on N
 cores share the same hardware as one node on all of them, without stealing each other's.
+`--isolate-decode` gives each decode node's engine thread (its steps) a core that nothing
+else uses, and puts every other process and thread (NATS, kvcache, prefill, router, the
+decode nodes' event loops) on the remaining cores: a decode step then never waits for a
+core while prompts are handed over (docs/benchmarks.md, "The decode engine thread on a
+core of its own").
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
 from shared.model.catalog import ModelEntry
 from shared.model.source import DEFAULT_MODEL
-from shared.procs import die_with_parent
+from shared.procs import child_setup
 from shared.runtime.options import model_entries, step_token_budget
 
 READY_TIMEOUT = 300.0
@@ -62,6 +67,8 @@ class Stack:
         self.metrics_ports: dict[str, int] = {}  # node name → its /metrics port
         self.env: dict[str, str] = {}  # extra environment for every service (benchmarks)
         self.affinity: dict[str, set[int]] = {}  # child name → the CPUs it may run on
+        self.engine_cpus: dict[str, set[int]] = {}  # decode node → its engine thread's CPUs
+        self.shared_cpus: set[int] | None = None  # everything else's, when isolated
         self.out = sys.stdout
         self.lock = threading.Lock()
 
@@ -121,11 +128,19 @@ class Stack:
             names = [name for name, _ in prefills + decodes]
             for k, name in enumerate(names):
                 self.affinity.setdefault(name, {cpus[k % len(cpus)]})
+        if a.isolate_decode:
+            self._isolate([name for name, _ in decodes], cpus)
+            names = ["router", *(f"kvcache-{i + 1}" for i in range(a.kvcache))]
+            for name in names + [name for name, _ in prefills + decodes]:
+                self.affinity.setdefault(name, set(self.shared_cpus or ()))
 
         def threads(name: str) -> int:
             # One torch thread per core a node may use: more would oversubscribe them.
+            if name in self.engine_cpus:
+                return int(a.threads or len(self.engine_cpus[name]))
             if name in self.affinity:
-                return int(a.threads or len(self.affinity[name]))
+                share = len(prefills) if self.engine_cpus else 1  # isolated: prefills share
+                return int(a.threads or max(1, len(self.affinity[name]) // share))
             return int(a.threads or max(1, len(cpus) // workers))
 
         chunking = [
@@ -163,10 +178,18 @@ class Stack:
             )
         for role, nodes in (("prefill", prefills), ("decode", decodes)):
             for name, model in nodes:
+                pinned = self.engine_cpus.get(name)
+                engine = ["--engine-cpus", ",".join(map(str, sorted(pinned)))] if pinned else []
                 out.append(
                     Child(
                         name,
-                        [role, *self._common(name), *self._model(threads(name), model), *data],
+                        [
+                            role,
+                            *self._common(name),
+                            *self._model(threads(name), model),
+                            *data,
+                            *engine,
+                        ],
                     )
                 )
         out.append(
@@ -198,6 +221,18 @@ class Stack:
         )
         return out
 
+    def _isolate(self, decodes: list[str], cpus: list[int]) -> None:
+        """--isolate-decode: the last len(decodes) CPUs, one per decode node's engine
+        thread; the others for everything else (a SystemExit if none would be left)."""
+        if len(cpus) <= len(decodes):
+            raise SystemExit(
+                f"error: --isolate-decode needs more CPUs than decode nodes: {len(decodes)} "
+                f"decode node(s), CPUs {cpus}"
+            )
+        for name, cpu in zip(decodes, cpus[-len(decodes) :], strict=True):
+            self.engine_cpus[name] = {cpu}
+        self.shared_cpus = set(cpus[: -len(decodes)])
+
     def start(self) -> None:
         if not self.nats_url:
             # Per-run credentials: nothing else on this machine can use our NATS, and each
@@ -205,11 +240,15 @@ class Stack:
             cluster = ClusterAuth.generate()
             self.auth, self.role_auth = cluster.admin, cluster.roles
             self.nats = NatsServer(
-                port=self.args.nats_port or free_port(), extra_config=cluster.server_config()
+                port=self.args.nats_port or free_port(),
+                extra_config=cluster.server_config(),
             ).start()
             self.nats_url = self.nats.url
             self.say(f"[up] nats-server -js at {self.nats_url}")
-        for child in self.plan():
+        children = self.plan()
+        if self.nats is not None and self.shared_cpus:
+            self.nats.run_on(self.shared_cpus)  # off the decode engines' cores too
+        for child in children:
             self._spawn(child)
             self.children.append(child)
 
@@ -240,7 +279,7 @@ class Stack:
             # Own session: terminal signals reach only this launcher, which stops the
             # services first and NATS last; PDEATHSIG covers a launcher that is killed.
             start_new_session=True,
-            preexec_fn=functools.partial(_child_setup, self.affinity.get(child.name)),
+            preexec_fn=functools.partial(child_setup, self.affinity.get(child.name)),
         )
 
         def pump() -> None:
@@ -329,13 +368,6 @@ class Stack:
         if self.nats is not None:
             self.nats.cleanup()
             self.nats = None
-
-
-def _child_setup(cpus: set[int] | None) -> None:
-    """preexec_fn: die with the launcher; run only on `cpus` when given."""
-    die_with_parent()
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def served_models(args: argparse.Namespace) -> list[ModelEntry]:

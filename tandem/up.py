@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 
+from shared.procs import move_process
 from shared.runtime.options import (
     add_chunking_options,
     add_model_options,
@@ -42,6 +43,13 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         p, "--profile", default=None, help="costs for --conditional (a tandem plan profile JSON)"
     )
     add_option(p, "--pin-cores", action="store_true", help="pin each model node to its own core")
+    add_option(
+        p,
+        "--isolate-decode",
+        action="store_true",
+        help="each decode node's engine thread on a core nothing else uses; every other "
+        "process and thread on the remaining cores (needs more cores than decode nodes)",
+    )
     add_option(p, "--decode", type=int, default=1, help="decode nodes (of each model)")
     add_option(
         p,
@@ -88,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill is not None and (args.prefill < 0 or (args.colocated and args.prefill)):
         print("error: --prefill must be at least 0 (and 0 with --colocated)", file=sys.stderr)
         return 2
+    if args.isolate_decode and (args.pin_cores or args.autoscale):
+        print("error: --isolate-decode places every node itself: not with --pin-cores or "
+              "--autoscale", file=sys.stderr)  # fmt: skip
+        return 2
     served_models(args)  # a bad models file stops here, before anything starts
     stack = Stack(args)
     stopping = threading.Event()
@@ -105,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
                 f"anyone who can reach {args.host}:{args.port}"
             )
         stack.start()
+        if stack.shared_cpus:  # this process too: its threads relay every service's output
+            move_process(0, stack.shared_cpus)
         stack.say(
             f"[up] starting {args.kvcache} kvcache, {prefill_nodes(args)} prefill and "
             f"{args.decode} decode node(s); "

@@ -116,10 +116,11 @@ async def serve(args: argparse.Namespace) -> None:
     ]
     first = await NodeRuntime.open("decode", hosted[0])
     runtimes = [first]
-    thread = EngineThread()
+    thread = EngineThread(args.engine_cpus)
     workers: list[Any] = []
     warming: list[asyncio.Task[None]] = []
     try:
+        await thread.pin()
         for i, margs in enumerate(hosted[1:], start=2):
             # Its own listener; its metrics on the process's port (the first node's).
             margs.data_port, margs.metrics_port = 0, None

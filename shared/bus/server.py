@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from shared.errors import TandemError
-from shared.procs import die_with_parent
+from shared.procs import die_with_parent, move_process
 
 # Bulk KV never travels over NATS, but raising max_payload keeps a 1 MiB body plus headers
 # from closing the client connection (the limit counts headers). Above 8 MB the server warns.
@@ -98,6 +98,12 @@ class NatsServer:
                 time.sleep(0.02)
         self.stop()
         raise TandemError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    def run_on(self, cpus: set[int]) -> None:
+        """Move the running server, every thread of it, onto `cpus` (threads it starts
+        later inherit them from the thread that starts them)."""
+        assert self.proc is not None
+        move_process(self.proc.pid, cpus)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is None:

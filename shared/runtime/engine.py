@@ -53,8 +53,9 @@ async def start_engine(args: argparse.Namespace) -> tuple[Engine, EngineThread]:
 
     Built anywhere else, the model load leaves a second OpenMP team behind and every step
     runs slower (engine_thread.py says why)."""
-    thread = EngineThread()
+    thread = EngineThread(args.engine_cpus)
     try:
+        await thread.pin()
         return await thread.call(engine_from_args, args), thread
     except BaseException:
         thread.close()

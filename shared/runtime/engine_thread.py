@@ -9,16 +9,24 @@ must be woken again. Loading the model on the main thread left a second, idle te
 and the engine thread's steps then ran 1.2-1.5x slower in the serving stack than in the
 engine benchmark (docs/benchmarks.md, "One OpenMP team"). With every torch op on this
 thread, the process has one team.
+
+The thread can also run on CPUs of its own (`cpus`): on Linux a thread's affinity is its
+own, so the engine's steps can have a core that nothing else in the process, nor the
+processes the launcher placed elsewhere, competes for (`tandem up --isolate-decode`).
+Threads the engine thread starts (torch's OpenMP workers) inherit its CPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from shared.errors import TandemError
 
 T = TypeVar("T")
 
@@ -30,7 +38,8 @@ class EngineThread:
     running now has run (0 when idle). A step takes ~0.1-1 s; a call running for many
     seconds is a hung engine, which the node then reports (see the decode worker)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: set[int] | None = None) -> None:
+        self.cpus = cpus
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.running_since: float | None = None  # time.monotonic() the running call began
         self.completed = 0  # calls finished
@@ -47,6 +56,19 @@ class EngineThread:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._timed, fn, *args)
+
+    async def pin(self) -> None:
+        """Move the thread onto its CPUs, if it has any. Call it before the first other call
+        (before the engine is built: torch's threads start with the CPUs of the thread that
+        starts them). A CPU this host does not have, or may not use, is a clear error."""
+        if self.cpus:
+            try:
+                await self.call(os.sched_setaffinity, 0, self.cpus)  # pid 0: this thread alone
+            except OSError as e:
+                raise TandemError(
+                    f"cannot run the engine thread on CPUs {sorted(self.cpus)} (this process "
+                    f"may use {sorted(os.sched_getaffinity(0))}): {e.strerror}"
+                ) from None
 
     def busy_for(self) -> float:
         since = self.running_since

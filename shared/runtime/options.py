@@ -32,7 +32,7 @@ def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> Non
             convert = kwargs.get("type", str)
             try:
                 kwargs["default"] = convert(raw)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 raise SystemExit(f"error: {env}={raw!r} is not a valid value: {exc}") from exc
     help_text = kwargs.get("help", "")
     kwargs["help"] = f"{help_text} [env {env}]".strip()
@@ -192,8 +192,32 @@ def add_chunking_options(p: argparse.ArgumentParser, deployment: bool = False) -
     )
 
 
+def cpu_list(text: str) -> set[int]:
+    """`1`, `0,2` or `2-3` (the notation of taskset and /proc): a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            msg = f"{text!r} is not a CPU list like 1 or 0,2-3"
+            raise argparse.ArgumentTypeError(msg) from None
+        if low < 0 or high < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: {part.strip()!r} is not a CPU range")
+        cpus.update(range(low, high + 1))
+    return cpus
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
+    add_option(
+        p,
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        help="run the engine thread (every step) on these CPUs only, e.g. 1 or 2-3; the "
+        "node's other threads keep the process's (default: the process's)",
+    )
     add_option(p, "--max-num-seqs", type=int, default=64)
     add_option(p, "--max-batched-tokens", type=int, default=4096)
     add_chunking_options(p)

@@ -1,4 +1,5 @@
-"""`tandem up` as users run it (what `make up` runs): ready, streams to curl, Ctrl-C cleans up."""
+"""`tandem up` as users run it (what `make up` runs): ready, streams to curl, Ctrl-C cleans up.
+With two CPUs or more it runs with `--isolate-decode`, and checks where every thread runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus.server import free_port
+from shared.procs import thread_cpus
 
 pytestmark = pytest.mark.e2e
 
@@ -31,11 +33,38 @@ def alive(pid: int) -> bool:
     return True
 
 
+CPUS = sorted(os.sched_getaffinity(0))
+ISOLATE = len(CPUS) >= 2  # the decode engine thread on the last CPU, the rest on the others
+
+
+def assert_isolated(kids: list[int]) -> None:
+    """Only the decode node's engine thread on the last CPU; every other thread, of every
+    service and of NATS, on the others."""
+    rest, last = set(CPUS[:-1]), {CPUS[-1]}
+    seen = {}
+    for pid in kids:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        role = "nats" if b"nats-server" in cmdline[0] else cmdline[3].decode()
+        seen[role] = thread_cpus(pid)
+    assert sorted(seen) == ["decode", "kvcache", "nats", "prefill", "router"]
+    for role, threads in seen.items():
+        if role == "decode":
+            assert threads.count(last) == 1, threads  # the engine thread
+            assert all(cpus == rest for cpus in threads if cpus != last), threads
+        else:
+            assert all(cpus == rest for cpus in threads), (role, threads)
+
+
 def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
+    if not ISOLATE:
+        print(f"one CPU ({CPUS}): tandem up without --isolate-decode")
     up = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port)],
+        [
+            *(sys.executable, "-m", "tandem.cli", "up", "--port", str(port)),
+            *(["--isolate-decode"] if ISOLATE else []),
+        ],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -48,6 +77,8 @@ def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
             time.sleep(0.5)
         kids = children_of(up.pid)
         assert len(kids) >= 5  # nats-server, kvcache, prefill, decode, router
+        if ISOLATE:
+            assert_isolated(kids)
         body = (
             '{"model": "smollm2-135m-instruct", "prompt": "The capital of France is",'
             ' "max_tokens": 8, "temperature": 0, "stream": true}'

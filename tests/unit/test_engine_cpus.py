@@ -16,8 +16,8 @@ from shared.procs import thread_cpus
 from shared.runtime.engine_thread import EngineThread
 from shared.runtime.options import cpu_list
 from tandem.cli import build_parser
-from tandem.launcher import Stack
 from tandem.up import run
+from tests.unit.test_colocated import plan_of
 
 pytestmark = pytest.mark.unit
 
@@ -71,11 +71,6 @@ def test_an_engine_cpu_the_host_lacks_is_a_clear_error() -> None:
             thread.close()
 
     assert asyncio.run(main()) == set(CPUS)
-
-
-def plan_of(*argv: str) -> tuple[Stack, dict[str, list[str]]]:
-    stack = Stack(build_parser().parse_args(["up", *argv]))
-    return stack, {c.name: c.argv for c in stack.plan()}
 
 
 def option(argv: list[str], flag: str) -> str | None:

@@ -240,8 +240,7 @@ class Stack:
             cluster = ClusterAuth.generate()
             self.auth, self.role_auth = cluster.admin, cluster.roles
             self.nats = NatsServer(
-                port=self.args.nats_port or free_port(),
-                extra_config=cluster.server_config(),
+                port=self.args.nats_port or free_port(), extra_config=cluster.server_config()
             ).start()
             self.nats_url = self.nats.url
             self.say(f"[up] nats-server -js at {self.nats_url}")

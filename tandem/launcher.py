@@ -129,10 +129,10 @@ class Stack:
             for k, name in enumerate(names):
                 self.affinity.setdefault(name, {cpus[k % len(cpus)]})
         if a.isolate_decode:
-            self._isolate([name for name, _ in decodes], cpus)
+            shared = self._isolate([name for name, _ in decodes], cpus)
             names = ["router", *(f"kvcache-{i + 1}" for i in range(a.kvcache))]
             for name in names + [name for name, _ in prefills + decodes]:
-                self.affinity.setdefault(name, set(self.shared_cpus or ()))
+                self.affinity.setdefault(name, shared)
 
         def threads(name: str) -> int:
             # One torch thread per core a node may use: more would oversubscribe them.
@@ -221,9 +221,10 @@ class Stack:
         )
         return out
 
-    def _isolate(self, decodes: list[str], cpus: list[int]) -> None:
+    def _isolate(self, decodes: list[str], cpus: list[int]) -> set[int]:
         """--isolate-decode: the last len(decodes) CPUs, one per decode node's engine
-        thread; the others for everything else (a SystemExit if none would be left)."""
+        thread; the others, returned, for everything else (a SystemExit if none would be
+        left)."""
         if len(cpus) <= len(decodes):
             raise SystemExit(
                 f"error: --isolate-decode needs more CPUs than decode nodes: {len(decodes)} "
@@ -232,6 +233,7 @@ class Stack:
         for name, cpu in zip(decodes, cpus[-len(decodes) :], strict=True):
             self.engine_cpus[name] = {cpu}
         self.shared_cpus = set(cpus[: -len(decodes)])
+        return self.shared_cpus
 
     def start(self) -> None:
         if not self.nats_url:

@@ -131,19 +131,23 @@ class NodeRegistry:
         watcher = await self.kv.watchall()
         known: dict[str, str] = {}  # key → node id
         deadline: dict[str, float] = {}  # key → when it is stale if not refreshed (monotonic)
+        checked = time.monotonic()
         try:
             while True:
-                try:
-                    entry = await watcher.updates(timeout=STALE_CHECK)
-                except nats.errors.TimeoutError:
-                    # Checked only with nothing queued: an update still waiting would refresh it.
-                    now = time.monotonic()
+                # Looked at every STALE_CHECK seconds, also while other nodes' updates keep
+                # coming (on a large cluster they never pause): a refresh still queued would
+                # be one that came `stale_after` late, and its node rejoins with it.
+                if time.monotonic() - checked >= STALE_CHECK:
+                    checked = now = time.monotonic()
                     for key in [k for k, at in deadline.items() if at < now]:
                         del deadline[key]
                         node_id = known.pop(key, None)
                         if node_id is not None:
                             log.warning("registry entry %s not refreshed: taken as gone", key)
                             yield RegistryEvent("leave", node_id, None)
+                try:
+                    entry = await watcher.updates(timeout=STALE_CHECK)
+                except nats.errors.TimeoutError:
                     continue
                 if isinstance(entry, StopIterSentinel):
                     return

@@ -22,6 +22,7 @@ from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode, encode
 from shared.bus.params import SamplingParams
 from shared.bus.registry import (
+    STALE_CHECK,
     CachedNodes,
     NodeRegistry,
     RegistryEvent,
@@ -210,12 +211,17 @@ async def test_registry_join_update_and_leave_by_ttl(nats_server: NatsServer) ->
 
         async def watch() -> None:
             async for ev in registry.watch():
-                if ev.kind != "synced":  # the end of the initial snapshot: not a node's event
+                if ev.kind == "synced":  # the end of the initial snapshot: not a node's event
+                    synced.set()
+                else:
                     events.append(ev)
                 if ev.kind == "leave":
                     seen_leave.set()
 
+        synced = asyncio.Event()
         watcher = asyncio.create_task(watch())
+        # The watch is set up before the node beats: what follows is the live part only.
+        await asyncio.wait_for(synced.wait(), timeout=10)
         node_registry = await NodeRegistry(node_bus, ttl=FAST.node_ttl).start()
         beats = asyncio.create_task(
             node_registry.run_heartbeats(
@@ -228,7 +234,12 @@ async def test_registry_join_update_and_leave_by_ttl(nats_server: NatsServer) ->
         stopped = time.monotonic()
         # By the expiry marker (about TTL + 1 s), or, if a loaded server's marker is lost
         # to the watcher, by the entry going unrefreshed: either way within a deadline.
-        await asyncio.wait_for(seen_leave.wait(), timeout=stale_after(FAST.node_ttl) + 3)
+        try:
+            await asyncio.wait_for(seen_leave.wait(), timeout=stale_after(FAST.node_ttl) + 3)
+        except TimeoutError:
+            if watcher.done() and watcher.exception() is not None:
+                raise AssertionError("the registry watch failed") from watcher.exception()
+            raise AssertionError(f"no leave; the watch saw {[e.kind for e in events]}") from None
         gone_after = time.monotonic() - stopped
         assert "decode-1" not in await registry.nodes()
         kinds = [e.kind for e in events]
@@ -245,9 +256,11 @@ async def test_an_entry_left_unrefreshed_leaves_the_watch_even_with_no_marker(
     nats_server: NatsServer,
 ) -> None:
     """A watcher that missed an entry's expiry marker still sees its node leave: the entry
-    states its TTL, and one unrefreshed well past it is gone. An entry stating no TTL (an
-    older node) leaves by its marker only."""
+    states its TTL, and one unrefreshed well past it is gone, even while another node's
+    heartbeats keep the watch busy. An entry stating no TTL (an older node) leaves by its
+    marker only."""
     bus = await connect(nats_server, "watcher-2")
+    beats: asyncio.Task[None] | None = None
     try:
         registry = await NodeRegistry(bus, ttl=FAST.node_ttl).start()
         assert bus.js is not None
@@ -257,6 +270,12 @@ async def test_an_entry_left_unrefreshed_leaves_the_watch_even_with_no_marker(
         for info in (stating, silent):
             key = f"$KV.{NODES_BUCKET}.decode.{info.node_id}"
             await bus.js.publish(key, encode(info), msg_ttl=30)
+        # A live node refreshing faster than the watch looks for stale entries.
+        live = NodeRegistry(bus, ttl=FAST.node_ttl)
+        live.kv = registry.kv
+        beats = asyncio.create_task(
+            live.run_heartbeats(lambda: node_info("decode-8", "decode"), interval=STALE_CHECK / 3)
+        )
         left: list[str] = []
         started = time.monotonic()
 
@@ -269,8 +288,10 @@ async def test_an_entry_left_unrefreshed_leaves_the_watch_even_with_no_marker(
         await asyncio.wait_for(first_leave(), timeout=stale_after(FAST.node_ttl) + 3)
         assert left == ["decode-7"]
         assert time.monotonic() - started >= stale_after(FAST.node_ttl) - 0.5
-        assert {"decode-6", "decode-7"} <= set(await registry.nodes())  # not expired
+        assert {"decode-6", "decode-7", "decode-8"} <= set(await registry.nodes())
     finally:
+        if beats is not None:
+            beats.cancel()
         await bus.close()
 
 

@@ -24,6 +24,13 @@ process, at 1, 4 and 32 rows, and a call of up to 64 rows takes the faster for i
 (compute-bound, where it was never slower on the hosts measured). Those small-row calls
 read the modules' own weights, which then stay resident.
 
+At one row (a decode step of one sequence) both libraries stay far from the memory
+bandwidth a core has; Tandem's CPU kernels (cpu_kernels.py: `small_linear`, up to 8 rows,
+one sequential pass over the weight) come near it (Zen 4, one core: 24-27 GB/s against
+9-15). Under `auto`, where the kernels are built, each weight shape is also timed with the
+kernel at 1, 2, 4 and 8 rows against the library those rows would take, and calls of up to
+the largest row count where the kernel was at least 10% faster go to it.
+
 Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=onednn` takes
 oneDNN at every size, `=torch` keeps torch's own `linear` (MKL, or whatever the build
 uses); CUDA never takes this path.
@@ -46,6 +53,8 @@ CHOICES = ("auto", "onednn", "torch")
 # calls of up to this many rows may take torch's linear: (largest rows, rows timed at)
 SMALL_ROW_BUCKETS = ((1, 1), (8, 4), (64, 32))
 TORCH_MARGIN = 0.9  # torch's linear is taken where it needs at most this share of the time
+# calls of up to this many rows may take the kernels' small_linear (timed at that many)
+KERNEL_ROW_BUCKETS = (1, 2, 4, 8)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]
@@ -108,21 +117,35 @@ def torch_faster(torch_ms: float, onednn_ms: float) -> bool:
     return torch_ms <= TORCH_MARGIN * onednn_ms
 
 
-_TUNED: dict[tuple[int, int, bool], int] = {}  # this process's timings: rows torch serves
+# this process's timings per weight shape: (rows torch serves, rows the kernel serves)
+_TUNED: dict[tuple[int, int, bool, bool], tuple[int, int]] = {}
 
 
 class TunedLinear:
-    """`module(x)` through torch's linear or the packed copy, whichever was faster at
-    about x's number of rows when this weight's shape was timed."""
+    """`module(x)` through the kernels' small_linear, torch's linear or the packed copy,
+    whichever was fastest at about x's number of rows when this weight's shape was timed."""
 
-    def __init__(self, module: Any, packed: PackedLinear, torch_rows: int) -> None:
+    def __init__(
+        self,
+        module: Any,
+        packed: PackedLinear,
+        torch_rows: int,
+        kernels: Any = None,
+        kernel_rows: int = 0,
+    ) -> None:
         self.weight = module.weight.detach()  # the module's own (no second copy)
         self.bias = None if module.bias is None else module.bias.detach()
         self.packed = packed
         self.torch_rows = torch_rows  # calls of up to this many rows take torch's linear
+        self.kernels = kernels
+        self.kernel_rows = kernel_rows  # and up to this many the kernel (checked first)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.torch_rows:
+        rows = x.shape[0]
+        if rows <= self.kernel_rows:
+            out: torch.Tensor = self.kernels.small_linear(x.contiguous(), self.weight)
+            return out
+        if rows <= self.torch_rows:
             return F.linear(x, self.weight, self.bias)
         return self.packed(x)
 
@@ -142,11 +165,39 @@ def torch_rows_for(module: Any, packed: PackedLinear, timer: Timer = median_ms) 
     return served
 
 
+def kernel_rows_for(
+    module: Any, packed: PackedLinear, torch_rows: int, kernels: Any, timer: Timer = median_ms
+) -> int:
+    """Up to how many rows the kernels' small_linear is the faster for this weight, against
+    what those rows would take otherwise (torch's linear up to `torch_rows`, else the
+    packed copy); from one row up, the first row count where it is not ends the range."""
+    if module.bias is not None or not module.weight.is_contiguous():
+        return 0  # the kernel takes neither
+    served = 0
+    with torch.inference_mode():
+        for rows in KERNEL_ROW_BUCKETS:
+            x = torch.randn(rows, module.in_features, dtype=module.weight.dtype)
+            by_kernel = functools.partial(kernels.small_linear, x, module.weight)
+            if rows <= torch_rows:
+                other: Callable[[], object] = functools.partial(F.linear, x, module.weight)
+            else:
+                other = functools.partial(packed, x)
+            if not torch_faster(*timer(by_kernel, other)):  # (the same margin)
+                break
+            served = rows
+    return served
+
+
 def linears(
-    modules: list[Any], device: torch.device, dtype: torch.dtype, timer: Timer = median_ms
+    modules: list[Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    timer: Timer = median_ms,
+    kernels: Any = None,
 ) -> dict[Any, Linear]:
     """Each module's linear function: a packed copy's where it applies (with torch's for
-    the row counts where that was faster, under `auto`), else the module."""
+    the row counts where that was faster, under `auto`, and with the kernels' small_linear
+    for those where it was, when `kernels` are given), else the module."""
     if not applies(device, dtype):
         return {m: m for m in modules}
     packed = {m: PackedLinear(m) for m in modules}
@@ -155,8 +206,14 @@ def linears(
     tuned = _TUNED if timer is median_ms else {}  # one timing per weight shape
     out: dict[Any, Linear] = {}
     for m, p in packed.items():
-        shape = (m.out_features, m.in_features, m.bias is not None)
+        shape = (m.out_features, m.in_features, m.bias is not None, kernels is not None)
         if shape not in tuned:
-            tuned[shape] = torch_rows_for(m, p, timer)
-        out[m] = TunedLinear(m, p, tuned[shape]) if tuned[shape] else p
+            torch_rows = torch_rows_for(m, p, timer)
+            kernel_rows = kernel_rows_for(m, p, torch_rows, kernels, timer) if kernels else 0
+            tuned[shape] = (torch_rows, kernel_rows)
+        torch_rows, kernel_rows = tuned[shape]
+        if torch_rows or kernel_rows:
+            out[m] = TunedLinear(m, p, torch_rows, kernels, kernel_rows)
+        else:
+            out[m] = p
     return out

@@ -1,6 +1,8 @@
 """Tandem's CPU kernels (`csrc/cpu_kernels.cpp`), compiled for this machine on first use and
-cached: decode attention read in place from the paged KV cache, and fused RMSNorm (with the
-residual add) and rotary embedding (with the KV cache write). (A fused SiLU-times-up was
+cached: decode attention read in place from the paged KV cache, fused RMSNorm (with the
+residual add) and rotary embedding (with the KV cache write), and a linear layer for a few
+rows (`small_linear`: one sequential pass over the weight; cpu_gemm.py times it against
+the libraries and says where it serves). (A fused SiLU-times-up was
 dropped: its scalar `exp` made it slower than torch's vectorised `silu` at every size.)
 
 Why: the portable decode path gathers every sequence's blocks into a contiguous copy per
@@ -52,7 +54,7 @@ def wanted() -> bool:
 
 def load(device: torch.device, dtype: torch.dtype) -> Any:
     """The kernels (`torch.ops.tandem`: paged_decode_attention, rms_norm, add_rms_norm,
-    rope_store) for a model on `device` in `dtype`, or None when the portable
+    rope_store, small_linear) for a model on `device` in `dtype`, or None when the portable
     torch ops must serve (not CPU float32, switched off, or they could not be built)."""
     if device.type != "cpu" or dtype != torch.float32 or not wanted():
         return None

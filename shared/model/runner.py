@@ -9,8 +9,8 @@ attention is computed with the same `scaled_dot_product_attention` calls transfo
 so float32 greedy tokens equal `model.generate`'s. On CPU in float32 the same arithmetic
 runs through Tandem's kernels where they built (`cpu_kernels.py`: decode attention read in
 place from the cache, fused norms and rotary) and the linear layers through oneDNN
-with prepacked weights, or MKL where it timed faster (`cpu_gemm.py`), tested to the
-same greedy tokens.
+with prepacked weights, or MKL or the kernels' few-row linear where it timed faster
+(`cpu_gemm.py`), tested to the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class ModelRunner:
             a, m = ly.self_attn, ly.mlp
             modules += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj]
             modules.append(m.down_proj)
-        self.linear = cpu_gemm.linears(modules, self.device, model.dtype)
+        self.linear = cpu_gemm.linears(modules, self.device, model.dtype, kernels=self.kernels)
         self.upcast = (
             model.dtype == torch.bfloat16
             and self.device.type == "cpu"

@@ -3,13 +3,15 @@ products as torch's linear within rounding, where the path applies, and the swit
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.kv.paged_cache import PagedKVCache
-from shared.model import cpu_gemm
+from shared.model import cpu_gemm, cpu_kernels
 from shared.model.loader import LoadedModel
 from shared.model.runner import ModelRunner, kv_layout
 
@@ -94,6 +96,41 @@ def test_auto_takes_torchs_linear_up_to_the_rows_where_it_was_faster(
     timer, asked = timings({1, 4, 32})
     tuned = cpu_gemm.linears([a], CPU, torch.float32, timer)[a]
     assert isinstance(tuned, cpu_gemm.TunedLinear) and tuned.torch_rows == 64
+
+
+def test_auto_takes_the_kernel_up_to_the_rows_where_it_was_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the kernels given, each shape is also timed with small_linear against what the
+    rows would take otherwise; calls up to the last row count it won go to it."""
+    if not cpu_gemm.available():
+        pytest.skip("this torch has no oneDNN linear (the torch path serves)")
+    kernels = cpu_kernels.load(CPU, torch.float32)
+    assert kernels is not None, "the kernels must build here (g++ is part of the dev setup)"
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "auto")
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 32, bias=False)
+
+    def timer(a: Any, b: Any) -> tuple[float, float]:
+        """The kernel wins at up to 2 rows; torch's linear never wins."""
+        rows = a.args[0].shape[0]
+        if a.func is kernels.small_linear:
+            return (0.5 if rows <= 2 else 2.0), 1.0
+        return 2.0, 1.0
+
+    tuned = cpu_gemm.linears([module], CPU, torch.float32, timer, kernels=kernels)[module]
+    assert isinstance(tuned, cpu_gemm.TunedLinear)
+    assert (tuned.kernel_rows, tuned.torch_rows) == (2, 0)
+    tuned.packed = lambda x: torch.full((x.shape[0], 32), 7.0)  # type: ignore[assignment]
+    with torch.inference_mode():
+        for rows in (1, 2):  # the kernel's product
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(tuned(x), module(x), atol=1e-5, rtol=1e-5)
+        assert bool((tuned(torch.randn(3, 64)) == 7.0).all())  # the packed copy's
+    # a layer with a bias: the kernel takes none
+    biased = torch.nn.Linear(64, 32)
+    got = cpu_gemm.linears([biased], CPU, torch.float32, timer, kernels=kernels)[biased]
+    assert isinstance(got, cpu_gemm.PackedLinear)
 
 
 def test_the_runner_uses_it_and_its_logits_agree(tiny_model: LoadedModel) -> None:

@@ -140,3 +140,26 @@ def test_norms_and_silu_match_transformers_within_rounding(ops: Any) -> None:
     out = ops.add_rms_norm(residual, x, norm.weight, 1e-5)
     torch.testing.assert_close(residual, h + x)  # the residual stream, updated in place
     torch.testing.assert_close(out, norm(h + x))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(200, 96), (37, 100)])  # 100: a tail past 16 lanes
+def test_small_linear_multiplies_as_torch_does_and_alike_at_every_row_count(
+    ops: Any, rows: int, shape: tuple[int, int]
+) -> None:
+    torch.manual_seed(rows)
+    weight, x = torch.randn(*shape), torch.randn(8, shape[1])
+    got = ops.small_linear(x[:rows].contiguous(), weight)
+    torch.testing.assert_close(got, F.linear(x[:rows], weight), atol=1e-4, rtol=1e-4)
+    alone = ops.small_linear(x[:1].contiguous(), weight)
+    assert torch.equal(got[:1], alone)  # a row's sums do not depend on the others
+
+
+def test_small_linear_refuses_what_it_does_not_take(ops: Any) -> None:
+    weight = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.small_linear(torch.randn(9, 32), weight)
+    with pytest.raises(RuntimeError, match="x \\[rows, in\\] and weight \\[out, in\\]"):
+        ops.small_linear(torch.randn(2, 31), weight)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.small_linear(torch.randn(2, 32, dtype=torch.float64), weight)

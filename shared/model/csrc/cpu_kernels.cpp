@@ -1,7 +1,9 @@
 // Tandem's CPU kernels, float32: decode attention read in place from the paged KV cache,
 // and the fused small ops around it (RMSNorm with the residual add, rotary embedding with
 // the KV cache write). Each replaces several torch ops: at decode batch sizes
-// the Python and dispatch cost between ops was a tenth or more of a step.
+// the Python and dispatch cost between ops was a tenth or more of a step. And a linear
+// layer for a few rows (small_linear), near the memory bandwidth where the GEMM libraries
+// are not.
 //
 // Built and loaded at run time by shared/model/cpu_kernels.py (which says why).
 //
@@ -264,6 +266,62 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   });
 }
 
+// A linear layer (no bias) for a few rows of x, the decode steps of small batches:
+// y[m][o] = dot(x[m], W[o]). Each weight row is read once, start to end, for all of x's
+// rows, and a thread walks its weight rows in order: the whole weight goes by in one
+// sequential pass, which keeps a core near its memory bandwidth. (On a Zen 4 core, one row:
+// 24-27 GB/s, against 9-15 GB/s through oneDNN and 10-15 through MKL; docs/benchmarks.md.)
+// A row's sums do not depend on how many rows come with it.
+constexpr int64_t kMaxSmallRows = 8;
+
+template <int M>
+void small_rows(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                int64_t out, int64_t in, int64_t begin, int64_t end) {
+  const int64_t lanes = in / kWidth;
+  for (int64_t o = begin; o < end; ++o) {
+    const float* wr = w + o * in;
+    const v16* wv = reinterpret_cast<const v16*>(wr);
+    v16 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = v16{};
+    for (int64_t i = 0; i < lanes; ++i) {
+      const v16 wi = wv[i];
+      for (int m = 0; m < M; ++m) acc[m] += wi * reinterpret_cast<const v16*>(x + m * in)[i];
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = hsum(acc[m]);
+      for (int64_t i = lanes * kWidth; i < in; ++i) s += wr[i] * x[m * in + i];
+      y[m * out + o] = s;
+    }
+  }
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "small_linear x");
+  check_rows(weight, "small_linear weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_linear: x [rows, in] and weight [out, in] expected");
+  const int64_t rows = x.size(0), out = weight.size(0), in = weight.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxSmallRows, "small_linear: 1 to ", kMaxSmallRows,
+              " rows, not ", rows);
+  at::Tensor y = at::empty({rows, out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, grain(in), [&](int64_t begin, int64_t end) {
+    switch (rows) {
+      case 1: small_rows<1>(xp, wp, yp, out, in, begin, end); break;
+      case 2: small_rows<2>(xp, wp, yp, out, in, begin, end); break;
+      case 3: small_rows<3>(xp, wp, yp, out, in, begin, end); break;
+      case 4: small_rows<4>(xp, wp, yp, out, in, begin, end); break;
+      case 5: small_rows<5>(xp, wp, yp, out, in, begin, end); break;
+      case 6: small_rows<6>(xp, wp, yp, out, in, begin, end); break;
+      case 7: small_rows<7>(xp, wp, yp, out, in, begin, end); break;
+      default: small_rows<8>(xp, wp, yp, out, in, begin, end); break;
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -277,4 +335,6 @@ TORCH_LIBRARY(tandem, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rope_store", c10::DispatchKey::CPU, TORCH_FN(rope_store));
+  m.def("small_linear(Tensor x, Tensor weight) -> Tensor");
+  m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
 }

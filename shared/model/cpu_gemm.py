@@ -138,7 +138,9 @@ class TunedLinear:
         self.packed = packed
         self.torch_rows = torch_rows  # calls of up to this many rows take torch's linear
         self.kernels = kernels
-        self.kernel_rows = kernel_rows  # and up to this many the kernel (checked first)
+        # and up to this many the kernel (checked first; it takes contiguous weights only,
+        # and a shape's timing may have been another module's)
+        self.kernel_rows = kernel_rows if self.weight.is_contiguous() else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -209,7 +211,9 @@ def linears(
         shape = (m.out_features, m.in_features, m.bias is not None, kernels is not None)
         if shape not in tuned:
             torch_rows = torch_rows_for(m, p, timer)
-            kernel_rows = kernel_rows_for(m, p, torch_rows, kernels, timer) if kernels else 0
+            kernel_rows = 0
+            if kernels is not None:
+                kernel_rows = kernel_rows_for(m, p, torch_rows, kernels, timer)
             tuned[shape] = (torch_rows, kernel_rows)
         torch_rows, kernel_rows = tuned[shape]
         if torch_rows or kernel_rows:

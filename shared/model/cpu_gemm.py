@@ -52,9 +52,9 @@ ENV_SWITCH = "TANDEM_CPU_GEMM"  # "auto" (default where it applies), "onednn" or
 CHOICES = ("auto", "onednn", "torch")
 # calls of up to this many rows may take torch's linear: (largest rows, rows timed at)
 SMALL_ROW_BUCKETS = ((1, 1), (8, 4), (64, 32))
-TORCH_MARGIN = 0.9  # torch's linear is taken where it needs at most this share of the time
-# calls of up to this many rows may take the kernels' small_linear (timed at that many)
-KERNEL_ROW_BUCKETS = (1, 2, 4, 8)
+# and the kernels' small_linear, the same way
+KERNEL_ROW_BUCKETS = ((1, 1), (2, 2), (4, 4), (8, 8))
+MARGIN = 0.9  # another path is taken where it needs at most this share of the time
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]
@@ -113,12 +113,13 @@ def median_ms(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, 
     return statistics.median(times[0]) * 1000, statistics.median(times[1]) * 1000
 
 
-def torch_faster(torch_ms: float, onednn_ms: float) -> bool:
-    return torch_ms <= TORCH_MARGIN * onednn_ms
+def clearly_faster(ms: float, other_ms: float) -> bool:
+    return ms <= MARGIN * other_ms
 
 
-# this process's timings per weight shape: (rows torch serves, rows the kernel serves)
-_TUNED: dict[tuple[int, int, bool, bool], tuple[int, int]] = {}
+# this process's timings per weight shape (out, in, bias, contiguous, with the kernels):
+# (rows torch serves, rows the kernel serves)
+_TUNED: dict[tuple[int, int, bool, bool, bool], tuple[int, int]] = {}
 
 
 class TunedLinear:
@@ -138,9 +139,7 @@ class TunedLinear:
         self.packed = packed
         self.torch_rows = torch_rows  # calls of up to this many rows take torch's linear
         self.kernels = kernels
-        # and up to this many the kernel (checked first; it takes contiguous weights only,
-        # and a shape's timing may have been another module's)
-        self.kernel_rows = kernel_rows if self.weight.is_contiguous() else 0
+        self.kernel_rows = kernel_rows  # and up to this many the kernel (checked first)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -152,19 +151,35 @@ class TunedLinear:
         return self.packed(x)
 
 
-def torch_rows_for(module: Any, packed: PackedLinear, timer: Timer = median_ms) -> int:
-    """Up to how many rows torch's linear is the faster for this weight: the buckets are
-    timed from one row up, and the first where oneDNN wins ends the range (both libraries
-    grow with the rows alike, and a range keeps each call's choice a comparison)."""
+Pair = tuple[Callable[[], object], Callable[[], object]]  # a path's call, and its rival's
+Contest = Callable[[torch.Tensor], Pair]
+
+
+def rows_won(
+    module: Any, buckets: tuple[tuple[int, int], ...], contest: Contest, timer: Timer
+) -> int:
+    """Up to how many rows a path wins for this weight: `contest(x)` gives the path's call
+    and the one it must beat (clearly) for x; the buckets are timed from one row up, and
+    the first it loses ends the range (the paths grow with the rows alike, and a range
+    keeps each call's choice a comparison)."""
     served = 0
     with torch.inference_mode():
-        for largest, rows in SMALL_ROW_BUCKETS:
+        for largest, rows in buckets:
             x = torch.randn(rows, module.in_features, dtype=module.weight.dtype)
-            by_torch = functools.partial(F.linear, x, module.weight, module.bias)
-            if not torch_faster(*timer(by_torch, functools.partial(packed, x))):
+            if not clearly_faster(*timer(*contest(x))):
                 break
             served = largest
     return served
+
+
+def torch_rows_for(module: Any, packed: PackedLinear, timer: Timer = median_ms) -> int:
+    """Up to how many rows torch's linear is the faster for this weight, against oneDNN."""
+
+    def contest(x: torch.Tensor) -> Pair:
+        by_torch = functools.partial(F.linear, x, module.weight, module.bias)
+        return by_torch, functools.partial(packed, x)
+
+    return rows_won(module, SMALL_ROW_BUCKETS, contest, timer)
 
 
 def kernel_rows_for(
@@ -175,19 +190,14 @@ def kernel_rows_for(
     packed copy); from one row up, the first row count where it is not ends the range."""
     if module.bias is not None or not module.weight.is_contiguous():
         return 0  # the kernel takes neither
-    served = 0
-    with torch.inference_mode():
-        for rows in KERNEL_ROW_BUCKETS:
-            x = torch.randn(rows, module.in_features, dtype=module.weight.dtype)
-            by_kernel = functools.partial(kernels.small_linear, x, module.weight)
-            if rows <= torch_rows:
-                other: Callable[[], object] = functools.partial(F.linear, x, module.weight)
-            else:
-                other = functools.partial(packed, x)
-            if not torch_faster(*timer(by_kernel, other)):  # (the same margin)
-                break
-            served = rows
-    return served
+
+    def contest(x: torch.Tensor) -> Pair:
+        by_kernel = functools.partial(kernels.small_linear, x, module.weight)
+        if x.shape[0] <= torch_rows:
+            return by_kernel, functools.partial(F.linear, x, module.weight)
+        return by_kernel, functools.partial(packed, x)
+
+    return rows_won(module, KERNEL_ROW_BUCKETS, contest, timer)
 
 
 def linears(
@@ -208,7 +218,8 @@ def linears(
     tuned = _TUNED if timer is median_ms else {}  # one timing per weight shape
     out: dict[Any, Linear] = {}
     for m, p in packed.items():
-        shape = (m.out_features, m.in_features, m.bias is not None, kernels is not None)
+        contiguous = m.weight.is_contiguous()  # the kernel takes only a contiguous weight
+        shape = (m.out_features, m.in_features, m.bias is not None, contiguous, kernels is not None)
         if shape not in tuned:
             torch_rows = torch_rows_for(m, p, timer)
             kernel_rows = 0

@@ -137,8 +137,9 @@ class NodeRegistry:
                 # Looked at every STALE_CHECK seconds, also while other nodes' updates keep
                 # coming (on a large cluster they never pause): a refresh still queued would
                 # be one that came `stale_after` late, and its node rejoins with it.
-                if time.monotonic() - checked >= STALE_CHECK:
-                    checked = now = time.monotonic()
+                now = time.monotonic()
+                if now - checked >= STALE_CHECK:
+                    checked = now
                     for key in [k for k, at in deadline.items() if at < now]:
                         del deadline[key]
                         node_id = known.pop(key, None)

@@ -276,8 +276,7 @@ async def test_an_entry_left_unrefreshed_leaves_the_watch_even_with_no_marker(
             key = f"$KV.{NODES_BUCKET}.decode.{info.node_id}"
             await bus.js.publish(key, encode(info), msg_ttl=30)
         # A live node refreshing faster than the watch looks for stale entries.
-        live = NodeRegistry(bus, ttl=FAST.node_ttl)
-        live.kv = registry.kv
+        live = await NodeRegistry(bus, ttl=FAST.node_ttl).start()
         beats = asyncio.create_task(
             live.run_heartbeats(lambda: node_info("decode-8", "decode"), interval=STALE_CHECK / 3)
         )

@@ -112,21 +112,21 @@ def test_auto_takes_the_kernel_up_to_the_rows_where_it_was_faster(
     module = torch.nn.Linear(64, 32, bias=False)
 
     def timer(a: Any, b: Any) -> tuple[float, float]:
-        """The kernel wins at up to 2 rows; torch's linear never wins."""
-        rows = a.args[0].shape[0]
+        """The kernel wins at every row count timed; torch's linear never wins."""
         if a.func is kernels.small_linear:
-            return (0.5 if rows <= 2 else 2.0), 1.0
+            return 0.5, 1.0
         return 2.0, 1.0
 
     tuned = cpu_gemm.linears([module], CPU, torch.float32, timer, kernels=kernels)[module]
     assert isinstance(tuned, cpu_gemm.TunedLinear)
-    assert (tuned.kernel_rows, tuned.torch_rows) == (2, 0)
+    assert (tuned.kernel_rows, tuned.torch_rows) == (cpu_gemm.KERNEL_ROW_BUCKETS[-1][0], 0)
     tuned.packed = lambda x: torch.full((x.shape[0], 32), 7.0)  # type: ignore[assignment]
     with torch.inference_mode():
-        for rows in (1, 2):  # the kernel's product
+        for rows in range(1, tuned.kernel_rows + 1):  # the kernel's product
             x = torch.randn(rows, 64)
             torch.testing.assert_close(tuned(x), module(x), atol=1e-5, rtol=1e-5)
-        assert bool((tuned(torch.randn(3, 64)) == 7.0).all())  # the packed copy's
+        beyond = torch.randn(tuned.kernel_rows + 1, 64)
+        assert bool((tuned(beyond) == 7.0).all())  # the packed copy's
     # a layer with a bias: the kernel takes none
     biased = torch.nn.Linear(64, 32)
     got = cpu_gemm.linears([biased], CPU, torch.float32, timer, kernels=kernels)[biased]

@@ -28,9 +28,14 @@ At one row (a decode step of one sequence) both libraries stay far from the memo
 bandwidth a core has; Tandem's CPU kernels (cpu_kernels.py: `small_linear`, up to 8 rows,
 one sequential pass over the weight) come near it (Zen 4, one core: 24-27 GB/s against
 9-15). Under `auto`, where the kernels are built, each weight shape is also timed with the
-kernel against the library those rows would take, and calls of up to the largest row
-count where the kernel was at least 10% faster go to it (one row for now:
-KERNEL_ROW_BUCKETS).
+kernel at 1, 2, 4 and 8 rows against the library those rows would take, and calls of up
+to the largest row count where the kernel was at least 10% faster go to it.
+
+Every timing is of the weight out of cache, as a step finds it (a step streams 513 MB of
+weights, far more than any cache): each path is called over enough copies of the weight,
+taken in turn, to fill twice the last-level cache. Timed from cache, as a call repeated on
+one weight is, the libraries' compute wins the small projections (0.4-3.5 MB), while in a
+step the kernel's single pass over memory does (docs/benchmarks.md).
 
 Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=onednn` takes
 oneDNN at every size, `=torch` keeps torch's own `linear` (MKL, or whatever the build
@@ -40,10 +45,13 @@ uses); CUDA never takes this path.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,12 +61,11 @@ ENV_SWITCH = "TANDEM_CPU_GEMM"  # "auto" (default where it applies), "onednn" or
 CHOICES = ("auto", "onednn", "torch")
 # calls of up to this many rows may take torch's linear: (largest rows, rows timed at)
 SMALL_ROW_BUCKETS = ((1, 1), (8, 4), (64, 32))
-# and the kernels' small_linear, the same way: one row only for now. At 2-8 rows it won
-# some shapes too, but the choice moved with timing noise and so did the speed of
-# 4-stream steps, which broke a failover test's timing (docs/benchmarks.md); (2, 2),
-# (4, 4) and (8, 8) come back with that test made robust.
-KERNEL_ROW_BUCKETS = ((1, 1),)
+# and the kernels' small_linear, the same way
+KERNEL_ROW_BUCKETS = ((1, 1), (2, 2), (4, 4), (8, 8))
 MARGIN = 0.9  # another path is taken where it needs at most this share of the time
+LLC_FALLBACK = 32 << 20  # bytes, where sysfs does not say how large the last-level cache is
+MAX_COPIES = 256  # of one weight, for its timing (a tiny test model's needs no more)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]
@@ -89,6 +96,21 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and wanted() and available()
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size, from sysfs (cpu0's view), else LLC_FALLBACK."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=LLC_FALLBACK)
+
+
 class PackedLinear:
     """`module(x)` for an `nn.Linear`, through a oneDNN-reordered copy of its weight."""
 
@@ -102,6 +124,51 @@ class PackedLinear:
             x, self.weight, self.bias, "none", [], ""
         )
         return out
+
+
+class Turns:
+    """One path's calls for the same x over copies of a weight, the next copy at each call
+    of any path timed on these copies (`turns`, shared), so that each call finds its weight
+    out of cache. `func` and `rows`: what is timed."""
+
+    def __init__(
+        self, func: Any, rows: int, calls: list[Callable[[], object]], turns: Iterator[int]
+    ) -> None:
+        self.func = func
+        self.rows = rows
+        self.calls = calls
+        self.turns = turns
+
+    def __call__(self) -> object:
+        return self.calls[next(self.turns) % len(self.calls)]()
+
+
+class Copies:
+    """Enough copies of a linear layer's weight, plain and packed, that calls over them in
+    turn (both paths' alike) read twice the last-level cache between two uses of one."""
+
+    def __init__(self, module: Any, packed: PackedLinear, cache_bytes: int) -> None:
+        weight = module.weight.detach()
+        count = -(-2 * cache_bytes // max(1, weight.numel() * weight.element_size()))
+        count = max(1, min(MAX_COPIES, count))
+        self.bias = None if module.bias is None else module.bias.detach()
+        self.weights = [weight] + [weight.clone() for _ in range(count - 1)]
+        self.packed = [packed] + [
+            PackedLinear(SimpleNamespace(weight=w, bias=self.bias)) for w in self.weights[1:]
+        ]
+        self.turns = itertools.count(1)  # the module's own weight (copy 0) comes last
+
+    def by_torch(self, x: torch.Tensor) -> Turns:
+        calls = [functools.partial(F.linear, x, w, self.bias) for w in self.weights]
+        return Turns(F.linear, x.shape[0], calls, self.turns)  # type: ignore[arg-type]
+
+    def by_onednn(self, x: torch.Tensor) -> Turns:
+        calls = [functools.partial(p, x) for p in self.packed]
+        return Turns(PackedLinear, x.shape[0], calls, self.turns)  # type: ignore[arg-type]
+
+    def by_kernel(self, x: torch.Tensor, kernels: Any) -> Turns:
+        calls = [functools.partial(kernels.small_linear, x, w) for w in self.weights]
+        return Turns(kernels.small_linear, x.shape[0], calls, self.turns)  # type: ignore[arg-type]
 
 
 def median_ms(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:
@@ -155,7 +222,7 @@ class TunedLinear:
         return self.packed(x)
 
 
-Pair = tuple[Callable[[], object], Callable[[], object]]  # a path's call, and its rival's
+Pair = tuple[Turns, Turns]  # a path's calls, and its rival's
 Contest = Callable[[torch.Tensor], Pair]
 
 
@@ -176,18 +243,17 @@ def rows_won(
     return served
 
 
-def torch_rows_for(module: Any, packed: PackedLinear, timer: Timer = median_ms) -> int:
+def torch_rows_for(module: Any, copies: Copies, timer: Timer = median_ms) -> int:
     """Up to how many rows torch's linear is the faster for this weight, against oneDNN."""
 
     def contest(x: torch.Tensor) -> Pair:
-        by_torch = functools.partial(F.linear, x, module.weight, module.bias)
-        return by_torch, functools.partial(packed, x)
+        return copies.by_torch(x), copies.by_onednn(x)
 
     return rows_won(module, SMALL_ROW_BUCKETS, contest, timer)
 
 
 def kernel_rows_for(
-    module: Any, packed: PackedLinear, torch_rows: int, kernels: Any, timer: Timer = median_ms
+    module: Any, copies: Copies, torch_rows: int, kernels: Any, timer: Timer = median_ms
 ) -> int:
     """Up to how many rows the kernels' small_linear is the faster for this weight, against
     what those rows would take otherwise (torch's linear up to `torch_rows`, else the
@@ -196,10 +262,8 @@ def kernel_rows_for(
         return 0  # the kernel takes neither
 
     def contest(x: torch.Tensor) -> Pair:
-        by_kernel = functools.partial(kernels.small_linear, x, module.weight)
-        if x.shape[0] <= torch_rows:
-            return by_kernel, functools.partial(F.linear, x, module.weight)
-        return by_kernel, functools.partial(packed, x)
+        rival = copies.by_torch(x) if x.shape[0] <= torch_rows else copies.by_onednn(x)
+        return copies.by_kernel(x, kernels), rival
 
     return rows_won(module, KERNEL_ROW_BUCKETS, contest, timer)
 
@@ -220,15 +284,18 @@ def linears(
     if choice() == "onednn":
         return dict(packed)
     tuned = _TUNED if timer is median_ms else {}  # one timing per weight shape
+    # a given timer (the tests') times no calls, so it takes no copies
+    cache_bytes = last_level_cache_bytes() if timer is median_ms else 0
     out: dict[Any, Linear] = {}
     for m, p in packed.items():
         contiguous = m.weight.is_contiguous()  # the kernel takes only a contiguous weight
         shape = (m.out_features, m.in_features, m.bias is not None, contiguous, kernels is not None)
         if shape not in tuned:
-            torch_rows = torch_rows_for(m, p, timer)
+            copies = Copies(m, p, cache_bytes)  # dropped once timed
+            torch_rows = torch_rows_for(m, copies, timer)
             kernel_rows = 0
             if kernels is not None:
-                kernel_rows = kernel_rows_for(m, p, torch_rows, kernels, timer)
+                kernel_rows = kernel_rows_for(m, copies, torch_rows, kernels, timer)
             tuned[shape] = (torch_rows, kernel_rows)
         torch_rows, kernel_rows = tuned[shape]
         if torch_rows or kernel_rows:

@@ -3,7 +3,7 @@ cut (a pulled cable: no RST, no FIN) instead of a kill.
 
 Hosts: nats, kvcache, prefill, two decode nodes, the router and the client, each a netns
 on a private bridge (tests/netns.py; nothing is ever sent to the lab subnet from the root
-namespace: the client runs inside the lab). 8 greedy streams of 120 tokens; once each has
+namespace: the client runs inside the lab). 8 greedy streams of 200 tokens; once each has
 20 tokens, d1's link goes down. Its streams fail over (the router's probes go
 unanswered), every text equals the uninterrupted reference, and d1 — alive, cut off —
 drops its sequences once its lease on NATS lapses: its blocks, and every other node's,
@@ -29,7 +29,12 @@ from tests.netns import Host, NetnsLab, unavailable_reason
 pytestmark = pytest.mark.e2e
 
 STREAMS = 8
-MAX_TOKENS = 120
+MAX_TOKENS = 200
+# The decode nodes' lease, short so that d1's streams (180 tokens after the cut, ~4 of them
+# at 25-60 ms a step) outlast it by a wide margin however fast the engine gets: a node that
+# finishes its streams before its lease lapses has nothing to give up. Above the heartbeat
+# TTL's period (2/3 s), so a busy but connected node never loses it.
+LEASE = 3.0
 CUT_AFTER = 20
 NATS_PORT = 4222
 ROUTER_PORT = 8000
@@ -112,8 +117,8 @@ def test_decode_host_cut_off_streams_resume_and_blocks_return(
         svc.tandem(hosts["kvcache"], "kvcache", "--capacity-mb", "256")
         model = ["--threads", "1", "--kv-cache-mb", "256"]
         svc.tandem(hosts["prefill"], "prefill", *model)
-        svc.tandem(hosts["d1"], "decode", *model)
-        svc.tandem(hosts["d2"], "decode", *model)
+        svc.tandem(hosts["d1"], "decode", *model, "--lease", str(LEASE))
+        svc.tandem(hosts["d2"], "decode", *model, "--lease", str(LEASE))
         svc.tandem(hosts["router"], "router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT))
         url = f"http://{hosts['router'].ip}:{ROUTER_PORT}"
         client = [sys.executable, "-m", "tests.e2e.netns_client"]

@@ -59,7 +59,7 @@ def timings(torch_wins_at: set[int], ratio: float = 0.5) -> tuple[cpu_gemm.Timer
     asked: list[int] = []
 
     def timer(by_torch: object, by_onednn: object) -> tuple[float, float]:
-        rows = by_torch.args[0].shape[0]  # type: ignore[attr-defined]
+        rows = by_torch.rows  # type: ignore[attr-defined]
         asked.append(rows)
         return (ratio if rows in torch_wins_at else 2.0), 1.0
 
@@ -131,6 +131,38 @@ def test_auto_takes_the_kernel_up_to_the_rows_where_it_was_faster(
     biased = torch.nn.Linear(64, 32)
     got = cpu_gemm.linears([biased], CPU, torch.float32, timer, kernels=kernels)[biased]
     assert isinstance(got, cpu_gemm.PackedLinear)
+
+
+def test_timing_calls_go_over_copies_of_the_weight_in_turn() -> None:
+    """Each timed call multiplies by the next copy (plain or packed, by any path), so a
+    weight is used again only after every other copy: it has left the cache by then."""
+    if not cpu_gemm.available():
+        pytest.skip("this torch has no oneDNN linear (the torch path serves)")
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 32, bias=False)
+    packed = cpu_gemm.PackedLinear(module)
+    weight_bytes = 64 * 32 * 4
+    copies = cpu_gemm.Copies(module, packed, cache_bytes=5 * weight_bytes // 2)
+    assert len(copies.weights) == len(copies.packed) == 5  # twice the cache, rounded up
+    assert copies.weights[0].data_ptr() == module.weight.data_ptr()  # the module's own
+    assert copies.packed[0] is packed
+    for i, weight in enumerate(copies.weights[1:], start=1):
+        weight.mul_(i + 1)  # copy i now multiplies by i + 1: its product tells it apart
+    x = torch.randn(3, 64)
+    by_torch, by_onednn = copies.by_torch(x), copies.by_onednn(x)
+    assert (by_torch.rows, by_onednn.rows) == (3, 3)
+    scales = []
+    with torch.inference_mode():
+        want = module(x)
+        for _ in range(5):
+            scales.append(round(float((by_torch() / want).median())))
+            torch.testing.assert_close(by_onednn(), want, atol=1e-5, rtol=1e-5)
+    # the two paths take turns 1, 2, 3, ...: torch's calls get copies 1, 3, 0, 2, 4
+    assert scales == [2, 4, 1, 3, 5]
+    assert len(cpu_gemm.Copies(module, packed, cache_bytes=0).weights) == 1
+    big = cpu_gemm.Copies(module, packed, cache_bytes=1 << 40)
+    assert len(big.weights) == cpu_gemm.MAX_COPIES
+    assert cpu_gemm.last_level_cache_bytes() > 0
 
 
 def test_the_runner_uses_it_and_its_logits_agree(tiny_model: LoadedModel) -> None:

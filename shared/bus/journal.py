@@ -12,10 +12,11 @@ import contextlib
 import time
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from shared.bus.client import Bus
+from shared.bus.kv_keys import live_keys
 from shared.bus.messages import CheckpointRecord, JournalEntry, M, decode, encode
 from shared.bus.topology import JOURNAL_BUCKET
 from shared.errors import WireFormatError
@@ -111,10 +112,8 @@ class RequestJournal:
     async def scan(self) -> tuple[list[tuple[JournalEntry, int]], list[str]]:
         """Every request entry with its revision, and the ids checkpoint records are under."""
         assert self.kv is not None
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return [], []
+        assert self.bus.js is not None
+        keys = await live_keys(self.bus.js, JOURNAL_BUCKET)
         out = []
         records = []
         for key in keys:

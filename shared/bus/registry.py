@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import msgspec
 import nats.errors
-from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue, StopIterSentinel
 
 from shared.bus.client import Bus
+from shared.bus.kv_keys import live_keys
 from shared.bus.messages import NodeInfo, NodeRole, decode, encode
 from shared.bus.topology import NODES_BUCKET
 from shared.errors import WireFormatError
@@ -101,12 +101,10 @@ class NodeRegistry:
     async def nodes(self) -> dict[str, NodeInfo]:
         """The registry's current live entries ({} if it cannot be read now). An entry that
         goes while they are read (a node leaving) is skipped, not the rest with it."""
-        assert self.kv is not None
+        assert self.kv is not None and self.bus.js is not None
         out: dict[str, NodeInfo] = {}
         try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return out
+            keys = await live_keys(self.bus.js, NODES_BUCKET)
         except Exception as exc:  # NATS away or slow: no view now (callers keep theirs)
             log.warning("registry not readable: %r", exc)
             return out

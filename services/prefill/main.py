@@ -7,7 +7,13 @@ import asyncio
 import logging
 
 from shared.runtime.node import NodeRuntime
-from shared.runtime.options import add_engine_node_parser
+from shared.runtime.options import (
+    PREFILL_MAX_BATCH,
+    add_engine_node_parser,
+    add_option,
+    positive,
+    thread_count,
+)
 from shared.runtime.service import freeze_startup_objects, run_service
 
 log = logging.getLogger("tandem.prefill")
@@ -15,6 +21,22 @@ log = logging.getLogger("tandem.prefill")
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_engine_node_parser(sub, "prefill", "run a prefill node")
+    add_option(
+        p,
+        "--max-batch",
+        type=positive,
+        default=PREFILL_MAX_BATCH,
+        help="jobs prefilled together at most (their first tokens all come at the batch's end)",
+    )
+    add_option(
+        p,
+        "--idle-threads",
+        type=thread_count,
+        default=0,
+        help="torch threads for a batch whose every job the router sent while it served "
+        "nothing else (0: --threads): on a host whose cores this node shares with the "
+        "decode node, the decode node is idle then and its core free",
+    )
     p.set_defaults(func=run)
 
 
@@ -33,7 +55,15 @@ async def serve(args: argparse.Namespace) -> None:
     pending = PendingTransfers()  # a prefill node receives only the kvcache blocks it asked for
     cache = None if args.no_kvcache else KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
     worker = PrefillWorker(
-        engine, rt.bus, rt.transport, rt.registry, rt.node_id, cache=cache, thread=thread
+        engine,
+        rt.bus,
+        rt.transport,
+        rt.registry,
+        rt.node_id,
+        max_batch=args.max_batch,
+        cache=cache,
+        thread=thread,
+        idle_threads=args.idle_threads,
     )
     warming: asyncio.Task[None] | None = None
     try:

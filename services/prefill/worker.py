@@ -18,6 +18,7 @@ import time
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, Status, StatusCode
+from prometheus_client import Counter
 
 from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
@@ -36,7 +37,9 @@ from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.prefix_cache import PrefixCache
 from shared.runtime.cancels import RecentCancels, read_cancel
+from shared.runtime.engine import torch_threads
 from shared.runtime.engine_thread import EngineThread
+from shared.runtime.options import PREFILL_MAX_BATCH
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 from shared.transport.base import Transport
@@ -55,9 +58,10 @@ class PrefillWorker:
         transport: Transport,
         registry: NodeRegistry,
         node_id: str,
-        max_batch: int = 8,
+        max_batch: int = PREFILL_MAX_BATCH,
         cache: KVCacheClient | None = None,
         thread: EngineThread | None = None,
+        idle_threads: int = 0,
     ) -> None:
         self.engine = engine
         self.prefix = PrefixCache(engine, cache)
@@ -67,6 +71,7 @@ class PrefillWorker:
         self.node_id = node_id
         self.max_batch = max_batch
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
+        self.idle_threads = idle_threads  # for a batch of jobs sent `alone` (0: as ever)
         self.cancelled = RecentCancels()
         self.queue_depth = 0
         self.metrics = NodeMetrics("prefill")
@@ -77,6 +82,12 @@ class PrefillWorker:
         )
         self.metrics.gauge(
             "tandem_kv_blocks_used", "KV blocks in use", lambda: engine.pool.num_used
+        )
+        self.batches = Counter(
+            "tandem_prefill_batches",
+            "Batches prefilled, by the torch threads they ran on",
+            ["threads"],
+            registry=self.metrics.registry,
         )
         # What this node's pool holds goes out as KV events: routers steer a job to the
         # prefill node holding its prefix. Collected on the engine thread, sent from the loop.
@@ -174,14 +185,23 @@ class PrefillWorker:
                 for j in jobs
             )
         )
+        # All of a batch's jobs sent while their router served nothing else: the decode
+        # node beside this one is idle, so its core may take a share of the prompt. Not
+        # when any job is not: a parallel region would wait at each barrier for the thread
+        # that shares a stepping decode node's core (docs/benchmarks.md).
+        threads = self.idle_threads if all(j.job.alone for j in jobs) else 0
         try:
-            results = await self.thread.call(self._import_and_prefill, prefixes, jobs)
+            results, used = await self.thread.call(
+                self._import_and_prefill, prefixes, jobs, threads
+            )
         except TandemError as exc:
             self._publish_kv_events()
             await self._batch_failed(jobs, compute, exc)
             return
         self._publish_kv_events()
+        self.batches.labels(str(used)).inc()
         for span in compute.values():
+            span.set_attribute("tandem.threads", used)
             span.end()
         by_id: dict[str, ReceivedJob] = {j.job.attempt_id: j for j in jobs}
         self._count(jobs, by_id, results, fetched)
@@ -288,8 +308,11 @@ class PrefillWorker:
         self,
         prefixes: list[tuple[list[BlockHash], list[memoryview]]],
         jobs: list[ReceivedJob],
-    ) -> list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]]:
-        """On the engine thread: place loaded prefix blocks, then prefill (nothing between)."""
+        threads: int,
+    ) -> tuple[list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]], int]:
+        """On the engine thread: place loaded prefix blocks, then prefill (nothing between),
+        on `threads` torch threads (0: the node's count); returns the outputs and the count
+        they ran on."""
         for hashes, blocks in prefixes:
             if blocks:
                 self.engine.exchange.import_cached_blocks(hashes, blocks)
@@ -300,7 +323,8 @@ class PrefillWorker:
         resumed: dict[str, list[int]] = {
             j.job.attempt_id: j.job.output_ids for j in jobs if j.job.output_ids
         }
-        return self.engine.prefill_and_export(requests, resumed)
+        with torch_threads(threads) as used:
+            return self.engine.prefill_and_export(requests, resumed), used
 
     def _publish_kv_events(self) -> None:
         """On the loop, once the engine thread is done with a batch (nothing else of this

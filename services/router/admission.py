@@ -165,6 +165,7 @@ def new_job(
         token_subject=token_subject(attempt),
         deadline=time.time() + parts.config.first_token_timeout,
         model=parsed.model,
+        alone=parts.inflight.streaming <= {rid},
     )
 
 

@@ -183,6 +183,7 @@ class Failover:
             output_ids=delivered,
             handoff=self.attempts,
             deadline=time.time() + self.dispatch.config.first_token_timeout,
+            alone=False,  # said when it was first sent: stale now
         )
         self.stream.handoff = job.handoff  # from now on the old handoff's errors are stale
         try:

@@ -158,6 +158,7 @@ async def claim(
         decode_node=node.node_id,
         output_ids=output,
         deadline=time.time() + parts.config.first_token_timeout,
+        alone=False,  # said by the router that first sent it
     )
     return claimed, job
 

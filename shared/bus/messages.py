@@ -57,6 +57,9 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
     deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
     output_ids: list[int] = []  # a failover: tokens already delivered; continue after them
     model: str = ""  # the served name it is for ("": the cluster's one model)
+    # The router served no other request when it sent this: the decode nodes run nothing of
+    # its. A prefill node sharing their cores may then take them all (--idle-threads).
+    alone: bool = False
 
     def sampling_params(self) -> SamplingParams:
         """The request's parameters with the router's seed when it set none, so every

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -24,6 +26,23 @@ def configure_threads(threads: int | None) -> int:
     n = threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, n))
     return n
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[int]:
+    """Run the block on `threads` torch threads (0: the count set now), then go back;
+    yields the count in effect. Call it on the thread that runs the block: with OpenMP
+    the count is each thread's own setting. Growing the team starts its new threads with
+    this thread's CPUs."""
+    before = torch.get_num_threads()
+    if not threads or threads == before:
+        yield before
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -> Engine:

@@ -208,6 +208,43 @@ def cpu_list(text: str) -> set[int]:
     return cpus
 
 
+def whole_number(text: str, low: int, high: int | None = None) -> int:
+    """An option's whole number from `low` to `high` (None: no upper bound), or an
+    argparse error that says which."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if high is None and value < low:
+        raise argparse.ArgumentTypeError(f"{value} is not at least {low}")
+    if high is not None and not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is not between {low} and {high}")
+    return value
+
+
+def niceness(text: str) -> int:
+    """--background-nice: 0 (as every other process) to 19 (the lowest priority)."""
+    return whole_number(text, 0, 19)
+
+
+# Jobs a prefill node prefills together at most. A batch's first tokens all come at its end,
+# and on a CPU a few hundred prompt rows already run the GEMMs near peak, so a larger batch
+# only holds back the first tokens of its earlier prompts: at 16 streams of 256-token
+# prompts on 2 cores, 4 gave 1.06x the tokens/s of 8 and TTFT p50 2.9 s against 5.1
+# (docs/benchmarks.md, "Smaller prefill batches").
+PREFILL_MAX_BATCH = 4
+
+
+def positive(text: str) -> int:
+    """A count that must be at least 1."""
+    return whole_number(text, 1)
+
+
+def thread_count(text: str) -> int:
+    """--idle-threads and the like: 0 (the default) or a number of threads, at most 1024."""
+    return whole_number(text, 0, 1024)
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
     add_option(

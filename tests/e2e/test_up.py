@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus.server import free_port
-from shared.procs import thread_cpus
+from shared.procs import BACKGROUND_NICE, thread_cpus
 
 pytestmark = pytest.mark.e2e
 
@@ -37,15 +37,19 @@ CPUS = sorted(os.sched_getaffinity(0))
 ISOLATE = len(CPUS) >= 2  # the decode engine thread on the last CPU, the rest on the others
 
 
+def role_of(pid: int) -> str:
+    """A child's role: its `tandem.cli` sub-command, or nats."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return "nats" if b"nats-server" in cmdline[0] else cmdline[3].decode()
+
+
 def assert_isolated(kids: list[int]) -> None:
     """Only the decode node's engine thread on the last CPU; every other thread, of every
     service and of NATS, on the others."""
     rest, last = set(CPUS[:-1]), {CPUS[-1]}
     seen = {}
     for pid in kids:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        role = "nats" if b"nats-server" in cmdline[0] else cmdline[3].decode()
-        seen[role] = thread_cpus(pid)
+        seen[role_of(pid)] = thread_cpus(pid)
     assert sorted(seen) == ["decode", "kvcache", "nats", "prefill", "router"]
     for role, threads in seen.items():
         if role == "decode":
@@ -53,6 +57,17 @@ def assert_isolated(kids: list[int]) -> None:
             assert all(cpus == rest for cpus in threads if cpus != last), threads
         else:
             assert all(cpus == rest for cpus in threads), (role, threads)
+
+
+def assert_niceness(kids: list[int]) -> None:
+    """The prefill and kvcache nodes at the default --background-nice above ours; the
+    decode node, the router and NATS at ours."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = {}
+    for pid in kids:
+        seen[role_of(pid)] = os.getpriority(os.PRIO_PROCESS, pid) - base
+    want = min(19 - base, BACKGROUND_NICE)  # the kernel caps it at 19
+    assert seen == {"decode": 0, "kvcache": want, "nats": 0, "prefill": want, "router": 0}
 
 
 def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
@@ -79,6 +94,7 @@ def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
         assert len(kids) >= 5  # nats-server, kvcache, prefill, decode, router
         if ISOLATE:
             assert_isolated(kids)
+        assert_niceness(kids)
         body = (
             '{"model": "smollm2-135m-instruct", "prompt": "The capital of France is",'
             ' "max_tokens": 8, "temperature": 0, "stream": true}'

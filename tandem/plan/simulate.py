@@ -20,7 +20,7 @@ from typing import Any
 
 from shared.costs.model import CostModel
 from shared.costs.profile import Profile, read_profile
-from shared.runtime.options import add_option, step_token_budget
+from shared.runtime.options import PREFILL_MAX_BATCH, add_option, step_token_budget
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
 from tandem.bench.metrics import RequestRecord, run_metrics
@@ -62,7 +62,13 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     add_option(
         p, "--no-prefill-bursts", action="store_true", help="the decode nodes' (tandem up's)"
     )
-    add_option(p, "--prefill-max-batch", type=int, default=8, help="jobs a prefill node takes")
+    add_option(
+        p,
+        "--prefill-max-batch",
+        type=int,
+        default=PREFILL_MAX_BATCH,
+        help="jobs a prefill node prefills together at most (its --max-batch)",
+    )
     add_option(p, "--local-prefill-max-tokens", type=int, default=96)
     add_option(p, "--heartbeat", type=float, default=2.0, help="registry period, seconds")
     add_option(

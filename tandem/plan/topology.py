@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.runtime.options import PREFILL_MAX_BATCH
 from tandem.plan.simengine import EngineShape
 
 
@@ -18,7 +19,7 @@ class Topology:
     decode: int = 0
     decode_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
     prefill_engine: EngineShape = field(default_factory=lambda: EngineShape(num_blocks=4096))
-    prefill_max_batch: int = 8  # `tandem prefill --max-batch`
+    prefill_max_batch: int = PREFILL_MAX_BATCH  # `tandem prefill --max-batch`
     local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
     heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
     conditional: bool = False  # `tandem router --conditional`, with the decode profile's costs

@@ -42,6 +42,8 @@ def test_validate_runs_both_sides_on_the_same_requests(tmp_path: Path) -> None:
     measured, simulated = doc["sweeps"]
     assert measured["label"] == "measured" and simulated["label"] == "simulated 1P:1D"
     assert "--prefill" in doc["up"] and "--colocated" not in doc["up"]
+    # the simulated prefill nodes run every batch on one thread count: so do the measured
+    assert doc["up"][doc["up"].index("--prefill-idle-threads") + 1] == "0"
     sent = [r["sent"] for r in measured["points"][0]["requests"]]
     assert len(sent) == 3
     # the simulation replayed the measured requests: same lengths, same send times

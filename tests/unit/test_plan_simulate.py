@@ -281,6 +281,7 @@ def test_a_prefill_batch_larger_than_the_prefill_pool_still_goes_through() -> No
         decode=1,
         decode_engine=shape(),
         prefill_engine=EngineShape(num_blocks=40),
+        prefill_max_batch=8,  # the 7 queued behind the first in one batch
     )
     records = Simulation(topo, CostModel(profile())).run([Arrival(0.0, 500, 4)] * 8)
     assert all(r.ok and r.output_tokens == 4 for r in records)

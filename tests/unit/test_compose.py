@@ -490,3 +490,13 @@ def test_env_example_changes_only_the_password(
         assert path[-1] in PASSWORD_VARS or (
             path[0] == "x-nats-credentials" and path[-1] in {"password", *ROLES}
         ), path
+
+
+def test_prefill_and_kvcache_containers_weigh_less_than_decode_ones(
+    config: dict[str, Any],
+) -> None:
+    """As `tandem up --background-nice` (niceness 10: weight 110 of 1024): where the
+    containers share cores, a decode step runs before a prefill or a KV store."""
+    for name, service in tandem_services(config).items():
+        want = 110 if service["command"][0] in ("prefill", "kvcache") else None
+        assert service.get("cpu_shares") == want, name

@@ -9,6 +9,7 @@ import logging
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import (
     PREFILL_MAX_BATCH,
+    PREFILL_STEP_TOKENS,
     add_engine_node_parser,
     add_option,
     positive,
@@ -26,7 +27,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-batch",
         type=positive,
         default=PREFILL_MAX_BATCH,
-        help="jobs prefilled together at most (their first tokens all come at the batch's end)",
+        help="jobs fetched together at most (prefilled in steps, --step-tokens)",
+    )
+    add_option(
+        p,
+        "--step-tokens",
+        type=positive,
+        default=PREFILL_STEP_TOKENS,
+        help="prompt tokens one prefill step computes at most (a longer prompt runs alone; "
+        "the smaller of this and --max-batched-tokens): each step's first tokens go out as "
+        "it ends, the next step computing meanwhile",
     )
     add_option(
         p,
@@ -49,6 +59,8 @@ async def serve(args: argparse.Namespace) -> None:
     from shared.runtime.engine import start_engine
     from shared.transport.pending import PendingTransfers
 
+    # a prefill node's engine steps are its --step-tokens (engine_from_args reads this)
+    args.max_batched_tokens = min(args.max_batched_tokens, args.step_tokens)
     rt = await NodeRuntime.open("prefill", args)
     assert rt.bus is not None and rt.transport is not None and rt.registry is not None
     engine, thread = await start_engine(args)

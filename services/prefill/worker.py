@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Generator
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
@@ -32,6 +33,7 @@ from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine
 from shared.engine.outputs import StepOutput
+from shared.engine.prefill_steps import Prefilled, prefill_steps
 from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
@@ -190,29 +192,71 @@ class PrefillWorker:
         # when any job is not: a parallel region would wait at each barrier for the thread
         # that shares a stepping decode node's core (docs/benchmarks.md).
         threads = self.idle_threads if all(j.job.alone for j in jobs) else 0
-        try:
-            results, used = await self.thread.call(
-                self._import_and_prefill, prefixes, jobs, threads
-            )
-        except TandemError as exc:
-            self._publish_kv_events()
-            await self._batch_failed(jobs, compute, exc)
-            return
-        self._publish_kv_events()
-        self.batches.labels(str(used)).inc()
-        for span in compute.values():
-            span.set_attribute("tandem.threads", used)
-            span.end()
+        requests: list[tuple[str, list[int], SamplingParams]] = [
+            (j.job.attempt_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs
+        ]
+        # failovers and resumed streams: the tokens already delivered
+        resumed: dict[str, list[int]] = {
+            j.job.attempt_id: j.job.output_ids for j in jobs if j.job.output_ids
+        }
+        steps = prefill_steps(self.engine, requests, resumed)
         by_id: dict[str, ReceivedJob] = {j.job.attempt_id: j for j in jobs}
-        self._count(jobs, by_id, results, fetched)
-        await asyncio.gather(
-            *(
-                self._hand_off_and_store(
-                    handoff, by_id[out.request_id], out, snap, frame, contexts, compute
+        left = dict(by_id)  # not prefilled yet
+        done: list[Prefilled] = []
+        handing: list[asyncio.Future[list[None]]] = []  # each step's hand-offs, under way
+        used = 0
+        try:
+            while left:
+                try:
+                    results, used = await self.thread.call(
+                        self._step, [] if handing else prefixes, steps, threads
+                    )
+                except TandemError as exc:
+                    self._publish_kv_events()
+                    await self._batch_failed(list(left.values()), compute, exc)
+                    break
+                self._publish_kv_events()
+                for out, _, _ in results:
+                    left.pop(out.request_id)
+                    span = compute[out.request_id]
+                    span.set_attribute("tandem.threads", used)
+                    span.set_attribute("tandem.step", len(handing) + 1)
+                    span.end()
+                done += results
+                # this step's first tokens and hand-offs go out while the next one computes
+                handing.append(
+                    asyncio.gather(
+                        *(
+                            self._hand_off_and_store(
+                                handoff, by_id[out.request_id], out, snap, frame, contexts, compute
+                            )
+                            for out, snap, frame in results
+                        )
+                    )
                 )
-                for out, snap, frame in results
-            )
-        )
+        finally:
+            # on the engine thread: whatever is left of the batch (nothing, unless this
+            # loop failed between steps) is cancelled there, before the next batch starts
+            await self.thread.call(steps.close)
+        if done:
+            self.batches.labels(str(used)).inc()
+            self._count(jobs, by_id, done, fetched)
+        await asyncio.gather(*handing)
+
+    def _step(
+        self,
+        prefixes: list[tuple[list[BlockHash], list[memoryview]]],
+        steps: Generator[list[Prefilled], None, None],
+        threads: int,
+    ) -> tuple[list[Prefilled], int]:
+        """On the engine thread: place loaded prefix blocks (before a batch's first step:
+        nothing between), then run the batch's next step on `threads` torch threads (0: the
+        node's count); returns its prefilled requests and the count they ran on."""
+        for hashes, blocks in prefixes:
+            if blocks:
+                self.engine.exchange.import_cached_blocks(hashes, blocks)
+        with torch_threads(threads) as used:
+            return next(steps), used
 
     async def _hand_off_and_store(
         self,
@@ -283,7 +327,7 @@ class PrefillWorker:
         self,
         jobs: list[ReceivedJob],
         by_id: dict[str, ReceivedJob],
-        results: list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]],
+        results: list[Prefilled],
         fetched: int,
     ) -> None:
         """The batch's metrics, and how much of each resumed request was recomputed."""
@@ -303,28 +347,6 @@ class PrefillWorker:
                     "resumed %s after %d tokens: %d of %d context tokens recomputed",
                     out.request_id, len(resumed.output_ids), recomputed, context,
                 )  # fmt: skip
-
-    def _import_and_prefill(
-        self,
-        prefixes: list[tuple[list[BlockHash], list[memoryview]]],
-        jobs: list[ReceivedJob],
-        threads: int,
-    ) -> tuple[list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]], int]:
-        """On the engine thread: place loaded prefix blocks, then prefill (nothing between),
-        on `threads` torch threads (0: the node's count); returns the outputs and the count
-        they ran on."""
-        for hashes, blocks in prefixes:
-            if blocks:
-                self.engine.exchange.import_cached_blocks(hashes, blocks)
-        requests: list[tuple[str, list[int], SamplingParams]] = [
-            (j.job.attempt_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs
-        ]
-        # failovers and resumed streams: the tokens already delivered
-        resumed: dict[str, list[int]] = {
-            j.job.attempt_id: j.job.output_ids for j in jobs if j.job.output_ids
-        }
-        with torch_threads(threads) as used:
-            return self.engine.prefill_and_export(requests, resumed), used
 
     def _publish_kv_events(self) -> None:
         """On the loop, once the engine thread is done with a batch (nothing else of this

@@ -3,7 +3,7 @@
 `step()` runs one forward: a prefill batch when sequences are waiting and fit, otherwise one
 decode step for every running sequence (the colocated schedule: prefill first, as classic
 monolithic servers do). The same engine serves each role of the disaggregated stack:
-`prefill_and_export` for a prefill node (prefill, sample the first token, hand the KV out as
+`prefill_steps.py` for a prefill node (prefill, sample the first token, hand the KV out as
 bytes, free the blocks) and `add_snapshot` + `step` for a decode node (import the KV, join
 the running batch).
 """
@@ -29,6 +29,7 @@ from shared.engine.logprobs import (
     wants_prompt_logprobs,
 )
 from shared.engine.outputs import EngineStats, StepOutput
+from shared.engine.prefill_steps import Prefilled, prefill_steps
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -380,33 +381,10 @@ class Engine:
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
         resumed: dict[str, list[int]] | None = None,
-    ) -> list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]]:
-        """Prefill node: one packed forward for all, first tokens, KV frames; blocks freed.
-
-        A request finished by its first token (EOS, max_tokens=1) has no snapshot to ship.
-        `resumed` maps request ids to output tokens generated before a failover.
-        """
-        if self.has_unfinished():
-            raise RuntimeError("prefill_and_export needs an engine with no other work")
-        results: list[tuple[StepOutput, SequenceSnapshot | None, memoryview | None]] = []
-        try:
-            for request_id, prompt_ids, params in requests:
-                self.add_request(prompt_ids, params, request_id, (resumed or {}).get(request_id))
-            while self.scheduler.waiting:
-                outs = self.step()
-                if not outs:
-                    raise CapacityError("KV blocks exhausted during prefill")
-                for out in outs:
-                    if out.finished:
-                        results.append((out, None, None))
-                        continue
-                    snapshot, frame = self.export(out.request_id)
-                    self.abort(out.request_id)
-                    results.append((out, snapshot, frame))
-        except BaseException:
-            self.cancel_all()  # a failed batch leaves nothing behind for the next one
-            raise
-        return results
+    ) -> list[Prefilled]:
+        """Prefill node: every request prefilled (`prefill_steps.prefill_steps`), all
+        results at once."""
+        return [r for step in prefill_steps(self, requests, resumed) for r in step]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (a convenience for tools and tests)."""

@@ -233,6 +233,9 @@ def niceness(text: str) -> int:
 # prompts on 2 cores, 4 gave 1.06x the tokens/s of 8 and TTFT p50 2.9 s against 5.1
 # (docs/benchmarks.md, "Smaller prefill batches").
 PREFILL_MAX_BATCH = 4
+# Prompt tokens one of its steps computes at most: the jobs are prefilled FIFO in steps, and
+# each step's first tokens go out as it ends (shared/engine/prefill_steps.py).
+PREFILL_STEP_TOKENS = 4096
 
 
 def positive(text: str) -> int:

@@ -1,10 +1,12 @@
 """The prefill side of the simulator (simulator.py): prefill nodes taking jobs from the
-shared queue, prefilling them in one engine run, publishing their first tokens and handing
-each one's KV to its decode node, as `services/prefill/` does.
+shared queue, prefilling them step by step, publishing their first tokens and handing each
+one's KV to its decode node, as `services/prefill/` does.
 
 A prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
-FIFO, as JetStream's pull consumer serves it), prefills them in one engine run, publishes
-their first tokens, then ships each one's KV to its decode node; it takes its next jobs
+FIFO, as JetStream's pull consumer serves it) and prefills them in engine steps of at most
+its step tokens (`shared/engine/prefill_steps.py`); as each step ends it publishes that
+step's first tokens and ships their KV to their decode nodes (over one link, a step's
+transfers after the step before's), while the next step computes; it takes its next jobs
 once every hand-off is done, retrying (with the node's backoff) a decode node that has no
 room, then any other, as `services/prefill/handoff.py` does. A hand-off ends when the
 decode node has imported the KV: on its engine thread, after its step in progress (and any
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from shared.costs.model import CostModel
@@ -53,50 +56,54 @@ class PrefillSide:
         count = min(self.topology.prefill_max_batch, len(self.queue))
         jobs = [self.queue.popleft() for _ in range(count)]
         node.holding = len(jobs)
-        seconds, emitted = self._prefill(node.engine, [job.seq for job in jobs])
-        ship = [j for j in jobs if id(j.seq) in emitted and j.seq.status is not FINISHED]
-        # each one's KV read out into its frame, on the engine thread, before the batch's
-        # first tokens go out (`Engine.prefill_and_export`)
-        export = self.transfer_costs.kv_copy
-        done = self.now + seconds + sum(export("export", j.seq.num_computed) for j in ship)
-        self.at(done, self._prefilled, node, jobs, emitted)
-        # the hand-offs run together on one link: all of them land when the bytes are through
-        arrive = done + self.transfer_costs.kv_transfer(sum(j.seq.num_computed for j in ship))
-        self.at(arrive, self._hand_offs, node, ship)
+        left = {id(job.seq): job for job in jobs}
+        export, transfer = self.transfer_costs.kv_copy, self.transfer_costs.kv_transfer
+        clock = link = self.now
+        for seconds, seqs in self._prefill(node.engine, [job.seq for job in jobs]):
+            step = [left.pop(id(seq)) for seq in seqs]
+            ship = [j for j in step if j.seq.status is not FINISHED]
+            # each one's KV read out into its frame, on the engine thread, before the
+            # step's first tokens go out (`prefill_steps`); the next step follows
+            clock += seconds + sum(export("export", j.seq.num_computed) for j in ship)
+            self.at(clock, self._prefilled, node, step)
+            # a step's hand-offs run together on the one link, after the step before's:
+            # all of them land when the bytes are through
+            link = max(link, clock) + transfer(sum(j.seq.num_computed for j in ship))
+            self.at(link, self._hand_offs, node, ship)
+        if left:  # never admitted: more KV than this node's pool
+            self.at(clock, self._not_admitted, node, list(left.values()))
 
-    def _prefilled(self, node: PrefillNode, jobs: list[Job], emitted: set[int]) -> None:
-        """The batch's prefill is done: first tokens out (one event for the batch)."""
+    def _prefilled(self, node: PrefillNode, jobs: list[Job]) -> None:
+        """A step of the batch is done: its first tokens out (one event for the step)."""
         for job in jobs:
-            if id(job.seq) not in emitted:  # never admitted: more KV than this node's pool
-                node.engine.scheduler.remove(job.seq)
-                self._job_failed(node, job, "KV blocks exhausted during prefill")
-            elif job.seq.status is FINISHED:  # its first token was its last
-                self._token(job.record, job.seq)
+            self._token(job.record, job.seq)
+            if job.seq.status is FINISHED:  # its first token was its last
                 self._handed_off(node)
-            else:
-                self._token(job.record, job.seq)
+
+    def _not_admitted(self, node: PrefillNode, jobs: list[Job]) -> None:
+        for job in jobs:
+            node.engine.scheduler.remove(job.seq)
+            self._job_failed(node, job, "KV blocks exhausted during prefill")
 
     def _hand_offs(self, node: PrefillNode, jobs: list[Job]) -> None:
         for job in jobs:
             self._hand_off(node, job, HANDOFF_FIRST_DELAY)
 
     @staticmethod
-    def _prefill(engine: SimEngine, seqs: list[Sequence]) -> tuple[float, set[int]]:
-        """`Engine.prefill_and_export`: step until every prompt has its first token, each
-        one's blocks freed as soon as it has (its KV is exported); (seconds, id()s done)."""
+    def _prefill(engine: SimEngine, seqs: list[Sequence]) -> Iterator[tuple[float, list[Sequence]]]:
+        """`prefill_steps`: step until every prompt has its first token, each one's blocks
+        freed as soon as it has (its KV is exported); per step, (seconds, its prefilled)."""
         for seq in seqs:
             engine.add(seq)
-        seconds, emitted = 0.0, set[int]()
         while engine.scheduler.waiting:
             plan, step, _ = engine.begin()
             if not plan.prefills:
-                break
-            seconds += step
-            for seq in engine.end(plan):
-                emitted.add(id(seq))
+                return
+            done = engine.end(plan)
+            for seq in done:
                 if seq.status is not SequenceStatus.FINISHED:
                     engine.release(seq)
-        return seconds, emitted
+            yield step, done
 
     def _job_failed(self, node: PrefillNode, job: Job, error: str) -> None:
         self._fail(job.record, error)

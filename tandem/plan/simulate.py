@@ -20,7 +20,12 @@ from typing import Any
 
 from shared.costs.model import CostModel
 from shared.costs.profile import Profile, read_profile
-from shared.runtime.options import PREFILL_MAX_BATCH, add_option, step_token_budget
+from shared.runtime.options import (
+    PREFILL_MAX_BATCH,
+    PREFILL_STEP_TOKENS,
+    add_option,
+    step_token_budget,
+)
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
 from tandem.bench.metrics import RequestRecord, run_metrics
@@ -67,7 +72,14 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         "--prefill-max-batch",
         type=int,
         default=PREFILL_MAX_BATCH,
-        help="jobs a prefill node prefills together at most (its --max-batch)",
+        help="jobs a prefill node fetches together at most (its --max-batch)",
+    )
+    add_option(
+        p,
+        "--prefill-step-tokens",
+        type=int,
+        default=PREFILL_STEP_TOKENS,
+        help="prompt tokens one prefill step computes at most (the prefill nodes' --step-tokens)",
     )
     add_option(p, "--local-prefill-max-tokens", type=int, default=96)
     add_option(p, "--heartbeat", type=float, default=2.0, help="registry period, seconds")
@@ -101,7 +113,10 @@ def engine_shape(args: argparse.Namespace, profile: Profile, prefill: bool) -> E
         num_blocks=blocks,
         block_size=block,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
+        # a prefill node's steps: the smaller of the two, as `tandem prefill` takes them
+        max_num_batched_tokens=min(args.max_batched_tokens, args.prefill_step_tokens)
+        if prefill
+        else args.max_batched_tokens,
         step_token_budget=0 if prefill else decode_budget(args.step_token_budget, args.colocated),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_bursts=not args.no_prefill_bursts,
@@ -233,8 +248,11 @@ def deployment_problem(args: argparse.Namespace, nodes_given: bool = True) -> st
             "--step-token-budget and --admission-latency cannot be negative, "
             "--heartbeat must be positive"
         )
-    if args.prefill_chunk_tokens < 1 or args.max_batched_tokens < 1:
-        return "--prefill-chunk-tokens and --max-batched-tokens must be at least 1"
+    if min(args.prefill_chunk_tokens, args.max_batched_tokens, args.prefill_step_tokens) < 1:
+        return (
+            "--prefill-chunk-tokens, --max-batched-tokens and --prefill-step-tokens must be "
+            "at least 1"
+        )
     if not nodes_given:
         return None
     probe = Topology(colocated=args.colocated, prefill=args.prefill, decode=args.decode)

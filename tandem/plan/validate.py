@@ -6,9 +6,9 @@ no kvcache node unless asked, liveness probes off, timeouts at the client's), ru
 sweep, and stops it. The simulated side replays that run's requests at their send times
 (`tandem plan simulate --trace`), so both sides saw the very same arrivals. The stack
 runs with the options the simulation is given (engine, chunking, local prefill limit,
-heartbeat, conditional routing, the prefill nodes' `--max-batch`); the prefill nodes
-run every batch on one thread count (`--prefill-idle-threads 0`: a lone prompt on every
-core is not simulated). Errors are
+heartbeat, conditional routing, the prefill nodes' `--max-batch` and `--step-tokens`);
+the prefill nodes run every batch on one thread count (`--prefill-idle-threads 0`: a lone
+prompt on every core is not simulated). Errors are
 (simulated − measured) / measured for TTFT p50 and p90, TPOT p50 and output tokens/s.
 """
 
@@ -88,6 +88,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_MAX_BATCHED_TOKENS": str(args.max_batched_tokens),
         "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill_max_tokens),
         "TANDEM_MAX_BATCH": str(args.prefill_max_batch),  # the prefill nodes'
+        "TANDEM_STEP_TOKENS": str(args.prefill_step_tokens),  # theirs too
     }
 
 

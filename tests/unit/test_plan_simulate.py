@@ -289,6 +289,33 @@ def test_a_prefill_batch_larger_than_the_prefill_pool_still_goes_through() -> No
     assert max(r.chunks[0] for r in records) == pytest.approx(8 * 0.5, abs=0.01)
 
 
+def test_a_prefill_batch_comes_out_step_by_step_within_its_token_cap() -> None:
+    """As `prefill_steps` does: jobs fetched together are prefilled FIFO in steps of at
+    most the node's step tokens, each step's first tokens out as it ends. A 500-token
+    prompt fetched with another and a short one: with a 600-token cap the first is out
+    0.5 s before the other two (which share the next step); with room for all, together."""
+
+    def first_tokens(cap: int) -> list[float]:
+        topo = Topology(
+            prefill=1,
+            decode=1,
+            decode_engine=shape(),
+            prefill_engine=EngineShape(num_blocks=4096, max_num_batched_tokens=cap),
+            prefill_max_batch=4,
+        )
+        # the first keeps the node busy while the other three queue, fetched together next
+        arrivals = [Arrival(0.0, 100, 2)] + [Arrival(0.01, n, 2) for n in (500, 500, 100)]
+        records = Simulation(topo, CostModel(profile())).run(arrivals)
+        assert all(r.ok for r in records)
+        return [r.chunks[0] for r in records[1:]]
+
+    long1, long2, short = first_tokens(600)
+    assert long2 - long1 == pytest.approx(0.6, abs=0.01)  # the second step: 500 + 100
+    assert short == pytest.approx(long2, abs=1e-6)
+    long1, long2, short = first_tokens(4096)
+    assert long1 == pytest.approx(long2, abs=1e-6) == pytest.approx(short, abs=1e-6)
+
+
 def test_hand_offs_to_another_decode_node_keep_each_stream_its_own() -> None:
     """Two decode nodes that hold one request each: hand-offs fall back to the other node,
     and request ids stay distinct across nodes, so every record gets exactly its tokens."""

@@ -1,7 +1,8 @@
 """A prefill node's batches. `--idle-threads`: what `tandem up` gives its prefill nodes
 (every core where nodes share them, 0 where they are kept apart), the option's range, and
 the thread count a batch runs on (set for the block, then back; OpenMP keeps it per
-thread). `--max-batch`: the jobs it prefills together, a limit the simulator shares."""
+thread). `--max-batch`: the jobs it fetches together, and `--step-tokens`: the prompt tokens of one
+of its steps, limits the simulator shares."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from shared.runtime.engine import torch_threads
-from shared.runtime.options import PREFILL_MAX_BATCH
+from shared.runtime.options import PREFILL_MAX_BATCH, PREFILL_STEP_TOKENS
 from tandem.cli import build_parser
 from tests.unit.test_colocated import plan_of
 
@@ -96,3 +97,28 @@ def test_a_prefill_nodes_batch_limit_is_an_option_the_simulator_shares(
     assert engine_env(simulated)["TANDEM_MAX_BATCH"] == str(PREFILL_MAX_BATCH)
     monkeypatch.setenv("TANDEM_MAX_BATCH", "8")
     assert build_parser().parse_args(["prefill"]).max_batch == 8
+
+
+def test_a_prefill_nodes_step_tokens_are_an_option_the_simulator_shares(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tandem prefill --step-tokens` (TANDEM_STEP_TOKENS): the simulated prefill engine's
+    steps follow it (the smaller of it and --max-batched-tokens, as the node takes them),
+    and `tandem plan validate` gives the measured nodes the simulated cap."""
+    from tandem.plan.simulate import engine_shape
+    from tandem.plan.validate import engine_env
+    from tests.unit.test_plan_simulate import profile
+
+    assert build_parser().parse_args(["prefill"]).step_tokens == PREFILL_STEP_TOKENS
+    assert build_parser().parse_args(["prefill", "--step-tokens", "512"]).step_tokens == 512
+    for bad, why in (("0", "at least 1"), ("x", "whole number")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["prefill", "--step-tokens", bad])
+        assert why in capsys.readouterr().err
+    simulate = ["plan", "simulate", "--profile", "p.json", "--prefill-step-tokens", "700"]
+    simulated = build_parser().parse_args(simulate)
+    assert engine_env(simulated)["TANDEM_STEP_TOKENS"] == "700"
+    assert engine_shape(simulated, profile(), prefill=True).max_num_batched_tokens == 700
+    assert engine_shape(simulated, profile(), prefill=False).max_num_batched_tokens == 4096
+    monkeypatch.setenv("TANDEM_STEP_TOKENS", "1024")
+    assert build_parser().parse_args(["prefill"]).step_tokens == 1024

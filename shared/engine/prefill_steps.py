@@ -1,0 +1,58 @@
+"""A prefill node's batch, step by step: the jobs it fetched together are prefilled FIFO in
+engine steps of at most `max_num_batched_tokens` prompt tokens (a longer prompt runs
+alone), and each step's first tokens and KV frames are handed out as that step ends.
+
+Why steps and not one forward for the batch: a batch's first tokens all came at its end,
+so a short prompt fetched with two long ones waited for both, and the first of two long
+prompts waited for the second (on one CPU thread a 1,500-token prompt takes seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+from shared.bus.messages import SequenceSnapshot
+from shared.bus.params import SamplingParams
+from shared.engine.outputs import StepOutput
+from shared.errors import CapacityError
+
+if TYPE_CHECKING:
+    from shared.engine.engine import Engine
+
+# a prefilled request: its first token, and its KV to ship (none if that token ended it)
+Prefilled = tuple[StepOutput, SequenceSnapshot | None, memoryview | None]
+
+
+def prefill_steps(
+    engine: Engine,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    resumed: dict[str, list[int]] | None = None,
+) -> Generator[list[Prefilled], None, None]:
+    """Add the requests, then yield each step's prefilled ones (their blocks freed once
+    exported). Run every `next` on the engine thread.
+
+    `resumed` maps request ids to output tokens generated before a failover. An error, or
+    the generator closed early, cancels what is left, so the next batch starts clean.
+    """
+    if engine.has_unfinished():
+        raise RuntimeError("a prefill batch needs an engine with no other work")
+    try:
+        for request_id, prompt_ids, params in requests:
+            engine.add_request(prompt_ids, params, request_id, (resumed or {}).get(request_id))
+        while engine.scheduler.waiting:
+            outs = engine.step()
+            if not outs:
+                raise CapacityError("KV blocks exhausted during prefill")
+            results: list[Prefilled] = []
+            for out in outs:
+                if out.finished:
+                    results.append((out, None, None))
+                    continue
+                snapshot, frame = engine.export(out.request_id)
+                engine.abort(out.request_id)
+                results.append((out, snapshot, frame))
+            yield results
+    except BaseException:
+        engine.cancel_all()
+        raise

@@ -233,9 +233,12 @@ def niceness(text: str) -> int:
 # prompts on 2 cores, 4 gave 1.06x the tokens/s of 8 and TTFT p50 2.9 s against 5.1
 # (docs/benchmarks.md, "Smaller prefill batches").
 PREFILL_MAX_BATCH = 4
-# Prompt tokens one of its steps computes at most: the jobs are prefilled FIFO in steps, and
-# each step's first tokens go out as it ends (shared/engine/prefill_steps.py).
-PREFILL_STEP_TOKENS = 4096
+# Prompt tokens one of its steps computes at most: a batch is prefilled in steps, shortest
+# first, and each step's first tokens go out as it ends (shared/engine/prefill_steps.py).
+# On a CPU a step of a few hundred rows already runs near peak (profile, one AVX2 core:
+# 8.1 ms a token at 64, 7.2 at 256, 7.8 at 1,024), so a small cap costs no throughput;
+# simulated and measured on the mixed workload, 512 against 4,096: docs/benchmarks.md.
+PREFILL_STEP_TOKENS = 512
 
 
 def positive(text: str) -> int:

@@ -3,15 +3,16 @@ shared queue, prefilling them step by step, publishing their first tokens and ha
 one's KV to its decode node, as `services/prefill/` does.
 
 A prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
-FIFO, as JetStream's pull consumer serves it) and prefills them in engine steps of at most
-its step tokens (`shared/engine/prefill_steps.py`); as each step ends it publishes that
-step's first tokens and ships their KV to their decode nodes (over one link, a step's
-transfers after the step before's), while the next step computes; it takes its next jobs
-once every hand-off is done, retrying (with the node's backoff) a decode node that has no
-room, then any other, as `services/prefill/handoff.py` does. A hand-off ends when the
-decode node has imported the KV: on its engine thread, after its step in progress (and any
-import queued before it). Its next fetch follows at once (`services/prefill/intake.py`: a busy
-node asks how many jobs its own queue holds, an API round trip, instead of pulling it empty).
+FIFO, as JetStream's pull consumer serves it) and prefills them, shortest first, in
+engine steps of at most its step tokens (`shared/engine/prefill_steps.py`); as each step
+ends it publishes that step's first tokens and ships their KV to their decode nodes (over
+one link, a step's transfers after the step before's), while the next step computes; it
+takes its next jobs once every hand-off is done, retrying (with the node's backoff) a
+decode node that has no room, then any other, as `services/prefill/handoff.py` does. A
+hand-off ends when the decode node has imported the KV: on its engine thread, after its
+step in progress (and any import queued before it). Its next fetch follows at once
+(`services/prefill/intake.py`: a busy node asks how many jobs its own queue holds, an API
+round trip, instead of pulling it empty).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class PrefillSide:
         left = {id(job.seq): job for job in jobs}
         export, transfer = self.transfer_costs.kv_copy, self.transfer_costs.kv_transfer
         clock = link = self.now
-        for seconds, seqs in self._prefill(node.engine, [job.seq for job in jobs]):
+        order = sorted(jobs, key=lambda job: job.seq.num_tokens)  # shortest first, as the node
+        for seconds, seqs in self._prefill(node.engine, [job.seq for job in order]):
             step = [left.pop(id(seq)) for seq in seqs]
             ship = [j for j in step if j.seq.status is not FINISHED]
             # each one's KV read out into its frame, on the engine thread, before the

@@ -290,10 +290,11 @@ def test_a_prefill_batch_larger_than_the_prefill_pool_still_goes_through() -> No
 
 
 def test_a_prefill_batch_comes_out_step_by_step_within_its_token_cap() -> None:
-    """As `prefill_steps` does: jobs fetched together are prefilled FIFO in steps of at
-    most the node's step tokens, each step's first tokens out as it ends. A 500-token
-    prompt fetched with another and a short one: with a 600-token cap the first is out
-    0.5 s before the other two (which share the next step); with room for all, together."""
+    """As `prefill_steps` does: jobs fetched together are prefilled shortest first, in
+    steps of at most the node's step tokens, each step's first tokens out as it ends. Two
+    500-token prompts fetched with a short one behind them: with a 600-token cap the short
+    one and the first long one are out 0.5 s before the other (the next step); with room
+    for all, together."""
 
     def first_tokens(cap: int) -> list[float]:
         topo = Topology(
@@ -310,8 +311,8 @@ def test_a_prefill_batch_comes_out_step_by_step_within_its_token_cap() -> None:
         return [r.chunks[0] for r in records[1:]]
 
     long1, long2, short = first_tokens(600)
-    assert long2 - long1 == pytest.approx(0.6, abs=0.01)  # the second step: 500 + 100
-    assert short == pytest.approx(long2, abs=1e-6)
+    assert long2 - long1 == pytest.approx(0.5, abs=0.01)  # the second step: 500 alone
+    assert short == pytest.approx(long1, abs=1e-6)  # the first step: 100 + 500
     long1, long2, short = first_tokens(4096)
     assert long1 == pytest.approx(long2, abs=1e-6) == pytest.approx(short, abs=1e-6)
 

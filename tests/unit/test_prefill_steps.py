@@ -1,6 +1,7 @@
-"""A prefill node's batch in steps (shared/engine/prefill_steps.py): FIFO steps of at most
-`max_num_batched_tokens` prompt tokens, each step's requests out as it ends with their KV
-(exact, as one forward would give it), and nothing left behind when a batch stops early."""
+"""A prefill node's batch in steps (shared/engine/prefill_steps.py): shortest first, in
+steps of at most `max_num_batched_tokens` prompt tokens, each step's requests out as it
+ends with their KV (exact, as one forward would give it), and nothing left behind when a
+batch stops early."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def batch() -> list[tuple[str, list[int], SamplingParams]]:
     return [(rid, prompt(n, seed), GREEDY) for seed, (rid, n) in enumerate(lengths.items())]
 
 
-def test_a_batch_comes_out_in_fifo_steps_within_the_token_cap(tiny_model: LoadedModel) -> None:
+def test_a_batch_comes_out_shortest_first_in_steps_within_the_token_cap(
+    tiny_model: LoadedModel,
+) -> None:
     engine = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_batched_tokens=48))
     steps = [[out.request_id for out, _, _ in step] for step in prefill_steps(engine, batch())]
-    # "a" alone (the long one does not fit beside it), the long one alone (over the cap,
-    # it runs by itself), then the two short ones together
-    assert steps == [["a"], ["long"], ["b", "c"]]
+    # the short ones first, in their order, two to a step (a third does not fit), then
+    # the long one, fetched second, alone (over the cap, it runs by itself)
+    assert steps == [["a", "b"], ["c"], ["long"]]
     assert not engine.has_unfinished() and engine.pool.num_used == 0
     # with room for all, one step, as before
     engine = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_batched_tokens=4096))
@@ -68,7 +71,7 @@ def test_a_batch_stopped_between_steps_leaves_the_engine_clean(tiny_model: Loade
     requests not yet prefilled go, with their blocks, and the next batch runs."""
     engine = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_batched_tokens=48))
     steps = prefill_steps(engine, batch())
-    assert [out.request_id for out, _, _ in next(steps)] == ["a"]
+    assert [out.request_id for out, _, _ in next(steps)] == ["a", "b"]
     assert engine.has_unfinished()
     steps.close()
     assert not engine.has_unfinished() and engine.pool.num_used == 0

@@ -87,7 +87,9 @@ def test_every_request_is_one_trace_with_phase_spans(stack: Stack, otlp: OtlpRec
             by_name["prefill.compute"].attributes["tandem.prompt_tokens"]
             == resp.usage.prompt_tokens
         )
-        assert by_name["prefill.compute"].attributes["tandem.batch_size"] >= 1
+        compute = by_name["prefill.compute"].attributes
+        # which step of its batch it came out of: a lone request's batch has one step
+        assert compute["tandem.batch_size"] >= 1 and compute["tandem.step"] == 1
         for name in ("kv.transfer.send", "kv.transfer.receive"):
             attrs = by_name[name].attributes
             assert attrs["tandem.bytes"] > 0 and attrs["tandem.transport"] == "ucx"

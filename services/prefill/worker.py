@@ -4,9 +4,10 @@ Jobs come from the node's own queue (steered here by a router: this pool holds t
 prefix) and the shared one (intake.py). Per job: drop it if cancelled or past its deadline;
 load the longest cached prefix of its prompt from the kvcache service beyond what this
 node's own pool holds (`shared/kvclient/prefix_cache.py`); prefill only the rest (batched
-with the jobs that arrived together) on the engine thread; store the newly computed full
-blocks in the kvcache service in the background; announce what the pool now holds (and
-evicted) as KV events; hand each sequence to a decode node (handoff.py).
+with the jobs that arrived together, in steps: shared/engine/prefill_steps.py) on the
+engine thread; as each step ends, hand its sequences to decode nodes (handoff.py), store
+their newly computed full blocks in the kvcache service in the background, and announce
+what the pool now holds (and evicted) as KV events.
 """
 
 from __future__ import annotations
@@ -169,8 +170,9 @@ class PrefillWorker:
                     self.queue_depth = 0
 
     async def _prefill_batch(self, jobs: list[ReceivedJob], handoff: HandOff) -> None:
-        """Load the jobs' cached prefixes, prefill them together on the engine thread, then
-        store their new blocks and hand each to a decode node."""
+        """Load the jobs' cached prefixes, prefill them step by step on the engine thread
+        (shortest first: prefill_steps.py), and as each step ends hand its requests to
+        their decode nodes and store their new blocks, while the next step computes."""
         fetched = time.time_ns()
         # keyed as the engine names sequences (str): on a node, the attempt id
         contexts: dict[str, otel_context.Context] = {

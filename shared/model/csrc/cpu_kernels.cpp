@@ -278,9 +278,14 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
 constexpr int64_t kMaxSmallRows = 8;
 constexpr int64_t kPrefetchRows = 4;
 
+// Built without -fassociative-math (which the other kernels take, cpu_kernels.py) and
+// without fused multiply-adds: with them GCC split and fused the sums as it liked, and
+// differently for each M (on an AVX2 core, where 8 rows' accumulators spill), so a row's
+// sums changed with the rows beside it. Each row now sums its products in one order.
 template <int M>
-void small_rows(const float* __restrict x, const float* __restrict w, float* __restrict y,
-                int64_t out, int64_t in, int64_t begin, int64_t end) {
+__attribute__((optimize("no-associative-math", "fp-contract=off"))) void small_rows(
+    const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t out,
+    int64_t in, int64_t begin, int64_t end) {
   const int64_t lanes = in / kWidth;
   for (int64_t o = begin; o < end; ++o) {
     const float* wr = w + o * in;

@@ -29,7 +29,6 @@ from shared.engine.logprobs import (
     wants_prompt_logprobs,
 )
 from shared.engine.outputs import EngineStats, StepOutput
-from shared.engine.prefill_steps import Prefilled, prefill_steps
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -376,15 +375,6 @@ class Engine:
         self.tails.forget(seq.request_id)
 
     # ---- roles -----------------------------------------------------------------------------
-
-    def prefill_and_export(
-        self,
-        requests: list[tuple[str, list[int], SamplingParams]],
-        resumed: dict[str, list[int]] | None = None,
-    ) -> list[Prefilled]:
-        """Prefill node: every request prefilled (`prefill_steps.prefill_steps`), all
-        results at once."""
-        return [r for step in prefill_steps(self, requests, resumed) for r in step]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (a convenience for tools and tests)."""

@@ -66,3 +66,12 @@ def prefill_steps(
     except BaseException:
         engine.cancel_all()
         raise
+
+
+def prefill_and_export(
+    engine: Engine,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    resumed: dict[str, list[int]] | None = None,
+) -> list[Prefilled]:
+    """Every request prefilled (`prefill_steps`), all results at once (tools and tests)."""
+    return [r for step in prefill_steps(engine, requests, resumed) for r in step]

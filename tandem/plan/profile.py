@@ -160,6 +160,7 @@ def _prompt(n: int, rng: random.Random, vocab: int) -> list[int]:
 def _prefill_points(model: object, grid: Grid, repeats: int, bar: object) -> list[PrefillPoint]:
     from shared.bus.params import SamplingParams
     from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.prefill_steps import prefill_and_export
 
     rng = random.Random(1)
     vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
@@ -175,7 +176,7 @@ def _prefill_points(model: object, grid: Grid, repeats: int, bar: object) -> lis
         prompts = [_prompt(tokens, rng, vocab) for _ in range(batch)]
 
         def once() -> None:
-            engine.prefill_and_export([(f"p{next(ids)}", p, params) for p in prompts])
+            prefill_and_export(engine, [(f"p{next(ids)}", p, params) for p in prompts])
 
         return median_seconds(once, repeats)
 

@@ -15,6 +15,7 @@ import torch
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
+from shared.engine.prefill_steps import prefill_and_export
 from shared.model.loader import load_model
 from tests.integration.prompts import varied_prompts
 
@@ -28,7 +29,7 @@ def main(out_dir: Path, mode: str) -> None:
     engine = Engine(model, EngineConfig(num_blocks=512))
     prompts = varied_prompts(model)[:4]
     if mode == "prefill":
-        results = engine.prefill_and_export([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)])
+        results = prefill_and_export(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)])
         for out, snapshot, frame in results:
             assert snapshot is not None and frame is not None
             (out_dir / f"{out.request_id}.snap").write_bytes(msgspec.msgpack.encode(snapshot))

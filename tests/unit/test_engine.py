@@ -10,6 +10,7 @@ import torch
 
 from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
+from shared.engine.prefill_steps import prefill_and_export
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.model.loader import LoadedModel
 
@@ -164,7 +165,7 @@ def test_export_import_continues_exactly(tiny_model: LoadedModel) -> None:
     params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
     reference = Engine(tiny_model, EngineConfig(num_blocks=64)).generate(ps, params)
     prefill = Engine(tiny_model, EngineConfig(num_blocks=64))
-    results = prefill.prefill_and_export([(f"r{i}", p, params) for i, p in enumerate(ps)])
+    results = prefill_and_export(prefill, [(f"r{i}", p, params) for i, p in enumerate(ps)])
     assert prefill.pool.num_used == 0
     decode = Engine(tiny_model, EngineConfig(num_blocks=64))
     first: dict[str, int] = {}
@@ -277,9 +278,9 @@ def test_a_failed_prefill_batch_leaves_the_engine_clean(tiny_model: LoadedModel)
     params = SamplingParams(max_tokens=4)
     a, b = prompts(2)
     with pytest.raises(InvalidRequestError):
-        engine.prefill_and_export([("dup", a, params), ("dup", b, params)])
+        prefill_and_export(engine, [("dup", a, params), ("dup", b, params)])
     assert not engine.has_unfinished() and engine.pool.num_used == 0
-    results = engine.prefill_and_export([("next", b, params)])
+    results = prefill_and_export(engine, [("next", b, params)])
     assert [out.request_id for out, _, _ in results] == ["next"]
 
 

@@ -30,11 +30,26 @@ up.
 Without a profile, the fallback rule: local when at most `local_max_tokens` are uncached
 (as before), or when the pool has more than FALLBACK_POOL_TOKENS queued per prefill node
 while the decode node has no local prefill queued; remote otherwise.
+
+With a TPOT target (`tandem router --tpot-target`) and a profile, a local prefill must also
+leave the node's running streams within it. A stream decoding in steps of s seconds on a
+node that spends a share r of its time on local prefills makes a token every s / (1 - r)
+seconds on average, whatever its length; so the prefill seconds the router sent a decode
+node over the last TPOT_WINDOW seconds, this prompt's included, may be at most
+(1 - s / target) of that window, s being the node's step with one stream more. Past that the
+prompt goes to the pool (measured on a slow host: the cost objective alone sent short
+prompts local while every 100-token prefill stalled the streams ~0.75 s, and 40% of the
+requests missed a 250 ms TPOT target at 0.7 req/s; docs/benchmarks.md). Prompts that go
+local because no prefill node is up, or from `PrefixRouter`'s own rule (a cached prefix with
+at most `local_max_tokens` uncached), are not held back, nor counted.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.bus.messages import NodeInfo
@@ -42,6 +57,10 @@ from shared.costs.model import CostModel
 from shared.runtime.options import PREFILL_CHUNK_TOKENS, STEP_TOKEN_BUDGET
 
 FALLBACK_POOL_TOKENS = 2048  # about a long prompt's wait per prefill node: worth going local
+# Seconds over which a decode node's local prefills are summed for the TPOT target: about a
+# stream's life (a few dozen tokens at a few hundred ms here, a few hundred on a GPU), so
+# the stalls a stream sees are those of the window it lives in.
+TPOT_WINDOW = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,12 +86,18 @@ class PrefillPathChooser:
         step_budget: int = STEP_TOKEN_BUDGET,
         chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         prefill_costs: CostModel | None = None,
+        tpot_target: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.costs = costs  # the decode nodes' (and, without prefill_costs, the pool's)
         self.prefill_costs = prefill_costs or costs
         self.local_max_tokens = local_max_tokens
         self.step_budget = step_budget
         self.chunk_tokens = chunk_tokens
+        self.tpot_target = tpot_target or None  # seconds; none (or 0): no target
+        self.clock = clock  # the simulator passes its own
+        # per decode node: (when, estimated seconds) of the local prefills sent it lately
+        self._sent: dict[str, deque[tuple[float, float]]] = {}
 
     def choose(
         self,
@@ -86,6 +111,19 @@ class PrefillPathChooser:
         remotely (computing `remote_uncached`, the rest loaded from the kvcache service)?"""
         if backlog.prefill_nodes == 0:
             return Choice(True, "no prefill node")
+        choice = self._by_cost(local_uncached, remote_uncached, prompt, node, backlog)
+        if choice.local and self.tpot_target is not None and self.costs is not None:
+            return self._within_tpot(choice, local_uncached, node)
+        return choice
+
+    def _by_cost(
+        self,
+        local_uncached: int,
+        remote_uncached: int,
+        prompt: int,
+        node: NodeInfo,
+        backlog: Backlog,
+    ) -> Choice:
         if local_uncached <= self.local_max_tokens:
             return Choice(True, f"{local_uncached} uncached tokens <= {self.local_max_tokens}")
         if self.costs is None:
@@ -100,6 +138,30 @@ class PrefillPathChooser:
             f"local {local:.3f}s + {node.running} streams' stall {stall:.3f}s "
             f"{'<=' if wins else '>'} remote {remote:.3f}s + their stall {remote_stall:.3f}s",
         )
+
+    def _within_tpot(self, choice: Choice, uncached: int, node: NodeInfo) -> Choice:
+        """`choice` (local) if the node's streams stay within the TPOT target (see the module
+        docstring), then counted against the node; else remote."""
+        assert self.costs is not None and self.tpot_target is not None
+        now = self.clock()
+        sent = self._sent.get(node.node_id)
+        while sent and sent[0][0] <= now - TPOT_WINDOW:
+            sent.popleft()
+        stall = self.costs.prefill(uncached)
+        if node.running > 0:
+            recent = sum(seconds for _, seconds in sent or ())
+            share = max(0.0, 1.0 - self.step_seconds(node, node.running + 1) / self.tpot_target)
+            if recent + stall > share * TPOT_WINDOW:
+                return Choice(
+                    False,
+                    f"tpot: local prefills {recent:.2f}s + {stall:.2f}s in {TPOT_WINDOW:g}s > "
+                    f"{share:.0%} of it ({choice.reason})",
+                )
+        if sent is None:  # a node new here: forget those with nothing recent (nodes come and go)
+            self._sent = {n: d for n, d in self._sent.items() if d and d[-1][0] > now - TPOT_WINDOW}
+            sent = self._sent[node.node_id] = deque()
+        sent.append((now, stall))
+        return choice
 
     def _fallback(self, backlog: Backlog) -> Choice:
         per_node = backlog.pool_tokens / backlog.prefill_nodes
@@ -121,9 +183,15 @@ class PrefillPathChooser:
         running = node.running
         if running == 0:
             return self.costs.prefill(tokens)
-        used = max(0, node.total_kv_blocks - node.free_kv_blocks) * max(1, node.block_size)
-        step = self.costs.decode(running, used / running)
+        step = self.step_seconds(node, running)
         if self.step_budget <= 0:  # no chunking: prefilled whole after the current step
             return step + self.costs.prefill(tokens)
         chunk = max(node.block_size, min(self.chunk_tokens, self.step_budget - running))
         return math.ceil(tokens / chunk) * step + self.costs.prefill(tokens)
+
+    def step_seconds(self, node: NodeInfo, batch: int) -> float:
+        """A decode step of `batch` sequences on `node`, at its running ones' mean context
+        (from its block count)."""
+        assert self.costs is not None
+        used = max(0, node.total_kv_blocks - node.free_kv_blocks) * max(1, node.block_size)
+        return self.costs.decode(batch, used / max(1, node.running))

@@ -40,6 +40,7 @@ from shared.runtime.options import (
     add_node_options,
     add_option,
     model_entries,
+    target_seconds,
 )
 from shared.runtime.service import freeze_startup_objects, run_service
 from shared.telemetry.tracing import setup_tracing
@@ -153,6 +154,14 @@ def add_routing_options(p: argparse.ArgumentParser) -> None:
     )
     add_option(
         p,
+        "--tpot-target",
+        type=target_seconds,
+        default=0.0,
+        help="seconds a token: the conditional choice (with --profile) prefills on a decode "
+        "node only while its running streams keep within this (0: no target)",
+    )
+    add_option(
+        p,
         "--cache-isolation",
         choices=["shared", "key"],
         default="shared",
@@ -232,15 +241,19 @@ def path_chooser(args: argparse.Namespace) -> PrefillPathChooser:
             costs = CostModel(read_profile(args.profile))
         except ValueError as exc:
             raise SystemExit(f"error: --profile: {exc}") from exc
+    if args.tpot_target and costs is None:
+        raise SystemExit("error: --tpot-target needs --profile (the costs it is kept with)")
     log.info(
-        "conditional disaggregation, %s",
+        "conditional disaggregation, %s%s",
         "with costs from " + args.profile if costs else "fallback rule (no profile)",
+        f", TPOT target {args.tpot_target:g}s" if args.tpot_target else "",
     )
     return PrefillPathChooser(
         costs,
         args.local_prefill_max_tokens,
         step_budget=args.step_token_budget,
         chunk_tokens=args.prefill_chunk_tokens,
+        tpot_target=args.tpot_target,
     )
 
 

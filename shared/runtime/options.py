@@ -246,6 +246,17 @@ def positive(text: str) -> int:
     return whole_number(text, 1)
 
 
+def target_seconds(text: str) -> float:
+    """--tpot-target and the like: seconds, 0 (no target) or more, finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: 0 (none) or a finite number of seconds")
+    return value
+
+
 def thread_count(text: str) -> int:
     """--idle-threads and the like: 0 (the default) or a number of threads, at most 1024."""
     return whole_number(text, 0, 1024)

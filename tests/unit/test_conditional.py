@@ -4,6 +4,8 @@ fallback rule without a profile."""
 
 from __future__ import annotations
 
+import argparse
+
 import msgspec
 import pytest
 
@@ -14,6 +16,7 @@ from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo
 from shared.costs.model import CostModel
 from shared.costs.profile import KVCopyPoint
+from shared.runtime.options import target_seconds
 from tests.unit.test_plan_simulate import DECODE_STEP, PREFILL_PER_TOKEN, profile
 
 pytestmark = pytest.mark.unit
@@ -106,3 +109,44 @@ def test_router_applies_the_choice_and_counts_the_backlog() -> None:
     table.prefill_done("r1")
     table.prefill_done("r1")  # idempotent: the first token and the end both say it
     assert table.backlog_tokens(PREFILL_POOL) == 0 and not table.prefill_backlog
+
+
+def test_a_tpot_target_holds_local_prefills_to_what_the_streams_can_spare() -> None:
+    """Steps of 50 ms against a 105 ms target: local prefills may take 52% of the node's
+    time, 5.24 s of the last 10 s; 200-token prompts (0.2 s each) past that go remote."""
+    now = [0.0]
+    c = PrefillPathChooser(
+        CostModel(profile()), local_max_tokens=96, tpot_target=0.105, clock=lambda: now[0]
+    )
+    node, queued = decode(running=8), Backlog(pool_tokens=30000, prefill_nodes=1, local_tokens=0)
+    assert not chooser().choose(200, 200, 200, node, queued).reason.startswith("tpot")
+    local = []
+    for _ in range(30):
+        local.append(c.choose(200, 200, 200, node, queued))
+        now[0] += 0.1
+    assert [x.local for x in local] == [True] * 26 + [False] * 4
+    assert local[-1].reason.startswith("tpot: local prefills 5.20s + 0.20s in 10s > 52%")
+    assert "remote" in local[-1].reason  # the cost comparison it overrode
+    now[0] += 7.0  # the first prefills are out of the window: room for a few more
+    assert c.choose(200, 200, 200, node, queued).local
+    # an idle node has no streams to slow down; a target below the step time, no room
+    assert c.choose(200, 200, 200, decode(running=0), queued).local
+    tight = PrefillPathChooser(CostModel(profile()), tpot_target=0.04, clock=lambda: 0.0)
+    assert not tight.choose(100, 100, 100, node, queued).local
+    assert tight.choose(100, 100, 100, node, Backlog(30000, 0, 0)).local  # no prefill node
+
+
+def test_a_tpot_target_needs_costs_and_a_valid_number() -> None:
+    from services.router.main import path_chooser
+
+    args = argparse.Namespace(
+        profile=None, tpot_target=0.25, local_prefill_max_tokens=96,
+        step_token_budget=64, prefill_chunk_tokens=512,
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="--tpot-target needs --profile"):
+        path_chooser(args)
+    assert path_chooser(argparse.Namespace(**{**vars(args), "tpot_target": 0.0})).costs is None
+    assert target_seconds("0.25") == 0.25 and target_seconds("0") == 0.0
+    for bad in ("-1", "nan", "inf", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            target_seconds(bad)

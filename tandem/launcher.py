@@ -217,6 +217,7 @@ class Stack:
                     *(["--colocated"] if prefill == 0 else []),
                     *(["--conditional"] if a.conditional and prefill else []),
                     *(["--profile", a.profile] if a.profile else []),
+                    *(["--tpot-target", f"{a.tpot_target:g}"] if a.tpot_target else []),
                     *chunking,
                 ],
             )

@@ -18,6 +18,7 @@ from shared.runtime.options import (
     add_nats_auth_options,
     add_option,
     niceness,
+    target_seconds,
     thread_count,
 )
 from tandem.autoscale.options import add_policy_options
@@ -43,6 +44,14 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     )
     add_option(
         p, "--profile", default=None, help="costs for --conditional (a tandem plan profile JSON)"
+    )
+    add_option(
+        p,
+        "--tpot-target",
+        type=target_seconds,
+        default=0.0,
+        help="seconds a token the running streams keep within: --conditional (with --profile) "
+        "prefills on a decode node only while they do (0: no target)",
     )
     add_option(p, "--pin-cores", action="store_true", help="pin each model node to its own core")
     add_option(

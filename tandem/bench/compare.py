@@ -10,7 +10,9 @@
 - disaggregated: one prefill and one decode node, each pinned to a core of its own with
   one thread (`tandem up --pin-cores`): the same hardware in total, split by phase.
 - conditional: the same two nodes, the router choosing per request where to prefill
-  (`tandem up --conditional`, costs from `--profile` when given).
+  (`tandem up --conditional`, costs from `--profile` when given; with a profile the router
+  is also given the run's TPOT target, `--slo-tpot`, as its `--tpot-target`: an operator
+  serving to an SLO would configure it so).
 
 All run through the same router and API, without a kvcache node (random prompts share no
 prefix to reuse; its uploads would only spend the cores being compared), with the router's
@@ -57,7 +59,9 @@ def side_options(side: str, args: argparse.Namespace) -> list[str]:
         return [*options, "--colocated"]  # threads: every core of this process
     options += ["--prefill", "1", "--pin-cores"]  # a core and a thread each
     if side == "conditional":
-        options += ["--conditional", *(["--profile", args.profile] if args.profile else [])]
+        options += ["--conditional"]
+        if args.profile:
+            options += ["--profile", args.profile, "--tpot-target", f"{args.slo_tpot:g}"]
     return options
 
 
@@ -78,6 +82,7 @@ def stack_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_STALL_TIMEOUT": timeout,
         "TANDEM_PROBE_AFTER": "0",  # no liveness pings: nothing here fails, and they cost
         "TANDEM_CONDITIONAL": "0",  # only the conditional side's `--conditional` turns it on
+        "TANDEM_TPOT_TARGET": "0",  # and its `--tpot-target` (side_options)
     }
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shared.runtime.options import STEP_TOKEN_BUDGET, add_option
+from shared.runtime.options import STEP_TOKEN_BUDGET, add_option, env_name
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.metrics import (
     RequestRecord,
@@ -76,20 +76,34 @@ class Candidate:
             return "-"
         return "TTFT" if self.ttft_met <= self.tpot_met else "TPOT"
 
-    def up_flags(self, conditional: bool) -> str:
+    def up_flags(self, router: dict[str, str]) -> str:
+        """`tandem up` with this deployment and (split ones) the `router` settings."""
         if self.colocated:
             return f"tandem up --colocated --decode {self.colocated}"
-        extra = " --conditional" if conditional else ""
+        extra = "".join(
+            f" {flag} {value}" if value else f" {flag}" for flag, value in router.items()
+        )
         return f"tandem up --prefill {self.prefill} --decode {self.decode}{extra}"
 
-    def compose_env(self, conditional: bool) -> str:
+    def compose_env(self, router: dict[str, str]) -> str:
         if self.colocated:
             return (
                 f"PREFILL_REPLICAS=0 DECODE_REPLICAS={self.colocated} TANDEM_COLOCATED=1"
                 f" TANDEM_STEP_TOKEN_BUDGET={STEP_TOKEN_BUDGET}"
             )
-        extra = " TANDEM_CONDITIONAL=1" if conditional else ""
+        extra = "".join(f" {env_name(flag)}={value or 1}" for flag, value in router.items())
         return f"PREFILL_REPLICAS={self.prefill} DECODE_REPLICAS={self.decode}{extra}"
+
+
+def router_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The router flags a split recommendation needs to route as simulated: conditional
+    disaggregation with the profile's costs (and the TPOT target), when searched with it."""
+    if not args.conditional:
+        return {}
+    out = {"--conditional": "", "--profile": args.profile}
+    if args.tpot_target:
+        out["--tpot-target"] = f"{args.tpot_target:g}"
+    return out
 
 
 def candidates(budget: int) -> Iterator[Candidate]:
@@ -214,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"\nrecommended: {best.name} ({best.nodes} nodes, goodput {best.goodput:g} req/s)")
-        print(f"  {best.up_flags(args.conditional)}")
-        print(f"  {best.compose_env(args.conditional)} docker compose up")
+        print(f"  {best.up_flags(router_settings(args))}")
+        print(f"  {best.compose_env(router_settings(args))} docker compose up")
     print(f"wrote {args.output}")
     return 0 if best is not None else 1
 
@@ -248,7 +262,7 @@ def document(
         if best is None
         else {
             "deployment": best.name,
-            "up": best.up_flags(args.conditional),
-            "compose": best.compose_env(args.conditional),
+            "up": best.up_flags(router_settings(args)),
+            "compose": best.compose_env(router_settings(args)),
         },
     }

@@ -25,6 +25,7 @@ from shared.runtime.options import (
     PREFILL_STEP_TOKENS,
     add_option,
     step_token_budget,
+    target_seconds,
 )
 from tandem.bench.cli import Defaults, add_common_options
 from tandem.bench.loadgen import arrival_times
@@ -96,6 +97,13 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="per-request choice of prefill path (`tandem up --conditional`)",
     )
+    add_option(
+        p,
+        "--tpot-target",
+        type=target_seconds,
+        default=0.0,
+        help="the conditional choice's TPOT target, s (`tandem up --tpot-target`; 0: none)",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -142,6 +150,7 @@ def topology_of(args: argparse.Namespace, decode: Profile, prefill: Profile) -> 
         local_max_tokens=args.local_prefill_max_tokens,
         heartbeat=args.heartbeat,
         conditional=args.conditional,
+        tpot_target=args.tpot_target,
         admission_latency=args.admission_latency,
         kvcache=args.kvcache,
     )

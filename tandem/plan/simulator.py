@@ -102,6 +102,8 @@ class Simulation(PrefillSide):
                 step_budget=shape.step_token_budget,
                 chunk_tokens=shape.prefill_chunk_tokens,
                 prefill_costs=self.transfer_costs,
+                tpot_target=topology.tpot_target,
+                clock=lambda: self.now,
             )
         self.routing = PrefixRouter(
             self.nodes, KVIndex(), topology.local_max_tokens, colocated=colocated, chooser=chooser

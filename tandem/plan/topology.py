@@ -23,6 +23,7 @@ class Topology:
     local_max_tokens: int = 96  # `tandem router --local-prefill-max-tokens`
     heartbeat: float = 2.0  # the nodes' registry period (heartbeat TTL / 3)
     conditional: bool = False  # `tandem router --conditional`, with the decode profile's costs
+    tpot_target: float = 0.0  # `tandem router --tpot-target` (0: none)
     # From a request's send to its planning by the router and on to a node: HTTP, journal
     # write, NATS. Software, not hardware: measured 40-60 ms on the 2-core machine by
     # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks.md),

@@ -87,6 +87,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_MAX_NUM_SEQS": str(args.max_num_seqs),
         "TANDEM_MAX_BATCHED_TOKENS": str(args.max_batched_tokens),
         "TANDEM_LOCAL_PREFILL_MAX_TOKENS": str(args.local_prefill_max_tokens),
+        "TANDEM_TPOT_TARGET": f"{args.tpot_target:g}",  # the router's
         "TANDEM_MAX_BATCH": str(args.prefill_max_batch),  # the prefill nodes'
         "TANDEM_STEP_TOKENS": str(args.prefill_step_tokens),  # theirs too
     }

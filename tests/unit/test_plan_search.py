@@ -96,4 +96,25 @@ def test_each_candidate_gets_tandem_ups_step_budget_unless_one_is_given(tmp_path
         got = [planner.topology(c).decode_engine.step_token_budget for c in (colocated, split)]
         assert tuple(got) == budgets
         assert planner.topology(split).prefill_engine.step_token_budget == 0  # whole batches
-    assert "TANDEM_STEP_TOKEN_BUDGET=256" in colocated.compose_env(False)
+    assert "TANDEM_STEP_TOKEN_BUDGET=256" in colocated.compose_env({})
+
+
+def test_a_conditional_recommendation_carries_the_routers_costs_and_target(tmp_path: Path) -> None:
+    """The router must route as the simulation did: its profile's costs and TPOT target."""
+    prof = tmp_path / "p.json"
+    prof.write_bytes(msgspec.json.encode(profile()))
+    parser = argparse.ArgumentParser()
+    search.add_parser(parser.add_subparsers())
+    split = search.Candidate(prefill=1, decode=2)
+    base = ["search", "--profile", str(prof), "--request-rate", "1"]
+    args = parser.parse_args([*base, "--conditional", "--tpot-target", "0.25"])
+    router = search.router_settings(args)
+    assert split.up_flags(router) == (
+        f"tandem up --prefill 1 --decode 2 --conditional --profile {prof} --tpot-target 0.25"
+    )
+    assert split.compose_env(router) == (
+        f"PREFILL_REPLICAS=1 DECODE_REPLICAS=2 TANDEM_CONDITIONAL=1 TANDEM_PROFILE={prof}"
+        " TANDEM_TPOT_TARGET=0.25"
+    )
+    assert search.router_settings(parser.parse_args(base)) == {}
+    assert split.up_flags({}) == "tandem up --prefill 1 --decode 2"

@@ -406,8 +406,14 @@ def timeline(r: RequestRecord) -> list[float]:
         (Topology(colocated=1, decode_engine=EngineShape(num_blocks=200, max_num_seqs=8)), True),
         (Topology(prefill=2, decode=2, decode_engine=EngineShape(num_blocks=300)), False),
         (Topology(prefill=1, decode=2, decode_engine=shape(256), conditional=True), False),
+        (
+            Topology(
+                prefill=1, decode=2, decode_engine=shape(256), conditional=True, tpot_target=0.07
+            ),
+            False,
+        ),
     ],
-    ids=["colocated-chunked", "colocated-preempting", "split", "conditional"],
+    ids=["colocated-chunked", "colocated-preempting", "split", "conditional", "conditional-tpot"],
 )
 def test_steady_runs_give_the_stepwise_timelines(topology: Topology, tight: bool) -> None:
     """Runs of steady decode steps, cut by whatever arrives, give every request the

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.server import free_port
 from shared.errors import TandemError
@@ -48,6 +52,7 @@ from tandem.bench.sweep import Sweep, run_sweep
 from tandem.launcher import Stack
 
 SIDES = ("colocated", "colocated-unchunked", "disaggregated", "conditional")
+ROUTES_METRIC = "tandem_router_routes_total"  # services/router/metrics.py
 
 
 def side_options(side: str, args: argparse.Namespace) -> list[str]:
@@ -132,7 +137,7 @@ def measure(
     stack = start_stack(options, args, log, env)
     try:
         print(f"[{side}] ready in {time.monotonic() - started:.0f}s at {stack.url}", flush=True)
-        sweep = measure_url(side, stack.url, args, served, workload)
+        sweep = measure_url(side, stack.url, args, served, workload, routes=stack.url)
         for child in stack.dead_children():  # a crash during the run invalidates the side
             raise TandemError(f"{side}: {child.name} died during the run (see {log})")
         return sweep
@@ -142,8 +147,16 @@ def measure(
         print(f"[{side}] done in {time.monotonic() - started:.0f}s", flush=True)
 
 
-def measure_url(side: str, url: str, args: argparse.Namespace, served: str, workload: Any) -> Sweep:
-    """The sweep of `args` against a server already running at `url`."""
+def measure_url(
+    side: str,
+    url: str,
+    args: argparse.Namespace,
+    served: str,
+    workload: Any,
+    routes: str | None = None,
+) -> Sweep:
+    """The sweep of `args` against a server already running at `url`; with `routes` (our
+    router's URL), each point also counts the requests it routed local and remote."""
     target = Target(
         url=url,
         model=served,
@@ -152,7 +165,27 @@ def measure_url(side: str, url: str, args: argparse.Namespace, served: str, work
         api_key=args.api_key,
         timeout=args.timeout,
     )
-    return asyncio.run(run_sweep(target, workload, sweep_config(args), slo_of(args), side))
+    counts = None if routes is None else functools.partial(route_counts, routes)
+    return asyncio.run(
+        run_sweep(target, workload, sweep_config(args), slo_of(args), side, routes=counts)
+    )
+
+
+def route_counts(url: str) -> dict[str, int]:
+    """Our router's requests so far by route (local, remote, resumed), from its /metrics;
+    empty if they cannot be read (they explain a run, they decide nothing in it)."""
+    counts: dict[str, int] = {}
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:  # noqa: S310 - ours
+            families = list(text_string_to_metric_families(r.read().decode()))
+    except (OSError, ValueError):
+        return counts
+    for family in families:
+        for sample in family.samples:
+            if sample.name == ROUTES_METRIC:
+                route = str(sample.labels.get("route", ""))
+                counts[route] = counts.get(route, 0) + int(sample.value)
+    return counts
 
 
 def measure_side(

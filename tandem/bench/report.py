@@ -44,6 +44,7 @@ def sweep_json(sweep: Sweep) -> dict[str, Any]:
                 "request_rate": p.rate,  # null: unpaced
                 "concurrency": p.concurrency,
                 "metrics": asdict(p.metrics),
+                **({} if p.routes is None else {"routes": p.routes}),
                 "requests": [record_json(r) for r in p.records],
             }
             for p in sweep.points

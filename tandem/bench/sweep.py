@@ -7,6 +7,7 @@ servers compared with one seed see identical workloads.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class Point:
     concurrency: int | None
     metrics: RunMetrics
     records: list[RequestRecord]
+    # the server's requests by route during the point (local / remote prefill), when read
+    routes: dict[str, int] | None = None
 
 
 @dataclass
@@ -91,7 +94,10 @@ async def run_sweep(
     slo: Slo,
     label: str,
     say: Callable[[str], None] = print,
+    routes: Callable[[], dict[str, int]] | None = None,
 ) -> Sweep:
+    """`routes`, if given, reads the server's requests by route so far: each point keeps
+    what it added (which requests the server prefilled where, to explain the point)."""
     sweep = Sweep(label, slo)
     say(f"[{label}] warm-up: {cfg.warmup} request(s)")
     await warm_up(target, workload, cfg)
@@ -99,17 +105,25 @@ async def run_sweep(
         specs = workload.requests(cfg.num_requests, seed=f"{cfg.seed}/point-{i}")
         progress = Progress(len(specs), f"{label} rate {rate_label(rate)}", cfg.quiet)
         load = Load(rate, cfg.arrival, cfg.concurrency, cfg.duration)
+        before = await asyncio.to_thread(routes) if routes else {}
         try:
             records = await run_load(target, specs, load, seed=cfg.seed + i, on_done=progress.done)
         finally:
             progress.close()
         m = run_metrics(records, slo)
-        sweep.points.append(Point(rate, cfg.concurrency, m, records))
+        point = Point(rate, cfg.concurrency, m, records)
+        if routes:
+            after = await asyncio.to_thread(routes)
+            point.routes = {
+                k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)
+            }
+        sweep.points.append(point)
         say(
             f"[{label}] rate {rate_label(rate)}: {m.completed}/{m.requests} ok, "
             f"{m.request_throughput:.2f} req/s, {m.output_throughput:.1f} tok/s, "
             f"TTFT p50 {_s(m.ttft.p50)}, TPOT p50 {_s(m.tpot.p50)}, "
             f"SLO {m.slo_attainment:.0%}"
+            + ("" if point.routes is None else f", routes {point.routes}")
         )
     return sweep
 

@@ -97,6 +97,7 @@ def test_bench_compare_colocated_side(tmp_path: Path) -> None:
     assert [s["label"] for s in doc["sweeps"]] == ["colocated"]
     assert "--colocated" in doc["sides"]["colocated"]
     check_sweep(doc["sweeps"][0], requests=3, output_tokens=6)
+    assert doc["sweeps"][0]["points"][0]["routes"] == {"local": 3}  # the router's counts
     log = (tmp_path / "compare-colocated.log").read_text()
     assert "routed local" in log and "prefill-1" not in log
     assert (tmp_path / "compare-sweep.png").exists()

@@ -185,10 +185,19 @@ async def test_failures_are_recorded_not_raised(fake: tuple[FakeServer, str]) ->
 
 
 async def test_sweep_then_report_files(fake: tuple[FakeServer, str], tmp_path: Path) -> None:
-    _, url = fake
+    server, url = fake
     cfg = SweepConfig(rates=[20.0, 40.0], num_requests=6, warmup=1, quiet=True)
-    sweep = await run_sweep(Target(url, "m"), workload(), cfg, Slo(), "fake", say=lambda _: None)
+
+    def routes() -> dict[str, int]:  # as a router's counter would: every request so far
+        return {"local": server.seen, "remote": 2}
+
+    said: list[str] = []
+    sweep = await run_sweep(Target(url, "m"), workload(), cfg, Slo(), "fake", said.append, routes)
     assert [p.rate for p in sweep.points] == [20.0, 40.0]
+    # each point counts what it sent, not the warm-up's or the other point's
+    assert [p.routes for p in sweep.points] == [{"local": 6}, {"local": 6}]
+    assert said[-1].endswith("routes {'local': 6}")
+    assert report.sweep_json(sweep)["points"][1]["routes"] == {"local": 6}
     assert sweep.goodput == 40.0  # the fake server is fast at any rate
     doc = report.sweep_json(sweep)
     assert doc["points"][0]["metrics"]["completed"] == 6

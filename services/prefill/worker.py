@@ -27,14 +27,13 @@ from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
 from shared.bus.messages import NodeInfo, SequenceSnapshot, TokenDelta
-from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine
 from shared.engine.outputs import StepOutput
-from shared.engine.prefill_steps import Prefilled, prefill_steps
+from shared.engine.prefill_steps import Prefilled, PrefillRequest, prefill_steps
 from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
@@ -194,7 +193,7 @@ class PrefillWorker:
         # when any job is not: a parallel region would wait at each barrier for the thread
         # that shares a stepping decode node's core (docs/benchmarks.md).
         threads = self.idle_threads if all(j.job.alone for j in jobs) else 0
-        requests: list[tuple[str, list[int], SamplingParams]] = [
+        requests: list[PrefillRequest] = [
             (j.job.attempt_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs
         ]
         # failovers and resumed streams: the tokens already delivered

@@ -24,13 +24,15 @@ from shared.errors import CapacityError
 if TYPE_CHECKING:
     from shared.engine.engine import Engine
 
+# a request to prefill: its id, its prompt's token ids, its sampling parameters
+PrefillRequest = tuple[str, list[int], SamplingParams]
 # a prefilled request: its first token, and its KV to ship (none if that token ended it)
 Prefilled = tuple[StepOutput, SequenceSnapshot | None, memoryview | None]
 
 
 def prefill_steps(
     engine: Engine,
-    requests: list[tuple[str, list[int], SamplingParams]],
+    requests: list[PrefillRequest],
     resumed: dict[str, list[int]] | None = None,
 ) -> Generator[list[Prefilled], None, None]:
     """Add the requests, shortest (prompt and resumed output) first, then yield each step's
@@ -44,7 +46,7 @@ def prefill_steps(
         raise RuntimeError("a prefill batch needs an engine with no other work")
     resumed = resumed or {}
 
-    def context(request: tuple[str, list[int], SamplingParams]) -> int:
+    def context(request: PrefillRequest) -> int:
         return len(request[1]) + len(resumed.get(request[0], ()))
 
     try:
@@ -70,7 +72,7 @@ def prefill_steps(
 
 def prefill_and_export(
     engine: Engine,
-    requests: list[tuple[str, list[int], SamplingParams]],
+    requests: list[PrefillRequest],
     resumed: dict[str, list[int]] | None = None,
 ) -> list[Prefilled]:
     """Every request prefilled (`prefill_steps`), all results at once (tools and tests)."""

@@ -111,33 +111,24 @@ class PrefillPathChooser:
         remotely (computing `remote_uncached`, the rest loaded from the kvcache service)?"""
         if backlog.prefill_nodes == 0:
             return Choice(True, "no prefill node")
-        choice = self._by_cost(local_uncached, remote_uncached, prompt, node, backlog)
+        if local_uncached <= self.local_max_tokens:
+            choice = Choice(True, f"{local_uncached} uncached tokens <= {self.local_max_tokens}")
+        elif self.costs is None:
+            return self._fallback(backlog)
+        else:
+            local = self.local_seconds(local_uncached, node, backlog.local_tokens)
+            stall = node.running * self.costs.prefill(local_uncached)
+            remote = self.remote_seconds(remote_uncached, prompt, backlog)
+            remote_stall = node.running * self.costs.kv_copy("import", prompt)
+            wins = local + stall <= remote + remote_stall
+            choice = Choice(
+                wins,
+                f"local {local:.3f}s + {node.running} streams' stall {stall:.3f}s "
+                f"{'<=' if wins else '>'} remote {remote:.3f}s + their stall {remote_stall:.3f}s",
+            )
         if choice.local and self.tpot_target is not None and self.costs is not None:
             return self._within_tpot(choice, local_uncached, node)
         return choice
-
-    def _by_cost(
-        self,
-        local_uncached: int,
-        remote_uncached: int,
-        prompt: int,
-        node: NodeInfo,
-        backlog: Backlog,
-    ) -> Choice:
-        if local_uncached <= self.local_max_tokens:
-            return Choice(True, f"{local_uncached} uncached tokens <= {self.local_max_tokens}")
-        if self.costs is None:
-            return self._fallback(backlog)
-        local = self.local_seconds(local_uncached, node, backlog.local_tokens)
-        stall = node.running * self.costs.prefill(local_uncached)
-        remote = self.remote_seconds(remote_uncached, prompt, backlog)
-        remote_stall = node.running * self.costs.kv_copy("import", prompt)
-        wins = local + stall <= remote + remote_stall
-        return Choice(
-            wins,
-            f"local {local:.3f}s + {node.running} streams' stall {stall:.3f}s "
-            f"{'<=' if wins else '>'} remote {remote:.3f}s + their stall {remote_stall:.3f}s",
-        )
 
     def _within_tpot(self, choice: Choice, uncached: int, node: NodeInfo) -> Choice:
         """`choice` (local) if the node's streams stay within the TPOT target (see the module

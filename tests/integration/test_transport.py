@@ -447,10 +447,17 @@ async def test_random_and_mutated_frames_never_hurt_the_receiver(
     receiver: tuple[Peer, str], sender: Transport, kind: str
 ) -> None:
     peer, address = receiver
-    for messages in _garbage(random.Random(7)):
+    cases = _garbage(random.Random(7))
+    for messages in cases:
         await _raw_messages(kind, address, messages)
     assert peer.proc.poll() is None  # alive
-    assert "malformed" in (await peer.next("failed"))["failed"]  # the parser saw them
+    # The parser saw them: some failure says so. (Not necessarily the first: over UCX a
+    # sender that closes at once can reset its connection before the receiver reads it,
+    # which the receiver reports as a lost peer; seen once in CI.)
+    failures = [(await peer.next("failed"))["failed"]]
+    while "malformed" not in failures[-1] and len(failures) < len(cases):
+        failures.append((await peer.next("failed"))["failed"])
+    assert "malformed" in failures[-1], failures
     payload = memoryview(bytearray(os.urandom(MiB)))
     await sender.send(address, make_header("req", "after-fuzz", payload), payload, timeout=30)
     got = await peer.next("digest")

@@ -24,8 +24,8 @@ the streams (measured: charging only the request's own first token sent long pro
 busy decode nodes and broke the TPOT target on a long-prompt workload; docs/benchmarks.md).
 Local wins ties: it moves no KV and leaves the pool to prompts that need it. A prompt
 with at most `local_max_tokens` uncached goes local whatever the costs (a few tokens of
-prefill barely delay a node's streams), and so does every prompt when no prefill node is
-up.
+prefill barely delay a node's streams; a TPOT target, below, still holds it back), and so
+does every prompt when no prefill node is up.
 
 Without a profile, the fallback rule: local when at most `local_max_tokens` are uncached
 (as before), or when the pool has more than FALLBACK_POOL_TOKENS queued per prefill node

@@ -1,10 +1,12 @@
-"""Fixes for three ucxx 0.52 bugs that the UCX transport would otherwise hit, and one hook;
+"""Fixes for four ucxx 0.52 bugs that the UCX transport would otherwise hit, and one hook;
 applied once.
 
 Each patches ucxx's Python layer (pinned by the ucxx version in pyproject.toml):
 
 - Blocking progress never re-arms (an idle node spins a whole core).
 - Its progress watchdog task can swallow its own cancellation (a process never ends).
+- The re-arm above can start a new task while the event loop is closing (a pending task
+  destroyed with the loop).
 - The endpoint handshake frees a buffer that UCX still writes into when it is cancelled
   (heap corruption: a later, unrelated crash).
 - The hook: `after_progress` callbacks run after every progress of the worker in blocking
@@ -33,6 +35,7 @@ def apply() -> None:
     _fix_blocking_progress()
     _fix_progress_watchdog()
     _fix_handshake_buffers()
+    _fix_close_race()
     _notify_after_progress()
 
 
@@ -49,6 +52,8 @@ def _fix_blocking_progress() -> None:
 
     def _fd_reader_callback(self: Any) -> None:
         self.worker.progress()
+        if getattr(self, "closing", False):
+            return  # the loop is closing: a new task would outlive it (_fix_close_race)
         if self.arm_task is None or self.arm_task.done():
             self.arm_task = self.event_loop.create_task(self._arm_worker())
 
@@ -82,6 +87,37 @@ def _fix_progress_watchdog() -> None:
             await asyncio.sleep(self._progress_timeout)
 
     BlockingMode._progress_with_timeout = _progress_with_timeout  # type: ignore[method-assign]
+
+
+def _fix_close_race() -> None:
+    """Start no arm task once blocking progress's event loop begins to close.
+
+    ucxx wraps `loop.close` to cancel the arm and watchdog tasks, running the loop until
+    each ends. A worker event in those runs called the reader callback, whose re-arm
+    (`_fix_blocking_progress`) started a fresh arm task that nothing cancelled: the loop
+    closed with it pending ("Task was destroyed but it is pending", an error at a test's
+    teardown in CI). Closing now first stops reading the event fd and marks the mode
+    closing, so the callback no longer re-arms.
+    """
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    original = BlockingMode.__init__
+
+    def __init__(self: Any, worker: Any, event_loop: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, worker, event_loop, *args, **kwargs)
+        self.closing = False
+        close = event_loop.close  # ucxx's wrapper, which cancels the tasks
+        epoll_fd = worker.epoll_file_descriptor
+
+        def _close(*args: Any, **kwargs: Any) -> None:
+            if not event_loop.is_closed():
+                self.closing = True
+                event_loop.remove_reader(epoll_fd)
+            close(*args, **kwargs)
+
+        event_loop.close = _close
+
+    BlockingMode.__init__ = __init__  # type: ignore[method-assign]
 
 
 # Handshake requests that ended early (a timeout, a cancelled caller), with the buffers

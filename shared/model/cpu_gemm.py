@@ -33,7 +33,8 @@ to the largest row count where the kernel was at least 10% faster go to it.
 
 Every timing is of the weight out of cache, as a step finds it (a step streams 513 MB of
 weights, far more than any cache): each path is called over enough copies of the weight,
-taken in turn, to fill twice the last-level cache. Timed from cache, as a call repeated on
+taken in turn, to fill twice the last-level cache (at most LLC_TIMED_MAX of it); the copies'
+memory goes back to the OS once a shape is timed. Timed from cache, as a call repeated on
 one weight is, the libraries' compute wins the small projections (0.4-3.5 MB), while in a
 step the kernel's single pass over memory does (docs/benchmarks.md).
 
@@ -44,6 +45,7 @@ uses); CUDA never takes this path.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import os
@@ -66,6 +68,10 @@ KERNEL_ROW_BUCKETS = ((1, 1), (2, 2), (4, 4), (8, 8))
 MARGIN = 0.9  # another path is taken where it needs at most this share of the time
 LLC_FALLBACK = 32 << 20  # bytes, where sysfs does not say how large the last-level cache is
 MAX_COPIES = 256  # of one weight, for its timing (a tiny test model's needs no more)
+# The cache the timing flushes is at most this large. A host reporting a 300 MB L3 (an Intel
+# Xeon VM, its whole socket's) took 600 MB of plain and 600 MB of packed copies per weight
+# shape; and a VM of 2 cores shares that cache with every other tenant anyway.
+LLC_TIMED_MAX = 128 << 20
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Timer = Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]]
@@ -109,6 +115,22 @@ def last_level_cache_bytes() -> int:
         if digits.isdigit():
             sizes.append(int(digits) * scale)
     return max(sizes, default=LLC_FALLBACK)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim`; elsewhere nothing).
+
+    The timing's copies of a weight (a few MB each) come from the heap, not from mmap (glibc
+    raises its mmap threshold as large blocks are freed), and once freed their pages stayed
+    resident: 3.7 GB per node on a host with a 300 MB L3, where five nodes and a test run
+    were killed by the OOM killer on 24 GB. Trimmed, the same node held 1.5 GB."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class PackedLinear:
@@ -285,7 +307,7 @@ def linears(
         return dict(packed)
     tuned = _TUNED if timer is median_ms else {}  # one timing per weight shape
     # a given timer (the tests') times no calls, so it takes no copies
-    cache_bytes = last_level_cache_bytes() if timer is median_ms else 0
+    cache_bytes = min(last_level_cache_bytes(), LLC_TIMED_MAX) if timer is median_ms else 0
     out: dict[Any, Linear] = {}
     for m, p in packed.items():
         contiguous = m.weight.is_contiguous()  # the kernel takes only a contiguous weight
@@ -297,6 +319,8 @@ def linears(
             if kernels is not None:
                 kernel_rows = kernel_rows_for(m, copies, torch_rows, kernels, timer)
             tuned[shape] = (torch_rows, kernel_rows)
+            del copies
+            release_freed_memory()
         torch_rows, kernel_rows = tuned[shape]
         if torch_rows or kernel_rows:
             out[m] = TunedLinear(m, p, torch_rows, kernels, kernel_rows)

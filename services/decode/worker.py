@@ -226,9 +226,10 @@ class DecodeWorker:
                 await self._idle(stop)
                 self.receiver.expire()
                 continue
-            started = time.perf_counter()
+            started, chunked = time.perf_counter(), self.engine.stats.chunked_steps
             outs = await self.on_engine(self._step)
             self.metrics.step_seconds.observe(time.perf_counter() - started)
+            self.metrics.chunked_steps.inc(self.engine.stats.chunked_steps - chunked)
             self.metrics.batch_size.observe(len(outs))
             self.metrics.tokens.inc(len(outs))
             self.steps += 1

@@ -295,7 +295,9 @@ class Engine:
             logits = self.runner.forward_packed(items)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += plan.prefill_tokens
-        if not plan.chunked:
+        if plan.chunked:
+            self.stats.chunked_steps += 1
+        else:
             self.stats.steps += 1
             self.stats.last_batch_size = len(plan.prefills)
         done = self.scheduler.prefill_done(plan)

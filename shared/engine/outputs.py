@@ -33,4 +33,5 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_prompt_tokens: int = 0
+    chunked_steps: int = 0  # steps that computed prompt chunks beside running decodes
     last_batch_size: int = 0

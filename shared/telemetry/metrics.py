@@ -38,6 +38,11 @@ class NodeMetrics:
             registry=r,
         )
         self.tokens = Counter(f"tandem_{role}_tokens", "Tokens computed", registry=r)
+        self.chunked_steps = Counter(
+            f"tandem_{role}_chunked_prefill_steps",
+            "Steps that computed prompt chunks beside running decodes (chunked prefill)",
+            registry=r,
+        )
         self.transfer_bytes = Counter(
             "tandem_kv_transfer_bytes",
             "KV bytes moved on the data plane",

@@ -1,7 +1,8 @@
 """A models file (issue 27): `tandem up --models-file` serves SmolLM2 twice, once in
 float32 and once in bfloat16 under a second name with limits of its own. Each model's
 nodes run in its dtype, each answer equals `transformers`' greedy output in that dtype, and
-each model's requests are held to its own limits."""
+each model's requests are held to its own limits. The stack is colocated, so it also
+checks greedy identity with chunked prefill on through the whole stack (issue 23)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from shared.bus.server import free_port
 from shared.model.loader import LoadedModel, load_model
 from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack
+from tests.e2e.netns_client import metric as port_metric
 from tests.e2e.streaming import MODEL, complete
 from tests.e2e.test_api import reference, text_of
 
@@ -115,3 +117,35 @@ def test_one_model_in_two_dtypes_each_with_its_limits(
     assert status == 400 and doc["error"]["param"] == "max_tokens", doc  # type: ignore[index]
     status, doc = post(stack, {**body, "model": MODEL})
     assert status == 200 and doc["usage"]["completion_tokens"] > 0, doc  # type: ignore[index]
+
+
+def test_a_long_prompt_chunked_beside_a_running_stream_is_still_greedy(
+    two_dtypes: Stack, real_model: LoadedModel
+) -> None:
+    """Issue 23's identity through the whole stack: on a colocated node (a 256-token step
+    budget, its default) a 700-token prompt that arrives while another stream decodes is
+    prefilled in chunks beside it; both answers are still transformers' greedy text."""
+    stack = two_dtypes
+    short = real_model.encode("List the planets of the solar system, one per line.")
+    long = real_model.encode("The history of lighthouses, told slowly. " * 80)[:700]
+    assert len(long) == 700
+    want_short = text_of(real_model, reference(real_model, short, 48))
+    want_long = text_of(real_model, reference(real_model, long, 8))
+    ports = [str(p) for name, p in stack.metrics_ports.items() if name.startswith("decode")]
+    name = "tandem_decode_chunked_prefill_steps_total"
+    before = sum(port_metric(p, name) for p in ports)
+
+    async def run() -> tuple[str, str]:
+        events: list[str] = []
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.ensure_future(complete(session, stack.url, short, 48, None, events))
+            async with asyncio.timeout(60):
+                while len(events) < 4:  # it decodes: the long prompt joins a running batch
+                    await asyncio.sleep(0.02)
+            second = await complete(session, stack.url, long, 8)
+            return await first, second
+
+    got_short, got_long = asyncio.run(run())
+    assert got_short == want_short
+    assert got_long == want_long
+    assert sum(port_metric(p, name) for p in ports) > before, "the long prompt was not chunked"

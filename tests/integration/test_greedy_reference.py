@@ -66,6 +66,7 @@ def test_chunked_prefill_equals_generate(
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         chunk_steps += engine.stats.prefill_steps - before
     assert chunk_steps >= 1200 // 64  # the long prompt really went in chunks
+    assert engine.stats.chunked_steps >= 1200 // 64  # counted as chunked: beside decodes
     for rid, i in ids.items():
         prompt, ref = references[i]
         assert got[rid] == ref, f"prompt {i} ({len(prompt)} tokens) diverged when chunked"

@@ -3,6 +3,9 @@ products as torch's linear within rounding, where the path applies, and the swit
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,10 +227,6 @@ print(freed - rss_mb())
 def test_the_timings_freed_copies_go_back_to_the_os() -> None:
     """Freed heap blocks of a few MB stay resident until trimmed (3.7 GB a node on a host
     with a 300 MB L3); `release_freed_memory` hands the 128 MB freed here back."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     out = subprocess.run(
         [sys.executable, "-c", FREED_HEAP],
         capture_output=True,
@@ -252,5 +251,5 @@ def test_the_timing_flushes_at_most_llc_timed_max(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_gemm, "Copies", copies)
     monkeypatch.setattr(cpu_gemm, "_TUNED", {})
     linear = torch.nn.Linear(64, 48)
-    cpu_gemm.linears([linear], torch.device("cpu"), torch.float32)
+    cpu_gemm.linears([linear], CPU, torch.float32)
     assert seen == [cpu_gemm.LLC_TIMED_MAX]

@@ -169,7 +169,7 @@ class Scheduler:
         for seq in self.prefilling:
             if budget <= 0:
                 return chunks
-            n = min(budget, len(seq.pending_ids))
+            n = min(budget, seq.num_pending)
             chunks.append((seq, n))
             budget -= n
         while budget > 0 and self.waiting:
@@ -180,7 +180,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.prefilling.append(seq)
-            n = min(budget, len(seq.pending_ids))
+            n = min(budget, seq.num_pending)
             chunks.append((seq, n))
             budget -= n
         return chunks
@@ -243,7 +243,7 @@ class Scheduler:
             return StepPlan(self.schedule_decode(), [], chunked=True)
         batch = self.schedule_prefill()
         if batch:
-            return StepPlan([], [(s, len(s.pending_ids)) for s in batch], chunked=False)
+            return StepPlan([], [(s, s.num_pending) for s in batch], chunked=False)
         return StepPlan(self.schedule_decode(), [], chunked=False)
 
     def plan_chunks(self, plan: StepPlan) -> None:
@@ -264,7 +264,7 @@ class Scheduler:
             if not plan.chunked:
                 self.add_running(seq)
                 done.append(i)
-            elif n < len(seq.pending_ids):  # more to come: no token yet
+            elif n < seq.num_pending:  # more to come: no token yet
                 seq.num_computed += n
                 self.commit_full_blocks(seq)
             else:

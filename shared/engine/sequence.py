@@ -64,6 +64,11 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
+    def num_pending(self) -> int:
+        """len(pending_ids), without copying them (a prompt's are all of it)."""
+        return max(0, len(self.prompt_ids) + len(self.output_ids) - self.num_computed)
+
+    @property
     def pending_ids(self) -> list[int]:
         # Sliced without building prompt + output first: decode asks for this every step.
         split = len(self.prompt_ids)

@@ -25,6 +25,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.runtime.collector import collector_paused
+
 
 @dataclass
 class RequestRecord:
@@ -82,11 +84,15 @@ class RunMetrics:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0-100), linear between closest ranks."""
-    if not values:
+    return _ranked(sorted(values), q)
+
+
+def _ranked(ordered: Sequence[float], q: float) -> float:
+    """`percentile` of values already in ascending order."""
+    if not ordered:
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} outside 0-100")
-    ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
@@ -96,13 +102,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 def summarize(values: Sequence[float]) -> Summary:
     if not values:
         return Summary(0, None, None, None, None, None)
+    ordered = sorted(values)  # once for every percentile (a simulated hour has ~1M values)
     return Summary(
         n=len(values),
         mean=sum(values) / len(values),
-        p50=percentile(values, 50),
-        p90=percentile(values, 90),
-        p99=percentile(values, 99),
-        max=max(values),
+        p50=_ranked(ordered, 50),
+        p90=_ranked(ordered, 90),
+        p99=_ranked(ordered, 99),
+        max=ordered[-1],
     )
 
 
@@ -197,6 +204,11 @@ def meets(r: RequestRecord, slo: Slo) -> bool:
 
 
 def run_metrics(records: Sequence[RequestRecord], slo: Slo) -> RunMetrics:
+    with collector_paused():  # a simulated hour's million records: lists, no cycles
+        return _run_metrics(records, slo)
+
+
+def _run_metrics(records: Sequence[RequestRecord], slo: Slo) -> RunMetrics:
     done = [r for r in records if r.ok]
     duration = max(r.done for r in records) - min(r.sent for r in records) if records else 0.0
     per_s = 1 / duration if duration > 0 else 0.0

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from shared.costs.model import CostModel
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -43,13 +43,22 @@ class PrefillSide:
     queue: deque[Job]
     decoders: dict[str, DecodeNode]
 
-    if TYPE_CHECKING:  # Simulation's
+    # Simulation's (defined here, not declared under TYPE_CHECKING: mypyc compiles no
+    # conditional methods, tandem/plan/compiled.py)
+    def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
+        raise NotImplementedError
 
-        def at(self, when: float, fn: Any, *args: Any) -> None: ...
-        def _token(self, record: RequestRecord, seq: Sequence) -> None: ...
-        def _fail(self, record: RequestRecord, error: str) -> None: ...
-        def _cut(self, node: DecodeNode) -> None: ...
-        def _kick(self, node: DecodeNode) -> None: ...
+    def _token(self, record: RequestRecord, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    def _fail(self, record: RequestRecord, error: str) -> None:
+        raise NotImplementedError
+
+    def _cut(self, node: DecodeNode) -> None:
+        raise NotImplementedError
+
+    def _kick(self, node: DecodeNode) -> None:
+        raise NotImplementedError
 
     def _take_jobs(self, node: PrefillNode) -> None:
         if node.holding or not self.queue:

@@ -1,11 +1,11 @@
 """A discrete-event simulation of a Tandem deployment, deciding as the real one decides.
 
 Time comes from a profile (shared/costs/model.py); every decision is the real code's:
-- the router plans each request with `services.router.admission.plan` over a
+- the router plans each request with `services.router.placement.plan` over a
   `NodeTable` fed by simulated heartbeats (every `heartbeat` seconds per node, staggered,
   counting what was sent since as the router does) and the `PrefixRouter` (with
   conditional disaggregation's chooser, costed by the decode profile, when asked), and
-  counts prefill backlogs as the router does (`admission.track_backlog`);
+  counts prefill backlogs as the router does (`placement.track_backlog`);
 - each node's engine is the real `Scheduler` (simengine.py), continuous batching and
   chunked prefill included;
 - prefill nodes take, prefill and hand off jobs as `services/prefill/` does
@@ -33,17 +33,16 @@ every later gap as runs of equal gaps, end), so the same metrics code summarises
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-from services.router.admission import plan as plan_route
-from services.router.admission import track_backlog
 from services.router.conditional import PrefillPathChooser
 from services.router.nodes import NodeTable
+from services.router.placement import plan as plan_route
+from services.router.placement import track_backlog
 from services.router.routing import PrefixRouter
 from shared.bus.ids import RequestId
 from shared.bus.kv_events import KVIndex
@@ -52,6 +51,7 @@ from shared.costs.model import CostModel
 from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
+from shared.runtime.collector import collector_paused
 from tandem.bench.metrics import RequestRecord, add_gap
 from tandem.plan.simengine import SimEngine, SteadyRun
 from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
@@ -130,6 +130,10 @@ class Simulation(PrefillSide):
         self._open: dict[int, str] = {}
         self._last_token: dict[int, float] = {}  # id() of an open record -> its last token
         self._request_ids = itertools.count()  # distinct across nodes, as attempt ids are
+        caching = topology.decode_engine.enable_prefix_caching or (
+            topology.prefill > 0 and topology.prefill_engine.enable_prefix_caching
+        )
+        self._shared_prompts: dict[int, list[int]] | None = None if caching else {}
 
     # ---- the event loop ---------------------------------------------------------------------
 
@@ -150,13 +154,8 @@ class Simulation(PrefillSide):
         # The records, sequences and events a long run makes hold no reference cycles: the
         # cyclic collector would only walk them, ever longer (a quarter of the time of a
         # run of 180,000 requests, measured), and free nothing.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with collector_paused():
             self._loop()
-        finally:
-            if collecting:
-                gc.enable()
         return self.records
 
     def _loop(self) -> None:
@@ -224,8 +223,7 @@ class Simulation(PrefillSide):
             self._expiry_due = True
             self.at(max(self.now, sent + self._timeout), self._expire)
         n = next(self._request_ids)
-        # distinct first tokens: no two simulated prompts share a prefix, as in the bench
-        prompt = [n + 1000] + [11] * (arrival.prompt_tokens - 1)
+        prompt = self._prompt(n, arrival.prompt_tokens)
         try:
             where = plan_route(self.nodes, self.routing, prompt, arrival.max_tokens)
         except CapacityError as exc:
@@ -247,6 +245,19 @@ class Simulation(PrefillSide):
             if not self.queue:
                 break  # taken: the other nodes have nothing to look at
             self._take_jobs(node)
+
+    def _prompt(self, n: int, tokens: int) -> list[int]:
+        """Request `n`'s prompt of `tokens` tokens: distinct first tokens, so that no two
+        simulated prompts share a prefix, as in the bench. Without prefix caching nothing
+        reads a token's value, only their count: then one list serves every prompt of a
+        length (building and freeing a list of ~1,000 tokens a request was a tenth of a
+        simulated hour's time). Nothing changes a prompt's list."""
+        if self._shared_prompts is None:
+            return [n + 1000] + [11] * (tokens - 1)
+        prompt = self._shared_prompts.get(tokens)
+        if prompt is None:
+            prompt = self._shared_prompts[tokens] = [1000] + [11] * (tokens - 1)
+        return prompt
 
     def _token(self, record: RequestRecord, seq: Sequence) -> None:
         """One token of `seq` reaches the client (its first: no longer queued for a
@@ -334,17 +345,27 @@ class Simulation(PrefillSide):
         if upto <= run.applied:
             return
         node.engine.advance(run.batch, upto - run.applied)
+        # A stream whose last token ended the step before (or the run before) waits the
+        # step's own time for its next: that value, not a difference of clock readings,
+        # so that its gaps stay one run of equal gaps (a record of a simulated hour holds
+        # a dozen runs instead of thirty, and the metrics read them as many times faster)
+        previous_end = run.start + run.elapsed(run.applied)
         first_end = run.start + run.elapsed(run.applied + 1)
         last_end = run.start + run.elapsed(upto)
-        rest = run.gaps(run.applied + 1, upto)
+        steps, rest = run.gaps(run.applied, upto), run.gaps(run.applied + 1, upto)
         for seq in run.batch:
             record = node.records[seq.request_id]
             key = id(record)
             if key not in self._open:
                 continue  # the client gave up on it
-            add_gap(record, first_end - self._last_token[key])
-            for each, count in rest:
-                add_gap(record, each, count)
+            last = self._last_token[key]
+            if last == previous_end:
+                for each, count in steps:
+                    add_gap(record, each, count)
+            else:
+                add_gap(record, first_end - last)
+                for each, count in rest:
+                    add_gap(record, each, count)
             self._last_token[key] = last_end
         run.applied = upto
 

@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -27,10 +26,10 @@ from opentelemetry import trace
 
 from services.router.auth import request_owner
 from services.router.failover import Failover
-from services.router.nodes import NodeTable, prefill_pool
 from services.router.parts import RouterParts
+from services.router.placement import Plan, plan, track_backlog
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
-from services.router.routing import PrefixRouter, RoutePlan
+from services.router.routing import PrefixRouter
 from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest, parse_request
 from shared.bus.ids import RequestId, attempt_id, new_request_id
@@ -112,43 +111,6 @@ async def admit(
             f"no prefill or decode node of model {parsed.model!r} is available", retry_after=2
         )
     return parsed
-
-
-@dataclass
-class Plan:
-    """Where a request runs first."""
-
-    blocks: int
-    decode_node: NodeInfo
-    local: bool  # the decode node holds the prefix: try prefilling there
-    prefix: RoutePlan | None  # what KV-aware routing found
-    model: str = ""  # the nodes it was chosen among serve this model ("": any)
-
-
-def plan(
-    nodes: NodeTable,
-    routing: PrefixRouter | None,
-    prompt_ids: list[int],
-    max_tokens: int,
-    span: trace.Span = trace.INVALID_SPAN,
-    cache_salt: str = "",
-    model: str = "",
-) -> Plan:
-    """Where a request runs first (among the nodes of `model`, if named). A function of
-    the router's view of the cluster only, so `tandem plan simulate` routes its simulated
-    requests with this same code."""
-    blocks = nodes.blocks_needed(len(prompt_ids), max_tokens, model)
-    prefix = routing.plan(prompt_ids, blocks, cache_salt, model) if routing else None
-    local_node = prefix.local_node if prefix is not None else None
-    if local_node is not None:  # counted as sent, as pick_decode counts its choice
-        nodes.inflight[local_node.node_id] = nodes.inflight.get(local_node.node_id, 0) + 1
-    decode_node = local_node or nodes.pick_decode(blocks, model=model)
-    if prefix is not None:
-        span.set_attribute("tandem.decode_cached_tokens", prefix.decode_cached_tokens)
-        span.set_attribute("tandem.kvcache_cached_tokens", prefix.kvcache_cached_tokens)
-    if decode_node is None:
-        raise CapacityError("no decode node has room for this request", retry_after=2)
-    return Plan(blocks, decode_node, local_node is not None, prefix, model)
 
 
 def new_job(
@@ -284,18 +246,6 @@ async def start(
         blocks=where.blocks,
         start=start_t,
     )
-
-
-def track_backlog(nodes: NodeTable, rid: RequestId, where: Plan, route: str, prompt: int) -> None:
-    """Count its prompt (what will be computed of it) as queued for a prefill where it
-    went, until its first token (relay.py) or its end."""
-    prefix = where.prefix
-    if route == "local":
-        cached = prefix.decode_cached_tokens if prefix is not None and prefix.local_node else 0
-        nodes.prefill_sent(rid, where.decode_node.node_id, prompt - cached)
-    else:
-        held = max(prefix.kvcache_cached_tokens, prefix.prefill_cached_tokens) if prefix else 0
-        nodes.prefill_sent(rid, prefill_pool(where.model), prompt - held)
 
 
 def log_route(

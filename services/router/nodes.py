@@ -57,6 +57,9 @@ class NodeTable:
         self._nodes = dict(nodes)
         self._view = MappingProxyType(self._nodes)
         self._roles: dict[tuple[str, str], list[NodeInfo]] = {}  # (role, model) -> nodes
+        # model -> its decode nodes with the fields best_decode weighs, read once per change
+        # (a NodeInfo's fields are slow to read; every request weighs every decode node)
+        self._weighed: dict[str, list[tuple[NodeInfo, str, int, int, int, int]]] = {}
         self._hosts: dict[str, list[NodeInfo]] | None = None  # process -> its nodes (shared)
 
     def put(self, info: NodeInfo) -> None:
@@ -79,6 +82,8 @@ class NodeTable:
     def _forget_lists(self, role: str) -> None:
         for key in [k for k in self._roles if k[0] == role]:
             del self._roles[key]
+        if role == "decode":
+            self._weighed.clear()
 
     async def start(self) -> NodeTable:
         self.nodes = await self.registry.nodes()
@@ -218,22 +223,33 @@ class NodeTable:
         """
         best: tuple[float, str] | None = None
         choice = None
-        for node in self.by_role("decode", model):
-            if exclude and node.node_id in exclude:
+        inflight = self.inflight
+        for node, node_id, total, free_blocks, running, hosted in self._weighing(model):
+            if exclude and node_id in exclude:
                 continue
-            if node.total_kv_blocks and node.total_kv_blocks < blocks_needed:
+            if total and total < blocks_needed:
                 continue
-            sent = self.inflight.get(node.node_id, 0)
-            free = self.room(node, blocks_needed)
-            if node.hosted_models > 1:
+            sent = inflight.get(node_id, 0)
+            free = free_blocks - sent * blocks_needed  # self.room(node, blocks_needed)
+            if hosted > 1:
                 host = self.host_load(node)  # queued sequences too (host_running)
                 share = (node.load + sent) / host if host else IDLE_SHARE
             else:  # a node alone in its process: its model's share is all
-                host, share = node.running + sent, 1.0
-            score = free / max(1, node.total_kv_blocks) + share - 0.05 * host
-            if best is None or (score, node.node_id) > best:
-                best, choice = (score, node.node_id), node
+                host, share = running + sent, 1.0
+            score = free / max(1, total) + share - 0.05 * host
+            if best is None or (score, node_id) > best:
+                best, choice = (score, node_id), node
         return choice
+
+    def _weighing(self, model: str) -> list[tuple[NodeInfo, str, int, int, int, int]]:
+        """`by_role("decode", model)`, each node with the fields `best_decode` reads."""
+        facts = self._weighed.get(model)
+        if facts is None:
+            facts = self._weighed[model] = [
+                (n, n.node_id, n.total_kv_blocks, n.free_kv_blocks, n.running, n.hosted_models)
+                for n in self.by_role("decode", model)
+            ]
+        return facts
 
     def host_load(self, node: NodeInfo) -> int:
         """Sequences a shared decode process runs for all its models: what its freshest

@@ -121,22 +121,21 @@ class PrefixRouter:
             plan.reason = "colocated"
         elif best is None or best[0] > self.local_max_tokens:
             holder, plan.local_node = plan.local_node, None
-            if self.chooser is not None:
-                self._conditional(plan, blocks_needed, holder)
-            if plan.local_node is None:
+            if self.chooser is None or not self._conditional(plan, blocks_needed, holder):
                 self._steer(plan, hashes_for)
         else:
             plan.reason = f"{best[0]} tokens uncached on {best[2]}"
         return plan
 
-    def _conditional(self, plan: RoutePlan, blocks_needed: int, holder: NodeInfo | None) -> None:
+    def _conditional(self, plan: RoutePlan, blocks_needed: int, holder: NodeInfo | None) -> bool:
         """Prefill locally after all, if the costs say so (conditional.py): on the decode
-        node holding the longest prefix, else on the one with the most room."""
+        node holding the longest prefix, else on the one with the most room. Whether it
+        chose to (then `plan.local_node` is set)."""
         assert self.chooser is not None
         node = holder or self.nodes.best_decode(blocks_needed, model=plan.model)
         if node is None or self.nodes.room(node, blocks_needed) < blocks_needed:
             plan.reason = "no decode node has room to prefill locally"
-            return
+            return False
         cached = plan.decode_cached_tokens if holder is not None else 0
         remote = plan.prompt_tokens - plan.kvcache_cached_tokens
         backlog = Backlog(
@@ -150,6 +149,7 @@ class PrefixRouter:
         plan.reason = choice.reason
         if choice.local:
             plan.local_node, plan.decode_cached_tokens = node, cached
+        return choice.local
 
     def _steer(self, plan: RoutePlan, hashes_for: Callable[[NodeInfo], list[bytes] | None]) -> None:
         """Pick the prefill node whose pool makes the job cheapest, if that beats the shared

@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--runs-only", action="store_true", help="skip the stepwise simulation")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from tandem.plan import compiled
+
+    compiled.activate()  # before the simulator's modules are imported (if built)
     from shared.costs.model import CostModel
     from tandem.bench.loadgen import arrival_times
     from tandem.bench.metrics import Slo, run_metrics
@@ -67,6 +70,7 @@ def main() -> None:
     arrivals = [Arrival(at, p, o) for (p, o), at in zip(lengths, offsets, strict=True)]
 
     print(f"CPU flags: {' '.join(cpu_flags())}")
+    print(f"running {compiled.describe()}")
     print(f"{n} requests, {args.seconds:g} simulated s at {args.rate:g} req/s, 24P:40D H100\n")
     print("| mode | events | simulate s | metrics s | requests/s simulated | 1M requests |")
     print("|---|---:|---:|---:|---:|---:|")

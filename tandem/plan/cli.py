@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.plan import profile, project, search, simulate, validate
+from tandem.plan import compiled, profile, project, search, simulate, validate
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -15,3 +15,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     validate.add_parser(plan_sub)
     search.add_parser(plan_sub)
     project.add_parser(plan_sub)
+    compiled.add_parser(plan_sub)

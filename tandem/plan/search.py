@@ -35,7 +35,7 @@ from tandem.bench.metrics import (
 )
 from tandem.bench.report import write_json
 from tandem.bench.serve import check, slo_of
-from tandem.plan import simulate
+from tandem.plan import compiled, simulate
 from tandem.plan.topology import Arrival, Topology
 
 DEFAULTS = Defaults("tandem-plan-search.json", 200, "1", None, 2.0, 0.1)
@@ -215,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cands = list(candidates(args.max_nodes))
+    if not args.quiet:
+        print(f"[search] {compiled.describe()}", file=sys.stderr)
     for i, cand in enumerate(cands, 1):
         planner.evaluate(cand, workload)
         if not args.quiet:

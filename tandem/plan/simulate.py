@@ -33,6 +33,7 @@ from tandem.bench.metrics import RequestRecord, run_metrics
 from tandem.bench.serve import check, slo_of, warn_duration, write_outputs
 from tandem.bench.sweep import Point, Sweep, rate_label
 from tandem.bench.workload import sample_lengths
+from tandem.plan import compiled
 from tandem.plan.simengine import EngineShape
 from tandem.plan.simulator import DEFAULT_TIMEOUT, Simulation
 from tandem.plan.topology import Arrival, Topology
@@ -227,6 +228,8 @@ def simulate(args: argparse.Namespace) -> Sweep:
     deployment = Deployment.of(args)
     points = trace_points(args.trace) if args.trace else workload_points(args)
     sweep = Sweep(label(args), slo_of(args))
+    if not args.quiet:
+        print(f"[{sweep.label}] {compiled.describe()}", file=sys.stderr)
     for rate, arrivals in points:
         concurrency = None if args.trace else args.concurrency
         records = deployment.run(arrivals, concurrency, args.timeout)

@@ -3,7 +3,7 @@
 A simulation decides with the router's and the engine scheduler's own Python, so its time
 goes to that code (docs/benchmarks.md, "Simulator speed"). mypyc compiles those modules,
 unchanged, into C extensions: the same decisions and the same records to the bit, about
-2.3x as fast. `tandem plan compile` builds them (once per version of their sources, ~20 s
+2.6x as fast. `tandem plan compile` builds them (once per version of their sources, ~20 s
 on 2 cores) into the cache (`TANDEM_CACHE`, default `~/.cache/tandem`, under
 `simulator/`); `tandem plan simulate` and `search` then load them, and run the sources
 when there is no build for the sources as they are (`TANDEM_SIM_COMPILED=off`: the
@@ -265,7 +265,7 @@ def _wait(
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "compile",
-        help="compile the simulator with mypyc: simulate and search then run ~2.3x as fast",
+        help="compile the simulator with mypyc: simulate and search then run ~2.6x as fast",
     )
     p.add_argument("--check", action="store_true", help="only say whether it is compiled")
     p.set_defaults(func=run)
@@ -289,5 +289,5 @@ def describe() -> str:
     if active():
         return "the compiled simulator"
     if built() is None:
-        return "the simulator's sources (`tandem plan compile` makes it ~2.3x faster)"
+        return "the simulator's sources (`tandem plan compile` makes it ~2.6x faster)"
     return "the simulator's sources"

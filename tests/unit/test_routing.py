@@ -138,6 +138,26 @@ def test_node_table_role_lists_follow_every_change() -> None:
     assert "d3" not in table.nodes and "d1" in table.nodes
 
 
+def test_the_choice_of_decode_node_follows_every_change() -> None:
+    """best_decode weighs each node's fields as read at its last change: every new
+    entry (a heartbeat, a node starting to drain, a role change), a node leaving and a
+    whole new table show in the very next choice."""
+    table = NodeTable(registry=None)  # type: ignore[arg-type]
+    table.nodes = {"d1": decode_node("d1", free=90), "d2": decode_node("d2", free=50)}
+    assert table.best_decode(2).node_id == "d1"  # type: ignore[union-attr]
+    table.put(decode_node("d2", free=99))  # d2's next heartbeat: now the emptier
+    assert table.best_decode(2).node_id == "d2"  # type: ignore[union-attr]
+    table.put(NodeInfo(node_id="d2", role="decode", draining=True, total_kv_blocks=100))
+    assert table.best_decode(2).node_id == "d1"  # type: ignore[union-attr]
+    table.put(decode_node("d3", free=100))
+    assert table.best_decode(2).node_id == "d3"  # type: ignore[union-attr]
+    table.put(NodeInfo(node_id="d3", role="prefill"))
+    assert table.best_decode(2).node_id == "d1"  # type: ignore[union-attr]
+    assert table.drop("d1") is not None and table.best_decode(2) is None
+    table.nodes = {"d4": decode_node("d4")}
+    assert table.best_decode(2).node_id == "d4"  # type: ignore[union-attr]
+
+
 def test_requests_are_routed_among_their_models_nodes_only() -> None:
     """Two models in one cluster: each request's decode node, conditional choice and
     prefill pool are its model's; a node of before several models (no model named) is

@@ -28,6 +28,12 @@ def prefill_pool(model: str = "") -> str:
     return f"{PREFILL_POOL}:{model}" if model else PREFILL_POOL
 
 
+def room_left(free_blocks: int, sent: int, blocks_needed: int) -> int:
+    """`NodeTable.room`'s estimate from its parts: free blocks by the last heartbeat, less
+    `sent` requests since, each counted at this one's size."""
+    return free_blocks - sent * blocks_needed
+
+
 class NodeTable:
     def __init__(self, registry: NodeRegistry, colocated: bool = False) -> None:
         self.registry = registry
@@ -201,7 +207,7 @@ class NodeTable:
     def room(self, node: NodeInfo, blocks_needed: int) -> int:
         """Free blocks a node has by its last heartbeat, less what was sent to it since
         (each request sent counted at this one's size)."""
-        return node.free_kv_blocks - self.inflight.get(node.node_id, 0) * blocks_needed
+        return room_left(node.free_kv_blocks, self.inflight.get(node.node_id, 0), blocks_needed)
 
     def best_decode(
         self, blocks_needed: int, exclude: set[str] | None = None, model: str = ""
@@ -230,7 +236,7 @@ class NodeTable:
             if total and total < blocks_needed:
                 continue
             sent = inflight.get(node_id, 0)
-            free = free_blocks - sent * blocks_needed  # self.room(node, blocks_needed)
+            free = room_left(free_blocks, sent, blocks_needed)
             if hosted > 1:
                 host = self.host_load(node)  # queued sequences too (host_running)
                 share = (node.load + sent) / host if host else IDLE_SHARE

@@ -347,25 +347,22 @@ class Simulation(PrefillSide):
         node.engine.advance(run.batch, upto - run.applied)
         # A stream whose last token ended the step before (or the run before) waits the
         # step's own time for its next: that value, not a difference of clock readings,
-        # so that its gaps stay one run of equal gaps (a record of a simulated hour holds
-        # a dozen runs instead of thirty, and the metrics read them as many times faster)
+        # so that its gaps stay one run of equal gaps (20 runs a record of a simulated
+        # hour at 300 req/s instead of 27; the metrics read them that much faster)
         previous_end = run.start + run.elapsed(run.applied)
         first_end = run.start + run.elapsed(run.applied + 1)
         last_end = run.start + run.elapsed(upto)
-        steps, rest = run.gaps(run.applied, upto), run.gaps(run.applied + 1, upto)
+        ((first_step, _),) = run.gaps(run.applied, run.applied + 1)
+        rest = run.gaps(run.applied + 1, upto)
         for seq in run.batch:
             record = node.records[seq.request_id]
             key = id(record)
             if key not in self._open:
                 continue  # the client gave up on it
             last = self._last_token[key]
-            if last == previous_end:
-                for each, count in steps:
-                    add_gap(record, each, count)
-            else:
-                add_gap(record, first_end - last)
-                for each, count in rest:
-                    add_gap(record, each, count)
+            add_gap(record, first_step if last == previous_end else first_end - last)
+            for each, count in rest:
+                add_gap(record, each, count)
             self._last_token[key] = last_end
         run.applied = upto
 

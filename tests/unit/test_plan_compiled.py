@@ -26,13 +26,11 @@ def test_a_build_belongs_to_the_sources_it_was_made_from(
     assert compiled.key() == before  # a function of the sources alone
     assert compiled.built() is None  # nothing built in this cache
     where = compiled.build_dir()
-    (where / "tandem" / "plan").mkdir(parents=True)
     for module in compiled.MODULES:  # a build's files, as `build` leaves them
-        parts = module.split(".")
-        (where.joinpath(*parts[:-1]) / f"{parts[-1]}{compiled.EXT}").parent.mkdir(
-            parents=True, exist_ok=True
-        )
-        (where.joinpath(*parts[:-1]) / f"{parts[-1]}{compiled.EXT}").write_bytes(b"")
+        *package, name = module.split(".")
+        library = where.joinpath(*package) / f"{name}{compiled.EXT}"
+        library.parent.mkdir(parents=True, exist_ok=True)
+        library.write_bytes(b"")
     assert compiled.built() is None  # not marked complete: a build in progress or failed
     (where / "complete").write_text(before)
     built = compiled.built()

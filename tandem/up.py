@@ -68,7 +68,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         default=BACKGROUND_NICE,
         help="niceness of the prefill and kvcache nodes (0-19; 0: as the rest), so that where "
         "they share cores with decode nodes the decode steps, which every stream waits on, "
-        "run first (docs/benchmarks.md)",
+        "run first (docs/benchmarks-log.md)",
     )
     add_option(
         p,

@@ -97,7 +97,7 @@ class LocalPrefill:
         for the engine step under way (a prefill may take a second): awaited here, requests
         that arrived together entered the engine one per step, each prompt prefilled alone
         and every stream's first token a step later than the one before (W16: first tokens
-        0.3 s apart, ITL p99 ~0.4 s; docs/benchmarks.md)."""
+        0.3 s apart, ITL p99 ~0.4 s; docs/benchmarks-log.md)."""
         if len(self.tasks) >= MAX_ADMITTING:
             await msg.respond(refused("too many admissions under way"))
             return

@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=0.0,
         help="MB per second the checkpoint blocks are stored at, at most (0: unpaced). On a "
         "2-core host, 50 cut the stall after a wave of prompts but slowed the other steps "
-        "more: ~7%% fewer tokens/s (docs/benchmarks.md)",
+        "more: ~7%% fewer tokens/s (docs/benchmarks-log.md)",
     )
     add_option(
         p,

@@ -5,7 +5,7 @@ each 4 KiB page faults and is zeroed inside the put that writes it. On a fresh n
 put paid that: a 737 KB block took 0.40 ms to store into never-used slabs against 0.15 ms
 into slabs used before (benchmarks/kvcache_put.py), and py-spy found half of the node's
 busy time in that copy while a wave of prompts was stored, beside the decode node's steps
-(docs/benchmarks.md, "Where the split's ITL tail at 16 streams comes from"). A background
+(docs/benchmarks-log.md, "Where the split's ITL tail at 16 streams comes from"). A background
 task now faults the next slabs in, a few MB at a time between the node's other work, so
 the bursts find them ready.
 

@@ -191,7 +191,7 @@ class PrefillWorker:
         # All of a batch's jobs sent while their router served nothing else: the decode
         # node beside this one is idle, so its core may take a share of the prompt. Not
         # when any job is not: a parallel region would wait at each barrier for the thread
-        # that shares a stepping decode node's core (docs/benchmarks.md).
+        # that shares a stepping decode node's core (docs/benchmarks-log.md).
         threads = self.idle_threads if all(j.job.alone for j in jobs) else 0
         requests: list[PrefillRequest] = [
             (j.job.attempt_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs

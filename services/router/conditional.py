@@ -21,7 +21,7 @@ latency it adds to everyone), the remote side its first token plus running x the
 (the decode node's streams wait for that copy too). A short prompt goes local
 when the pool is busy, a long one only when the pool's backlog outweighs what it would cost
 the streams (measured: charging only the request's own first token sent long prompts to
-busy decode nodes and broke the TPOT target on a long-prompt workload; docs/benchmarks.md).
+busy decode nodes and broke the TPOT target on a long-prompt workload; docs/benchmarks-log.md).
 Local wins ties: it moves no KV and leaves the pool to prompts that need it. A prompt
 with at most `local_max_tokens` uncached goes local whatever the costs (a few tokens of
 prefill barely delay a node's streams; a TPOT target, below, still holds it back), and so
@@ -39,7 +39,7 @@ node over the last TPOT_WINDOW seconds, this prompt's included, may be at most
 (1 - s / (TPOT_AIM x target)) of that window, s being the node's step with one stream
 more. Past that the prompt goes to the pool (measured on a slow host: the cost objective
 alone sent short prompts local while every 100-token prefill stalled the streams ~0.75 s,
-and 40% of the requests missed a 250 ms TPOT target at 0.7 req/s; docs/benchmarks.md).
+and 40% of the requests missed a 250 ms TPOT target at 0.7 req/s; docs/benchmarks-log.md).
 The average is aimed a fifth under the target, since streams that live through a long
 local prefill see more than the average (measured: aiming at the target itself left 5 of
 40 requests just over it, at 263-270 ms for 250). Prompts that go local because no prefill

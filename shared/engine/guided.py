@@ -13,7 +13,7 @@ its output so far, and constrains its next token exactly as the lost node would 
 Why llguidance: it computes each step's mask lazily from the grammar (no index over the
 vocabulary built up front, so a new schema costs ~1 ms, not seconds), it bounds the work a
 grammar may take per token (`LLParserLimits`), it needs nothing else (no torch pin, no
-compiler); docs/benchmarks.md has the per-token overhead. Its `llguidance.torch` helpers
+compiler); docs/benchmarks-log.md has the per-token overhead. Its `llguidance.torch` helpers
 are not used: importing them sets up a `torch.compile` kernel (38 s to compile on first use
 here), so the mask is filled through the matcher itself and applied with plain torch ops,
 on any device.

@@ -8,7 +8,7 @@ prompts waited for the second (on one CPU thread a 1,500-token prompt takes seco
 Why shortest first: a short prompt fetched with a long one is then out a step later, not
 the long one's prefill later, and the long one waits at most for the few short ones of
 its own batch (simulated, 1P:1D on one core, 20% 500-token prompts at 0.7 req/s: SLO
-attainment 83% with FIFO steps, 86% shortest first; docs/benchmarks.md).
+attainment 83% with FIFO steps, 86% shortest first; docs/benchmarks-log.md).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class SchedulerConfig:
     prefill_chunk_tokens: int = 512  # at most this many prompt tokens per step when chunking
     # A burst (more short prompts waiting than streams running) is prefilled whole in one
     # step instead of a chunk per step: the few running streams stall once, not once per
-    # prompt (docs/benchmarks.md, "Bursts of short prompts").
+    # prompt (docs/benchmarks-log.md, "Bursts of short prompts").
     prefill_bursts: bool = True
 
 

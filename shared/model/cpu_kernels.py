@@ -8,7 +8,7 @@ dropped: its scalar `exp` made it slower than torch's vectorised `silu` at every
 Why: the portable decode path gathers every sequence's blocks into a contiguous copy per
 layer and runs SDPA over the copy; on CPU that copy and the attention over it were 22% of a
 decode step at batch 16, and the Python and dispatch time between ~45 small ops per layer
-another 12% (docs/benchmarks.md, "Where a step's time goes"). The kernels read each key and
+another 12% (docs/benchmarks-log.md, "Where a step's time goes"). The kernels read each key and
 value once, where it lies, and do each layer's small ops in four calls.
 
 Where they apply: CPU, float32, when a C++ compiler is present. It is built with

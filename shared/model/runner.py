@@ -196,7 +196,7 @@ class ModelRunner:
                 h, lin[attn.o_proj](o.reshape(n, -1)), post.weight, post.variance_epsilon
             )
             # torch's silu, then the product in place: faster than a fused kernel whose exp
-            # does not vectorise (docs/benchmarks.md, "oneDNN GEMMs")
+            # does not vectorise (docs/benchmarks-log.md, "oneDNN GEMMs")
             m = lin[mlp.down_proj](F.silu(lin[mlp.gate_proj](x)).mul_(lin[mlp.up_proj](x)))
             nxt = norms[layer_idx + 1][0] if layer_idx + 1 < len(norms) else self.norm
             x = ops.add_rms_norm(h, m, nxt.weight, nxt.variance_epsilon)

@@ -7,7 +7,7 @@ parallel region a team of its own. Once a process holds more such threads than i
 cores, every team spins only briefly at its barriers before sleeping, so each op's workers
 must be woken again. Loading the model on the main thread left a second, idle team behind,
 and the engine thread's steps then ran 1.2-1.5x slower in the serving stack than in the
-engine benchmark (docs/benchmarks.md, "One OpenMP team"). With every torch op on this
+engine benchmark (docs/benchmarks-log.md, "One OpenMP team"). With every torch op on this
 thread, the process has one team.
 
 The thread can also run on CPUs of its own (`cpus`): on Linux a thread's affinity is its

@@ -140,12 +140,12 @@ def add_data_plane_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--data-port", type=int, default=0, help="data-plane port (0: any free)")
 
 
-STEP_TOKEN_BUDGET = 256  # measured: docs/benchmarks.md, "Chunked prefill"
+STEP_TOKEN_BUDGET = 256  # measured: docs/benchmarks-log.md, "Chunked prefill"
 # A decode node beside a prefill pool prefills locally only now and then (short tails,
 # conditional disaggregation's choice); its running streams come first, so its chunks are
 # smaller. Simulated, 64 gave a third of 256's ITL p99 at the same SLO attainment; measured,
 # it kept the ITL p99 under chunked colocated's at every rate where 256 did not, with
-# attainment within the runs' noise (docs/benchmarks.md, "A smaller step budget").
+# attainment within the runs' noise (docs/benchmarks-log.md, "A smaller step budget").
 SPLIT_STEP_TOKEN_BUDGET = 64
 PREFILL_CHUNK_TOKENS = 512
 
@@ -231,13 +231,13 @@ def niceness(text: str) -> int:
 # and on a CPU a few hundred prompt rows already run the GEMMs near peak, so a larger batch
 # only holds back the first tokens of its earlier prompts: at 16 streams of 256-token
 # prompts on 2 cores, 4 gave 1.06x the tokens/s of 8 and TTFT p50 2.9 s against 5.1
-# (docs/benchmarks.md, "Smaller prefill batches").
+# (docs/benchmarks-log.md, "Smaller prefill batches").
 PREFILL_MAX_BATCH = 4
 # Prompt tokens one of its steps computes at most: a batch is prefilled in steps, shortest
 # first, and each step's first tokens go out as it ends (shared/engine/prefill_steps.py).
 # On a CPU a step of a few hundred rows already runs near peak (profile, one AVX2 core:
 # 8.1 ms a token at 64, 7.2 at 256, 7.8 at 1,024), so a small cap costs no throughput;
-# simulated and measured on the mixed workload, 512 against 4,096: docs/benchmarks.md.
+# simulated and measured on the mixed workload, 512 against 4,096: docs/benchmarks-log.md.
 PREFILL_STEP_TOKENS = 512
 
 

@@ -1,6 +1,6 @@
 """Serving metrics as pure functions of per-request timelines (seconds on one clock).
 
-Definitions (also in docs/benchmarks.md):
+Definitions (also in docs/benchmarks-log.md):
 - TTFT: first content chunk − send.
 - TPOT: (E2E − TTFT) / (output tokens − 1); undefined for a one-token answer.
 - ITL: the gaps between consecutive content chunks.

@@ -1,7 +1,7 @@
 """The simulator's hot modules compiled with mypyc, for simulations of large clusters.
 
 A simulation decides with the router's and the engine scheduler's own Python, so its time
-goes to that code (docs/benchmarks.md, "Simulator speed"). mypyc compiles those modules,
+goes to that code (docs/benchmarks-log.md, "Simulator speed"). mypyc compiles those modules,
 unchanged, into C extensions: the same decisions and the same records to the bit, about
 2.6x as fast. `tandem plan compile` builds them (once per version of their sources, ~20 s
 on 2 cores) into the cache (`TANDEM_CACHE`, default `~/.cache/tandem`, under

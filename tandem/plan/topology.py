@@ -26,7 +26,7 @@ class Topology:
     tpot_target: float = 0.0  # `tandem router --tpot-target` (0: none)
     # From a request's send to its planning by the router and on to a node: HTTP, journal
     # write, NATS. Software, not hardware: measured 40-60 ms on the 2-core machine by
-    # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks.md),
+    # `tandem plan validate` (the first token's gap to the profile; docs/benchmarks-log.md),
     # the commands' default (--admission-latency 0.05); none unless given here.
     admission_latency: float = 0.0
     macro_steps: bool = True  # steady decode steps as one run (False: an event a step)

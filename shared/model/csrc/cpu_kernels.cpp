@@ -11,7 +11,7 @@
 // block table, scores every key against the query heads that share each KV head
 // (grouped-query attention), takes the softmax, and sums the values. Keys and values are
 // read once, where they lie; nothing is gathered into a copy first (the gather and the
-// attention over the copy were 22% of a decode step: docs/benchmarks.md).
+// attention over the copy were 22% of a decode step: docs/benchmarks-log.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -270,7 +270,7 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
 // y[m][o] = dot(x[m], W[o]). Each weight row is read once, start to end, for all of x's
 // rows, and a thread walks its weight rows in order: the whole weight goes by in one
 // sequential pass, which keeps a core near its memory bandwidth. (On a Zen 4 core, one row:
-// 24-27 GB/s, against 9-15 GB/s through oneDNN and 10-15 through MKL; docs/benchmarks.md.)
+// 24-27 GB/s, against 9-15 GB/s through oneDNN and 10-15 through MKL; docs/benchmarks-log.md.)
 // A row's sums do not depend on how many rows come with it.
 // With two rows or more a weight row takes longer to use than to arrive, and the hardware
 // prefetchers fall behind: the row kPrefetchRows ahead is asked into L2 first (Zen 4, one

@@ -1,6 +1,6 @@
 """UCX transport (ucxx): the fast data plane; RDMA and GPU memory on clusters, TCP here.
 
-Configuration, measured on these 2-core machines (docs/benchmarks.md has the table):
+Configuration, measured on these 2-core machines (docs/benchmarks-log.md has the table):
 endpoints have peer-failure error handling ON, so a SIGKILLed peer surfaces as an
 exception within ~5-15 ms instead of a hang. With error handling on UCX uses no shared
 memory (cma has no peer-failure support; posix's is off by default, see below), so data

@@ -6,7 +6,7 @@ mode breaks as soon as a process uses a second event loop). Here every wait is a
 resolved by a check after each progress of the worker (`Notices`, run by the hook in
 `fixes`). Spinning made an idle node burn a core, held the GIL beside a decode
 node's engine thread during every transfer, and with two processes spinning on 2 cores
-each hop of a transfer after an idle spell took ms (docs/benchmarks.md). Uses ucxx
+each hop of a transfer after an idle spell took ms (docs/benchmarks-log.md). Uses ucxx
 internals (`_ep`, `_tags`), pinned by the ucxx version in pyproject.toml.
 """
 

@@ -23,6 +23,7 @@ from shared.runtime.options import (
 )
 from tandem.autoscale.options import add_policy_options
 from tandem.launcher import Stack, exit_code, prefill_nodes, served_models
+from tandem.mode import choose_mode, mode_problem
 
 
 def add_up_options(p: argparse.ArgumentParser) -> None:
@@ -33,17 +34,28 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         p,
         "--colocated",
         action="store_true",
-        help="no prefill node: each decode node prefills its own requests (the baseline)",
+        help="force colocated serving: no prefill node, each decode node prefills its own "
+        "requests (default: the mode the planner ranks best for this machine)",
+    )
+    add_option(
+        p,
+        "--split",
+        action="store_true",
+        help="force the fixed split: every prompt prefilled on the prefill nodes",
     )
     add_option(
         p,
         "--conditional",
         action="store_true",
-        help="the router prefills each request on its decode node or on the prefill pool, "
-        "whichever gives the first token sooner (conditional disaggregation)",
+        help="force conditional disaggregation: the router prefills each request on its "
+        "decode node or on the prefill nodes, whichever gives the first token sooner",
     )
     add_option(
-        p, "--profile", default=None, help="costs for --conditional (a tandem plan profile JSON)"
+        p,
+        "--profile",
+        default=None,
+        help="this machine's costs (a tandem plan profile JSON) for the mode choice and "
+        "--conditional (default: a startup profile measured once and cached)",
     )
     add_option(
         p,
@@ -130,6 +142,15 @@ def run(args: argparse.Namespace) -> int:
               "--autoscale", file=sys.stderr)  # fmt: skip
         return 2
     served_models(args)  # a bad models file stops here, before anything starts
+    problem = mode_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        print(choose_mode(args), flush=True)
+    except (RuntimeError, ValueError) as exc:  # no profile, or one the stack cannot use
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     stack = Stack(args)
     stopping = threading.Event()
 

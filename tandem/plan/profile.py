@@ -28,12 +28,13 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from shared.bus.ids import AttemptId
 from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
@@ -61,6 +62,7 @@ class Grid:
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     transfer_bytes: tuple[int, ...]
+    transports: tuple[str, ...] = TRANSPORTS
 
 
 FULL = Grid(
@@ -77,6 +79,18 @@ QUICK = Grid(
     decode_contexts=(128, 1024),
     transfer_bytes=(1 << 16, 1 << 22),
 )
+# What `tandem up` measures on a first start to pick its serving mode (tandem/plan/pick.py):
+# the points the mode ranking reads, in well under a minute on one core. The transport is
+# set to the stack's own by `startup_grid`.
+STARTUP = Grid(
+    prefill_tokens=(64, 256, 1024),
+    prefill_batches=(4,),
+    decode_batches=(1, 8, 16),
+    decode_contexts=(128, 1024),
+    transfer_bytes=(1 << 16, 1 << 22),
+    transports=("tcp",),
+)
+GRIDS = {"full": FULL, "quick": QUICK, "startup": STARTUP}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -84,6 +98,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_option(p, "--output", default="profile.json", help="where the profile goes")
     add_model_options(p)
     add_option(p, "--quick", action="store_true", help="a reduced grid, for smoke runs")
+    add_option(
+        p,
+        "--grid",
+        choices=sorted(GRIDS),
+        default=None,
+        help="the points measured: full (default), quick (as --quick), or startup (what "
+        "`tandem up` measures to pick its mode: under a minute)",
+    )
+    add_option(
+        p,
+        "--transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="measure this data plane only (default: the grid's: both, or tcp for startup)",
+    )
     add_option(p, "--repeats", type=int, default=3, help="runs per point (the median is kept)")
     p.set_defaults(func=run)
 
@@ -92,14 +121,33 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("error: --repeats must be at least 1", file=sys.stderr)
         return 2
+    grid = GRIDS[args.grid or ("quick" if args.quick else "full")]
+    if args.transport:
+        grid = replace(grid, transports=(args.transport,))
     try:
-        profile = measure(args, QUICK if args.quick else FULL)
+        profile = measure(args, grid)
     except TandemError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     Path(args.output).write_bytes(msgspec.json.format(msgspec.json.encode(profile)))
     print(f"profile written to {args.output}")
     return 0
+
+
+def fit(grid: Grid, context: int) -> Grid:
+    """The grid with no sequence longer than the model's `context` (0: unknown, as it is):
+    each longer length comes down to the longest that fits, beside a decode step's few
+    tokens."""
+    if context <= 0:
+        return grid
+    most = max(16, context - 16)
+
+    def cap(lengths: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted({min(n, most) for n in lengths}))
+
+    return replace(
+        grid, prefill_tokens=cap(grid.prefill_tokens), decode_contexts=cap(grid.decode_contexts)
+    )
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -122,11 +170,12 @@ def measure(args: argparse.Namespace, grid: Grid) -> Profile:
 
     threads = configure_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
+    grid = fit(grid, int(getattr(model.config, "max_position_embeddings", 0) or 0))
     total = (
         len(grid.prefill_tokens)
         + len(grid.prefill_batches)
         + len(grid.decode_batches) * len(grid.decode_contexts)
-        + len(grid.transfer_bytes) * len(TRANSPORTS)
+        + len(grid.transfer_bytes) * len(grid.transports)
         + len(grid.prefill_tokens)
     )
     with tqdm(total=total, desc="profile", unit="point", file=sys.stderr) as bar:
@@ -191,22 +240,34 @@ def _prefill_points(model: object, grid: Grid, repeats: int, bar: object) -> lis
 
 
 def _decode_points(model: object, grid: Grid, repeats: int, bar: object) -> list[DecodePoint]:
+    """A decode step's time at each batch and context. A batch is one prompt prefilled
+    once, then imported `batch` times: a step's cost does not depend on what its KV holds,
+    and prefilling every sequence (32 x 2,048 tokens on the full grid) took most of the
+    profile's time."""
     from shared.bus.params import SamplingParams
     from shared.engine.engine import Engine, EngineConfig
 
     rng = random.Random(2)
     vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
     points = []
+    params = SamplingParams(max_tokens=repeats + 3, temperature=0, ignore_eos=True)
     for context in grid.decode_contexts:
+        source = Engine(
+            model,  # type: ignore[arg-type]
+            EngineConfig(num_blocks=context // 16 + 4, enable_prefix_caching=False),
+        )
+        rid = source.add_request(_prompt(context, rng, vocab), params)
+        while not source.requests[rid].output_ids:
+            source.step()  # its prompt's KV is in the pool now
+        snapshot, frame = source.export(rid)
         for batch in grid.decode_batches:
-            params = SamplingParams(max_tokens=repeats + 2, temperature=0, ignore_eos=True)
-            blocks = batch * ((context + repeats + 2) // 16 + 2)
+            blocks = batch * ((context + repeats + 3) // 16 + 2)
             config = EngineConfig(num_blocks=blocks, enable_prefix_caching=False)
             engine = Engine(model, config)  # type: ignore[arg-type]
-            for _ in range(batch):
-                engine.add_request(_prompt(context, rng, vocab), params)
-            while engine.stats.decode_steps == 0 and engine.has_unfinished():
-                engine.step()  # prefill everything first: the points are decode steps
+            for i in range(batch):
+                engine.add_snapshot(
+                    msgspec.structs.replace(snapshot, attempt_id=AttemptId(f"{rid}-{i}")), frame
+                )
             seconds = median_seconds(engine.step, repeats)
             points.append(DecodePoint(batch=batch, context=context, seconds=seconds))
             bar.update()  # type: ignore[attr-defined]
@@ -274,7 +335,7 @@ def _kv_copies(
 
 def _transfer_points(grid: Grid, repeats: int, bar: object) -> list[TransferPoint]:
     points = []
-    for kind in TRANSPORTS:
+    for kind in grid.transports:
         points += asyncio.run(_transfers(kind, grid, repeats, bar))
     return points
 
@@ -344,7 +405,8 @@ def cpu_flags() -> list[str]:
     )
 
 
-def _machine(device: str) -> Machine:
+def cpu_name() -> str:
+    """The CPU's model name ("unknown" where neither platform nor /proc/cpuinfo says)."""
     cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -352,5 +414,9 @@ def _machine(device: str) -> Machine:
                 cpu = line.split(":", 1)[1].strip()
     except OSError:  # not Linux: the CPU's name from platform is all there is
         pass
+    return cpu
+
+
+def _machine(device: str) -> Machine:
     cores = len(os.sched_getaffinity(0))
-    return Machine(cpu=cpu, cpu_flags=cpu_flags(), cores=cores, device=device)
+    return Machine(cpu=cpu_name(), cpu_flags=cpu_flags(), cores=cores, device=device)

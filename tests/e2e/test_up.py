@@ -3,11 +3,13 @@ With two CPUs or more it runs with `--isolate-decode`, and checks where every th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -77,7 +79,7 @@ def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
         print(f"one CPU ({CPUS}): tandem up without --isolate-decode")
     up = subprocess.Popen(
         [
-            *(sys.executable, "-m", "tandem.cli", "up", "--port", str(port)),
+            *(sys.executable, "-m", "tandem.cli", "up", "--port", str(port), "--split"),
             *(["--isolate-decode"] if ISOLATE else []),
         ],
         cwd=ROOT,
@@ -109,7 +111,8 @@ def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
         assert len(events) >= 3 and "Paris" in curl.stdout
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-        time.sleep(0.5)
+        # Nothing to wait for: `tandem up` exits only once it has reaped every child
+        # (Stack.stop waits on each service, then on NATS), so one still there was left behind.
         assert [k for k in kids if alive(k)] == []
         assert "[up] stopped" in (tmp_path / "up.log").read_text()
     finally:
@@ -117,3 +120,77 @@ def test_up_streams_to_curl_and_stops_cleanly(tmp_path: Path) -> None:
             up.kill()
             up.wait()
         log.close()
+
+
+def start_up(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "up", *argv],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_ready(up: subprocess.Popen[bytes], log_path: Path) -> str:
+    deadline = time.monotonic() + 300
+    while "Tandem is ready" not in (text := log_path.read_text()):
+        assert up.poll() is None, text[-3000:]
+        assert time.monotonic() < deadline, "stack not ready in time"
+        time.sleep(0.5)
+    return text
+
+
+def stop(up: subprocess.Popen[bytes]) -> None:
+    up.send_signal(signal.SIGINT)
+    assert up.wait(60) == 0
+
+
+def test_up_with_no_mode_flag_runs_the_planners_pick(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The first start measures a startup profile (with a progress bar) and caches it, says
+    which mode the planner picked, and runs it; the next start reuses the profile."""
+    port = free_port()
+    argv = ["--model", str(tiny_model_dir), "--port", str(port), "--transport", "tcp"]
+    first = tmp_path / "first.log"
+    up = start_up(argv, first)
+    cached = None
+    try:
+        text = wait_ready(up, first)
+        assert "[up] measuring this machine and model to pick the serving mode" in text
+        assert "profile: 100%" in text  # the startup profile's progress bar
+        cached = Path(text.split("cached as ", 1)[1].split(")", 1)[0])
+        assert cached.exists()
+        line = next(ln for ln in text.splitlines() if ln.startswith("[up] mode: "))
+        mode = line.removeprefix("[up] mode: ").split(",", 1)[0]
+        assert mode in ("colocated", "split", "conditional"), line
+        assert "the planner's pick (simulated from this machine's profile" in line
+        roles = {role_of(k): k for k in children_of(up.pid)}
+        assert ("prefill" in roles) == (mode != "colocated"), (mode, sorted(roles))
+        router = Path(f"/proc/{roles['router']}/cmdline").read_bytes().split(b"\0")
+        assert (b"--conditional" in router) == (mode == "conditional"), router
+        base = f"http://127.0.0.1:{port}/v1"
+        with urllib.request.urlopen(f"{base}/models", timeout=30) as r:
+            served = json.load(r)["data"][0]["id"]
+        body = {"model": served, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+        request = urllib.request.Request(
+            f"{base}/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            done = json.load(r)
+        assert done["usage"]["completion_tokens"] == 6
+        assert done["choices"][0]["finish_reason"] == "length"
+        stop(up)
+        second = tmp_path / "second.log"
+        up = start_up(argv, second)
+        again = wait_ready(up, second)
+        assert "measuring this machine" not in again  # the cached profile, as it was
+        assert line in again.splitlines()
+        stop(up)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if cached is not None:
+            cached.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ import torch
 from shared.costs.model import CostModel
 from shared.costs.profile import PROFILE_VERSION, load_profile
 from tandem.cli import main
-from tandem.plan.profile import Grid, measure
+from tandem.plan.profile import STARTUP, Grid, fit, measure
 from tests.unit.test_plan_simulate import profile as sample_profile
 
 pytestmark = pytest.mark.unit
@@ -86,3 +86,14 @@ def test_a_profile_without_kv_copies_still_reads_and_an_unknown_copy_does_not() 
 def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "profile", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_a_grid_fits_the_models_context() -> None:
+    """A model of 512 positions is measured at 496 tokens at most (the startup grid asks
+    for 1,024), each length once; a model of unknown context keeps the grid."""
+    fitted = fit(STARTUP, 512)
+    assert fitted.prefill_tokens == (64, 256, 496)
+    assert fitted.decode_contexts == (128, 496)
+    assert fitted.decode_batches == STARTUP.decode_batches
+    assert fit(STARTUP, 0) == STARTUP
+    assert fit(TINY, 40).prefill_tokens == (16, 24)

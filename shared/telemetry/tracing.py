@@ -3,7 +3,7 @@
 With no `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) set, nothing is installed:
 the API's no-op tracer costs a few attribute lookups per span. With one, spans go through a
 batch processor (export happens off the hot path) to OTLP over HTTP/protobuf, or gRPC when
-`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`. Sampler settings (`OTEL_TRACES_SAMPLER`, `..._ARG`)
+`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` (the `tandem[grpc]` extra). Sampler settings (`OTEL_TRACES_SAMPLER`, `..._ARG`)
 are read by the SDK itself.
 """
 
@@ -46,7 +46,13 @@ def setup_tracing(service: str, node_id: str) -> bool:
         os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
     )
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:  # an extra: the default protocol needs no gRPC stack
+            raise SystemExit(
+                "error: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the gRPC exporter: "
+                "pip install 'tandem[grpc]' (or use http/protobuf, the default)"
+            ) from exc
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
             OTLPSpanExporter,

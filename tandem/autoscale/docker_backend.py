@@ -93,8 +93,12 @@ class DockerBackend:
         client: DockerClient | None = None,
     ) -> None:
         if client is None:
-            import docker  # only this backend needs the SDK; the rest of tandem runs without
-
+            try:  # only this backend needs the SDK (an extra); the rest of tandem runs without
+                import docker
+            except ImportError as exc:
+                raise SystemExit(
+                    "error: the Docker backend needs the Docker SDK: pip install 'tandem[docker]'"
+                ) from exc
             client = docker.from_env()
         self.client: DockerClient = client
         self.project = project

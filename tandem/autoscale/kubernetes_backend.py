@@ -67,8 +67,12 @@ class KubernetesBackend:
     ) -> KubernetesBackend:
         """In a pod: its service account (and its namespace unless given); elsewhere the
         kubeconfig (`--kubeconfig`, else KUBECONFIG or ~/.kube/config)."""
-        from kubernetes import client, config
-
+        try:  # an extra: only this backend needs the client
+            from kubernetes import client, config
+        except ImportError as exc:
+            raise SystemExit(
+                "error: the Kubernetes backend needs its client: pip install 'tandem[kubernetes]'"
+            ) from exc
         if os.environ.get("KUBERNETES_SERVICE_HOST") and not kubeconfig:
             config.load_incluster_config()
             if namespace is None and SA_NAMESPACE.exists():

@@ -73,3 +73,18 @@ def nats_server():  # type: ignore[no-untyped-def]
     server = NatsServer().start()
     yield server
     server.cleanup()
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every phase's seconds, per test (tests/durations.py keeps them)."""
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.durations import output_path, write
+
+    if _durations and not hasattr(session.config, "workerinput"):
+        write(_durations, output_path())

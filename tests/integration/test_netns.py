@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.netns import LOCK_DIR, Host, NetnsLab, unavailable_reason
+from tests.tools import missing_tool
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ def ip_out(*args: str) -> str:
 def test_netns_lab() -> None:
     reason = unavailable_reason()
     if reason is not None:
-        pytest.skip(reason)
+        missing_tool(reason)
 
     with NetnsLab() as lab:
         a, b = lab.add_host("a"), lab.add_host("b")

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.tools import missing_tool
+
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +30,7 @@ PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
 def promtool() -> str:
     found = shutil.which("promtool") or str(ROOT / ".tools" / "promtool")
     if not os.access(found, os.X_OK):
-        pytest.skip("promtool not found (on PATH or in .tools/; .ci/run fetches it)")
+        missing_tool("promtool not found (on PATH or in .tools/; .ci/run fetches it)")
     return found
 
 

@@ -21,6 +21,7 @@ from kubernetes_validate.utils import latest_version
 from shared.bus.permissions import compose_authorization
 from shared.bus.server import nats_server_binary
 from tandem.cli import build_parser
+from tests.tools import missing_tool
 from tests.unit.test_compose import (
     DIRECT_TANDEM_VARS,
     TANDEM_COMMANDS,
@@ -54,7 +55,7 @@ def kubectl() -> str:
         return str(fetched)
     found = shutil.which("kubectl")
     if found is None:
-        pytest.skip("kubectl not found (in .tools/, which `make` fills from npm, or on PATH)")
+        missing_tool("kubectl not found (in .tools/, which `make` fills from npm, or on PATH)")
     return found
 
 

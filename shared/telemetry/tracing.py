@@ -3,8 +3,8 @@
 With no `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) set, nothing is installed:
 the API's no-op tracer costs a few attribute lookups per span. With one, spans go through a
 batch processor (export happens off the hot path) to OTLP over HTTP/protobuf, or gRPC when
-`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` (the `tandem[grpc]` extra). Sampler settings (`OTEL_TRACES_SAMPLER`, `..._ARG`)
-are read by the SDK itself.
+`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` (the `tandem[grpc]` extra). Sampler settings
+(`OTEL_TRACES_SAMPLER`, `..._ARG`) are read by the SDK itself.
 """
 
 from __future__ import annotations

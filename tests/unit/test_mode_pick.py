@@ -13,9 +13,9 @@ import pytest
 from shared.costs.profile import TransferPoint
 from tandem.cli import build_parser
 from tandem.mode import choose_mode, mode_problem
-from tandem.up import run
 from tandem.plan import pick
 from tandem.plan.pick import MODES, Setting, best, choose
+from tandem.up import run
 from tests.unit.test_plan_simulate import profile
 
 pytestmark = pytest.mark.unit

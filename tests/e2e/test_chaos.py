@@ -33,12 +33,16 @@ from tests.e2e.chaos import (
 from tests.e2e.conftest import running_stack, wait_for_every_node
 from tests.e2e.netns_client import metric as port_metric
 from tests.e2e.test_failover import router_metric
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
 SECOND_WAVE = 8
 PINNED = "tandem_kvcache_pinned_blocks"
 KILL_AFTER = 20  # tokens every first-wave stream has when the decode node dies
+# Events after the kill that show a stream served again: more than can still have been on
+# their way from decode-1 when it died (a step or two, with the router and client behind).
+GOING_AGAIN = 3
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +109,14 @@ async def test_decode_then_prefill_killed_under_32_streams(
         pinned.append(await asyncio.to_thread(metric, stack, "kvcache-1", PINNED))
         kills["decode-1"] = time.monotonic()
         await asyncio.to_thread(stack.kill, "decode-1")
-        await asyncio.sleep(3.0)  # the failovers are through; now new work for prefill
+        # The failovers are through once every first-wave stream has GOING_AGAIN events more
+        # than at the kill; now new work for prefill.
+        wanted = [s.events + GOING_AGAIN for s in first_wave]
+        await wait_until(
+            "every first-wave stream going again after decode-1's kill",
+            lambda: all(s.events >= n for s, n in zip(first_wave, wanted, strict=True)),
+            timeout=120,  # detection, then a resume's prefill per moved stream, on 2 cores
+        )
         go.set()
         kills["wave-2"] = time.monotonic()
         victim = await asyncio.to_thread(busiest_prefill, stack, 20.0)

@@ -25,6 +25,8 @@ import pytest
 from shared.bus.server import nats_server_binary
 from tests.e2e.chaos import Request, Stream, failed_over, recomputed_tokens, report
 from tests.netns import Host, NetnsLab, unavailable_reason
+from tests.tools import missing_tool
+from tests.polling import wait_until_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -38,6 +40,17 @@ LEASE = 3.0
 CUT_AFTER = 20
 NATS_PORT = 4222
 ROUTER_PORT = 8000
+
+
+# Run in the client's namespace: the decode nodes the router lists, from its /readyz body.
+ROUTER_DECODE_NODES = """
+import json, sys, urllib.error, urllib.request
+try:
+    reply = urllib.request.urlopen(sys.argv[1] + "/readyz", timeout=5)
+except urllib.error.HTTPError as refused:  # 503 while a role has no node: the same body
+    reply = refused
+print(json.load(reply)["decode"])
+"""
 
 
 class Services:
@@ -92,7 +105,7 @@ def lab() -> Iterator[NetnsLab]:
     reason = unavailable_reason()
     if reason is not None:
         print(f"SKIPPED multi-host failover: {reason}")
-        pytest.skip(reason)
+        missing_tool(reason)
     with NetnsLab() as lab:
         for name in ("nats", "kvcache", "prefill", "d1", "d2", "router", "client"):
             lab.add_host(name)
@@ -128,7 +141,12 @@ def test_decode_host_cut_off_streams_resume_and_blocks_return(
             while svc.metric(name, "tandem_kv_blocks_free") == 0:
                 assert time.monotonic() < deadline, f"{name} never came up"
                 time.sleep(0.5)
-        time.sleep(2.5)  # the router sees both in the registry
+
+        def router_sees_both() -> bool:
+            out = hosts["client"].run([sys.executable, "-c", ROUTER_DECODE_NODES, url])
+            return int(out.stdout) == 2
+
+        wait_until_sync("the router to list both decode nodes", router_sees_both, 60, 0.5)
 
         proc = hosts["client"].popen(
             [*client, "stream", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE

@@ -41,6 +41,7 @@ from shared.bus.topology import (
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import JobConsumer, ReceivedJob, purge_steered, submit_job
 from shared.errors import TandemError
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -235,8 +236,13 @@ async def test_registry_join_update_and_leave_by_ttl(nats_server: NatsServer) ->
                 lambda: node_info("decode-1", "decode", free_kv_blocks=10), interval=0.3
             )
         )
-        await asyncio.sleep(1.5)
-        assert "decode-1" in await registry.nodes()
+
+        async def joined_and_updated() -> bool:
+            kinds = {e.kind for e in events}
+            return {"join", "update"} <= kinds and "decode-1" in await registry.nodes()
+
+        # Beating until the watch has seen a join and an update, and a read lists the node.
+        await wait_until("decode-1's join and an update, and decode-1 listed", joined_and_updated)
         beats.cancel()
         stopped = time.monotonic()
         # By the expiry marker (about TTL + 1 s), or, if a loaded server's marker is lost

@@ -26,6 +26,7 @@ from shared.transport.base import Transport
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
 from tests.otlp_receiver import OtlpReceiver
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -401,17 +402,22 @@ async def test_unpins_reach_a_kvcache_node_a_registry_read_left_out(
             await bus.nc.subscribe(kvcache_subject(name, "unpin"), cb=keep)
         await client.unpin([AttemptId("r-1")], over=True)
         await bus.nc.flush()
-        for _ in range(50):
-            if got["kv-a"] and got["kv-b"]:
-                break
-            await asyncio.sleep(0.1)
+        await wait_until("r-1's unpin at both nodes", lambda: got["kv-a"] and got["kv-b"])
         assert [u.attempt_ids for u in got["kv-b"]] == [["r-1"]] and got["kv-a"]
         assert got["kv-b"][0].over and got["kv-b"][0].node_id == "client"
         client._seen["kv-b"] -= UNPIN_MEMORY + 1  # listed last beyond the lease
         await client.unpin([AttemptId("r-2")], over=True)
+        # kv-b must get nothing: rather than wait a while for what should not come, send a
+        # marker to it on the client's connection. NATS keeps one connection's order, so
+        # once the marker is in, an unpin of r-2 sent to kv-b would be in before it.
+        marker = KVUnpin(attempt_ids=[AttemptId("marker")], node_id="test")
+        await bus.nc.publish(kvcache_subject("kv-b", "unpin"), encode(marker))
         await bus.nc.flush()
-        await asyncio.sleep(0.3)
-        assert len(got["kv-a"]) == 2 and len(got["kv-b"]) == 1
+        await wait_until(
+            "r-2's unpin at kv-a and the marker at kv-b",
+            lambda: len(got["kv-a"]) >= 2 and marker in got["kv-b"],
+        )
+        assert len(got["kv-a"]) == 2 and got["kv-b"] == [got["kv-b"][0], marker]
     finally:
         await transport.close()
         await bus.close()

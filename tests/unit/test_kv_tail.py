@@ -19,6 +19,7 @@ from shared.kv.block_hash import ROOT_HASH, BlockHash
 from shared.kv.tail import TailBlock, fit_tail
 from shared.kvclient.tails import TailUploader, extend
 from shared.model.loader import LoadedModel
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -182,11 +183,7 @@ class SlowTailStore:
         return [t.request_id for t in tails if t.request_id in self.lose]
 
     async def wait_writes(self, n: int) -> None:
-        for _ in range(200):
-            if len(self.writes) >= n:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{len(self.writes)} writes, not {n}")
+        await wait_until(f"{n} tail writes", lambda: len(self.writes) >= n, interval=0.01)
 
 
 def t(rid: str, n: int, first: int = 0) -> TailBlock:
@@ -213,10 +210,7 @@ async def test_the_uploader_merges_pieces_writes_the_latest_and_never_queues() -
         ("b", [0, 1], b"\x00\x01", 0),
     ]
     client.release.set()
-    for _ in range(100):
-        if uploader.stored == 3:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until("the second write's 2 tails stored", lambda: uploader.stored == 3)
     await uploader.close()
     assert uploader.skipped == 2 and uploader.stored == 3 and uploader.lost == 0
 
@@ -278,7 +272,12 @@ async def test_puts_start_an_interval_apart_and_carry_every_step_in_between() ->
         await asyncio.sleep(0.01)
         uploader.submit([t("a", n, first=n - 1)])
     steps = time.monotonic() - started  # ~0.3 s; longer on a loaded machine
-    await asyncio.sleep(0.15)  # the last piece's put
+    # The last piece goes in the put after the interval (close() drops what is pending).
+    await wait_until(
+        "a put of the whole 30-row tail",
+        lambda: client.writes and client.writes[-1][0][1] == list(range(30)),
+        interval=0.01,
+    )
     await uploader.close()
     assert 2 <= len(client.writes) <= steps / 0.1 + 2  # one per 0.1 s, not one per step
     assert all(b - a >= 0.099 for a, b in itertools.pairwise(client.times))

@@ -25,8 +25,8 @@ import pytest
 from shared.bus.server import nats_server_binary
 from tests.e2e.chaos import Request, Stream, failed_over, recomputed_tokens, report
 from tests.netns import Host, NetnsLab, unavailable_reason
-from tests.tools import missing_tool
 from tests.polling import wait_until_sync
+from tests.tools import missing_tool
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 from shared.model.catalog import ModelEntry, ModelsFileError, read_models_file
 
@@ -88,10 +89,67 @@ def model_entries(args: argparse.Namespace, default: str) -> list[ModelEntry]:
     return [ModelEntry(None, m) for m in models or [default]]
 
 
+def nats_password_file(path: str) -> str:
+    """--nats-password-file: the password a file holds (a mounted Docker or Kubernetes
+    secret), without the whitespace around it (a final line end). A missing, unreadable or
+    empty file is an error that names it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"no such file {path}") from None
+    except OSError as exc:  # a directory, no permission, ...
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text") from None
+    password = text.strip()
+    if not password:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    if len(password.splitlines()) > 1:
+        raise argparse.ArgumentTypeError(f"{path} has more than one line: the password alone")
+    return password
+
+
 def add_nats_auth_options(p: argparse.ArgumentParser) -> None:
-    """Credentials for NATS; pass secrets by environment, not flags (`ps` shows flags)."""
+    """Credentials for NATS; pass secrets by environment or in a file, not flags (`ps`
+    shows flags).
+
+    The password comes from --nats-password or --nats-password-file (not both on one command
+    line), each also a variable; both fill `args.nats_password`, the one field `BusAuth`
+    reads. A flag wins over both variables, and TANDEM_NATS_PASSWORD, if set at all, over
+    TANDEM_NATS_PASSWORD_FILE, whose file is then not read: `tandem up` hands its services
+    TANDEM_NATS_PASSWORD while they inherit the caller's variables. The file is read when
+    the parser is built, as every TANDEM_* default is converted: a bad one stops the command
+    at once, with its reason and no traceback."""
     add_option(p, "--nats-user", default=None, help="NATS user name")
-    add_option(p, "--nats-password", default=None, help="NATS password")
+    file_env = env_name("--nats-password-file")
+    from_file = None
+    path = os.environ.get(file_env)
+    if path and env_name("--nats-password") not in os.environ:
+        try:
+            from_file = nats_password_file(path)
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"error: {file_env}={path!r}: {exc}") from None
+    password = p.add_mutually_exclusive_group()
+    # The file's password is --nats-password's default, which TANDEM_NATS_PASSWORD replaces.
+    # (add_option calls only add_argument, which a group has as a parser does.)
+    add_option(
+        cast(argparse.ArgumentParser, password),
+        "--nats-password",
+        default=from_file,
+        help="NATS password",
+    )
+    # Not add_option: its variable is read above. No default of its own (SUPPRESS; a string
+    # default would go through `type`, read as a path): args.nats_password defaults to
+    # --nats-password's.
+    password.add_argument(
+        "--nats-password-file",
+        dest="nats_password",
+        type=nats_password_file,
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="file holding the NATS password, e.g. a mounted secret (instead of "
+        f"--nats-password; TANDEM_NATS_PASSWORD wins over it) [env {file_env}]",
+    )
     add_option(p, "--nats-creds", default=None, help="NATS NKEY/JWT credentials file")
     add_option(p, "--nats-tls-ca", default=None, help="CA file: connect to NATS over TLS")
 

@@ -5,7 +5,9 @@ file against the Compose schema and resolves it (interpolation, anchors, merges)
 Docker engine. The resolved model is then held against the code it configures: each Tandem
 service's command must parse with the real `tandem` parser, in the environment the service
 sets, and each TANDEM_*/OTEL_* variable must be one the code reads, so that a renamed option
-or a typo cannot silently fall back to a default.
+or a typo cannot silently fall back to a default. The two shell scripts compose.yaml holds
+(nats-secrets', which writes the NATS passwords, and nats' start, which reads them) are run
+here with /bin/sh against local directories standing for the volumes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import importlib.util
 import json
 import os
 import re
+import shutil
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,15 +46,14 @@ NATS_CONF = ROOT / "deploy" / "nats.conf"
 TRACING_SOURCE = ROOT / "shared" / "telemetry" / "tracing.py"
 
 TANDEM_COMMANDS = {"router", "prefill", "decode", "kvcache"}
-INFRASTRUCTURE = {"nats", "jaeger", "prometheus", "grafana"}
+SECRETS = "nats-secrets"  # the one-shot service that writes the NATS passwords
+INFRASTRUCTURE = {SECRETS, "nats", "jaeger", "prometheus", "grafana"}
 # TANDEM_* variables that code reads directly instead of through an option, and where.
 DIRECT_TANDEM_VARS = {"TANDEM_CACHE": ROOT / "shared" / "model" / "convert.py"}
-# Compose variables that hold the NATS password: the only values .env.example may change.
-PASSWORD_VARS = {
-    "NATS_PASSWORD",
-    "TANDEM_NATS_PASSWORD",
-    *(compose_password_var(role) for role in ROLES),
-}
+# Compose variables that supply a NATS password: the admin's, then each role's.
+PASSWORD_VARS = ["NATS_PASSWORD", *(compose_password_var(role) for role in ROLES)]
+# What nats-server takes as an unquoted config token (.env.example says why).
+VALID_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 ENV_MARKER = re.compile(r"\[env (TANDEM_[A-Z0-9_]+)\]")
 
 
@@ -119,17 +123,23 @@ TEST_PASSWORDS = {
 
 
 @pytest.fixture(scope="module")
-def password_only(workdir: Path) -> Path:
-    """The least .env compose accepts: the NATS passwords, nothing else."""
+def passwords_env(workdir: Path) -> Path:
+    """A production .env: the NATS passwords supplied, nothing else."""
     env = workdir / "password.env"
     env.write_text("".join(f"{k}={v}\n" for k, v in TEST_PASSWORDS.items()))
     return env
 
 
 @pytest.fixture(scope="module")
-def defaults(workdir: Path, password_only: Path) -> dict[str, Any]:
-    """compose.yaml resolved with only a password set: every other value its default."""
-    return resolve(COMPOSE_FILE, password_only, workdir)
+def defaults(workdir: Path, no_env_file: Path) -> dict[str, Any]:
+    """compose.yaml resolved with no .env and no variable set: every value its default."""
+    return resolve(COMPOSE_FILE, no_env_file, workdir)
+
+
+@pytest.fixture(scope="module")
+def supplied(workdir: Path, passwords_env: Path) -> dict[str, Any]:
+    """compose.yaml resolved with the NATS passwords supplied."""
+    return resolve(COMPOSE_FILE, passwords_env, workdir)
 
 
 @pytest.fixture(scope="module")
@@ -139,24 +149,26 @@ def with_example(workdir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def second_model(workdir: Path, password_only: Path) -> dict[str, Any]:
-    """compose.yaml with compose.second-model.yaml merged over it, a password only set."""
-    return resolve([COMPOSE_FILE, SECOND_MODEL_FILE], password_only, workdir)
+def second_model(workdir: Path, no_env_file: Path) -> dict[str, Any]:
+    """compose.yaml with compose.second-model.yaml merged over it, no variable set."""
+    return resolve([COMPOSE_FILE, SECOND_MODEL_FILE], no_env_file, workdir)
 
 
 @pytest.fixture(scope="module")
-def shared_decode(workdir: Path, password_only: Path) -> dict[str, Any]:
+def shared_decode(workdir: Path, no_env_file: Path) -> dict[str, Any]:
     """The second model's files with compose.shared-decode.yaml merged over them."""
-    return resolve([COMPOSE_FILE, SECOND_MODEL_FILE, SHARED_DECODE_FILE], password_only, workdir)
+    return resolve([COMPOSE_FILE, SECOND_MODEL_FILE, SHARED_DECODE_FILE], no_env_file, workdir)
 
 
 @pytest.fixture(
-    scope="module", params=["password only", ".env.example", "second model", "shared decode"]
+    scope="module",
+    params=["no .env", ".env.example", "passwords supplied", "second model", "shared decode"],
 )
 def config(request: pytest.FixtureRequest) -> dict[str, Any]:
     name = {
-        "password only": "defaults",
+        "no .env": "defaults",
         ".env.example": "with_example",
+        "passwords supplied": "supplied",
         "second model": "second_model",
     }.get(request.param, "shared_decode")
     model: dict[str, Any] = request.getfixturevalue(name)
@@ -207,6 +219,17 @@ def tandem_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def environment(service: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in (service.get("environment") or {}).items()}
+
+
+def local_environment(service: dict[str, Any], folder: Path) -> dict[str, str]:
+    """The service's environment, with a local file standing in for the NATS password
+    file it reads from its volume (the parser reads that file: it must exist here)."""
+    env = environment(service)
+    if "TANDEM_NATS_PASSWORD_FILE" in env:
+        stand_in = folder / "nats-password"
+        stand_in.write_text("p-local-stand-in\n")
+        env["TANDEM_NATS_PASSWORD_FILE"] = str(stand_in)
+    return env
 
 
 def probe_url(service: dict[str, Any]) -> str:
@@ -261,7 +284,8 @@ def test_shared_decode_processes_host_both_models_in_their_prefill_nodes_dtypes(
     assert environment(decode)["TANDEM_MODELS_FILE"] == mount["target"]
     with pytest.MonkeyPatch.context() as env:
         clear_tandem_env(env)
-        for key, value in (environment(decode) | {"TANDEM_MODELS_FILE": str(models_file)}).items():
+        local = local_environment(decode, tmp_path) | {"TANDEM_MODELS_FILE": str(models_file)}
+        for key, value in local.items():
             env.setenv(key, value)
         args = build_parser().parse_args(["decode"])
     entries = model_entries(args, "unused")
@@ -322,7 +346,7 @@ def test_dockerfile_entrypoint_is_tandem(config: dict[str, Any]) -> None:
 
 
 def test_commands_parse_with_the_service_environment(
-    config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    config: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     commands = set()
     for name, service in tandem_services(config).items():
@@ -330,7 +354,7 @@ def test_commands_parse_with_the_service_environment(
         commands.add(command[0])
         with monkeypatch.context() as env:
             clear_tandem_env(env)
-            for key, value in environment(service).items():
+            for key, value in local_environment(service, tmp_path).items():
                 env.setenv(key, value)
             try:  # an env value of the wrong type already fails while the parser is built
                 parsers = subcommands()
@@ -339,6 +363,7 @@ def test_commands_parse_with_the_service_environment(
                 pytest.fail(f"{name}: `tandem {' '.join(command)}` does not parse ({exc})")
         assert command[0] in parsers, f"{name}: {command[0]!r} is not a tandem sub-command"
         assert args.command == command[0]
+        assert args.nats_password == "p-local-stand-in", f"{name}: not its password file's"
         # argparse checks choices on the command line only, not on defaults taken from the
         # environment: TANDEM_DEVICE=gpu would pass unnoticed until the service starts.
         for action in parsers[command[0]]._actions:
@@ -377,25 +402,109 @@ def test_tracing_goes_to_jaeger(config: dict[str, Any]) -> None:
     assert "4318" in config["services"]["jaeger"]["expose"]
 
 
+def volume_mounts(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A service's mounts by target."""
+    return {v["target"]: v for v in service.get("volumes") or []}
+
+
+def script(service: dict[str, Any]) -> str:
+    """The shell script a service runs (`/bin/sh -ec SCRIPT`), as the shell sees it:
+    `config` keeps compose's `$$` escapes."""
+    assert service["entrypoint"] == ["/bin/sh", "-ec"], service["entrypoint"]
+    (text,) = service["command"]
+    return str(text).replace("$$", "$")
+
+
 def test_nats_wiring(config: dict[str, Any]) -> None:
     nats = config["services"]["nats"]
-    server_env = environment(nats)
     for name, service in tandem_services(config).items():
         env, role = environment(service), service["command"][0]
         url = urlsplit(env["TANDEM_NATS"])
         assert (url.scheme, url.hostname, url.port) == ("nats", "nats", 4222), name
-        # each service its role's identity, with the password the server was given for it
-        assert env["TANDEM_NATS_USER"] == role, name
-        assert env["TANDEM_NATS_PASSWORD"] == server_env[compose_password_var(role)], name
+        assert env["TANDEM_NATS_USER"] == role, name  # each service its role's identity
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
-    passwords = {server_env[compose_password_var(role)] for role in ROLES}
-    if EXAMPLE_PASSWORD not in passwords:  # .env.example sets them all alike (and is refused)
-        assert len({*passwords, server_env["NATS_PASSWORD"]}) == len(ROLES) + 1
     # The config file the server is told to read is deploy/nats.conf, mounted read-only.
-    config_path = nats["command"][nats["command"].index("--config") + 1]
-    mounts = {v["target"]: v for v in nats["volumes"]}
-    assert Path(mounts[config_path]["source"]) == NATS_CONF
-    assert mounts[config_path]["read_only"] is True
+    config_path = re.findall(r"^exec nats-server --config (\S+)$", script(nats), re.M)
+    assert len(config_path) == 1, script(nats)
+    mount = volume_mounts(nats)[config_path[0]]
+    assert Path(mount["source"]) == NATS_CONF
+    assert mount["read_only"] is True
+
+
+def test_passwords_are_in_volumes_not_in_any_environment(config: dict[str, Any]) -> None:
+    """Each Tandem service reads its role's password from a file in a volume of its own,
+    mounted read-only and shared with no other role (nor with nats, which has all of them
+    in its own): a service cannot act as another role. No container's configuration holds
+    a password but nats-secrets', and only a supplied one."""
+    services = config["services"]
+    users: dict[str, set[str]] = {}  # volume -> the services mounting it
+    for name, service in services.items():
+        for mount in service.get("volumes") or []:
+            if mount["type"] == "volume":
+                users.setdefault(mount["source"], set()).add(name)
+    for name, service in tandem_services(config).items():
+        env, role = environment(service), service["command"][0]
+        assert "TANDEM_NATS_PASSWORD" not in env, name
+        path = Path(env["TANDEM_NATS_PASSWORD_FILE"])
+        mount = volume_mounts(service)[str(path.parent)]
+        assert mount["type"] == "volume" and mount["read_only"] is True, name
+        assert mount["source"] == f"{role}-secret", name
+        readers = {n for n in users[mount["source"]] if n != SECRETS}
+        assert {services[n]["command"][0] for n in readers} == {role}, (name, readers)
+    assert users["nats-secrets"] == {SECRETS, "nats"}
+    assert volume_mounts(services["nats"])["/run/secrets/nats"]["read_only"] is True
+    for name, service in services.items():
+        if name != SECRETS:
+            env = environment(service)
+            assert not {k for k in env if k.endswith("PASSWORD")}, name
+            assert not set(env.values()) & set(TEST_PASSWORDS.values()), name
+
+
+def test_secrets_are_written_before_anything_reads_them(config: dict[str, Any]) -> None:
+    """nats and every Tandem service start only once nats-secrets has exited 0; it runs
+    once per `up` (no restart), with no network."""
+    services = config["services"]
+    secrets = services[SECRETS]
+    assert secrets.get("restart") == "no"
+    assert secrets["network_mode"] == "none"
+    assert "depends_on" not in secrets
+    for name in ["nats", *tandem_services(config)]:
+        condition = services[name]["depends_on"][SECRETS]["condition"]
+        assert condition == "service_completed_successfully", name
+    # Whatever else each service needs, it never waits for nats-secrets in another way.
+    for name, service in services.items():
+        for dependency, how in (service.get("depends_on") or {}).items():
+            if dependency == SECRETS:
+                assert how["condition"] == "service_completed_successfully", name
+
+
+def test_secrets_hand_each_role_file_to_the_images_user(config: dict[str, Any]) -> None:
+    """OWNER, which owns each role's password file, is the user the Tandem image runs as."""
+    users = re.findall(r"^USER\s+(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert users, "the Dockerfile sets no USER"
+    assert environment(config["services"][SECRETS])["OWNER"] == users[-1]
+
+
+def test_nats_reads_every_password_its_config_names(config: dict[str, Any]) -> None:
+    """deploy/nats.conf's $NATS_* references are set: the admin's name from the service's
+    environment, each password by the start script from the file nats-secrets writes."""
+    nats = config["services"]["nats"]
+    referenced = set(re.findall(r"\$(NATS_[A-Z_]+)", NATS_CONF.read_text()))
+    from_script = set(re.findall(r"\b(NATS_[A-Z_]*PASSWORD)\b", script(nats)))
+    assert referenced == from_script | set(environment(nats)), referenced
+    assert from_script == set(PASSWORD_VARS)
+    assert set(environment(nats)) == {"NATS_USER"}
+
+
+def test_logs_are_rotated(config: dict[str, Any]) -> None:
+    """Docker's json-file logs grow until the disk is full unless capped: every service,
+    one-shot or not, keeps a few files of bounded size."""
+    for name, service in config["services"].items():
+        logging = service.get("logging") or {}
+        assert logging.get("driver") == "json-file", name
+        options = logging.get("options") or {}
+        assert re.fullmatch(r"[1-9][0-9]*[kmg]", options.get("max-size", "")), (name, options)
+        assert re.fullmatch(r"[1-9][0-9]*", options.get("max-file", "")), (name, options)
 
 
 def test_nats_conf_is_valid_and_matches_the_services(tmp_path: Path) -> None:
@@ -417,10 +526,238 @@ def test_nats_conf_is_valid_and_matches_the_services(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_compose_refuses_to_start_without_a_nats_password(workdir: Path, no_env_file: Path) -> None:
-    done = run_compose(COMPOSE_FILE, no_env_file, workdir, "config", "--format", "json")
-    assert done.returncode != 0, done.stdout
-    assert re.search(r"set NATS_[A-Z]*_?PASSWORD in \.env", done.stderr), done.stderr
+def test_compose_starts_with_no_env_file_and_no_variable(workdir: Path, no_env_file: Path) -> None:
+    """`docker compose up` needs no hand step: no .env, no NATS_* variable (run_compose
+    passes none), and no warning about an unset one."""
+    done = run_compose(COMPOSE_FILE, no_env_file, workdir, "config", "-q")
+    assert done.returncode == 0, done.stderr
+    assert "variable is not set" not in done.stderr, done.stderr
+
+
+def test_supplied_passwords_reach_nats_secrets_alone(
+    defaults: dict[str, Any], supplied: dict[str, Any]
+) -> None:
+    """A NATS_*_PASSWORD set in .env (or the environment) is handed to nats-secrets, which
+    writes it over the stored one; nothing else in the resolved stack changes."""
+    secrets = environment(supplied["services"][SECRETS])
+    assert {k: secrets[k] for k in PASSWORD_VARS} == TEST_PASSWORDS
+    unset = environment(defaults["services"][SECRETS])
+    assert {k: unset[k] for k in PASSWORD_VARS} == dict.fromkeys(PASSWORD_VARS, "")
+    differing = {
+        path for path, value in leaves(supplied).items() if leaves(defaults).get(path) != value
+    }
+    assert differing == {("services", SECRETS, "environment", k) for k in PASSWORD_VARS}
+
+
+# ---- the NATS passwords' scripts, run here ------------------------------------------------
+
+
+def busybox_path(folder: Path) -> str:
+    """A PATH of busybox applets alone, as in the nats image."""
+    busybox = shutil.which("busybox")
+    assert busybox is not None
+    if not folder.exists():  # two Volumes over one root share it
+        folder.mkdir()
+        applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True)
+        for applet in applets.stdout.split():
+            (folder / applet).symlink_to(busybox)
+    return str(folder)
+
+
+SHELLS = [
+    pytest.param("sh", id="sh"),
+    pytest.param(
+        "busybox",
+        id="busybox",
+        marks=pytest.mark.skipif(
+            shutil.which("busybox") is None, reason="busybox (the nats image's shell) not found"
+        ),
+    ),
+]
+
+
+class Volumes:
+    """The stack's volumes as local folders, and its two scripts run against them with
+    `shell` (`sh`: this machine's /bin/sh; `busybox`: busybox's sh and applets alone)."""
+
+    def __init__(self, config: dict[str, Any], root: Path, shell: str) -> None:
+        self.config, self.root = config, root
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = os.environ.get("PATH", "/usr/bin:/bin")
+        if shell == "busybox":
+            self.path = busybox_path(root / "bin")
+        self.shell = str(Path(self.path.split(":")[0]) / "sh") if shell == "busybox" else "/bin/sh"
+        secrets = config["services"][SECRETS]
+        # nats-secrets mounts every volume under /secrets; its script names them by that path.
+        self.folders = {}
+        for target, mount in volume_mounts(secrets).items():
+            assert target.startswith("/secrets/"), target
+            self.folders[mount["source"]] = root / "volumes" / target.removeprefix("/secrets/")
+            self.folders[mount["source"]].mkdir(parents=True, exist_ok=True)
+
+    def write(self, **env: str) -> subprocess.CompletedProcess[str]:
+        """nats-secrets' script, in its environment (`env` changing it), as this user."""
+        service = self.config["services"][SECRETS]
+        text = script(service).replace("/secrets/", f"{self.root / 'volumes'}/")
+        own = f"{os.getuid()}:{os.getgid()}"
+        environ = environment(service) | {"OWNER": own, "PATH": self.path} | env
+        return subprocess.run(
+            [self.shell, "-ec", text], env=environ, capture_output=True, text=True, timeout=30
+        )
+
+    def stored(self) -> dict[str, str]:
+        """The passwords in the `nats-secrets` volume, by the variable that supplies each."""
+        folder = self.folders["nats-secrets"]
+        return {f.name: f.read_text() for f in sorted(folder.iterdir())}
+
+    def start_nats(self) -> dict[str, Any]:
+        """nats' start script, with a stand-in nats-server that records its arguments and
+        environment: {"args": [...], "env": {...}}."""
+        nats = self.config["services"]["nats"]
+        (mount,) = (m for m in nats["volumes"] if m.get("source") == "nats-secrets")
+        text = script(nats).replace(mount["target"], str(self.folders["nats-secrets"]))
+        fake = self.root / "fake-bin"
+        fake.mkdir(exist_ok=True)
+        record = self.root / "nats-server.json"
+        (fake / "nats-server").write_text(
+            f"#!{sys.executable}\nimport json, os, sys\nrecord = {str(record)!r}\n"
+            "json.dump({'args': sys.argv[1:], 'env': dict(os.environ)}, open(record, 'w'))\n"
+        )
+        (fake / "nats-server").chmod(0o755)
+        environ = environment(nats) | {"PATH": f"{fake}:{self.path}"}
+        done = subprocess.run(
+            [self.shell, "-ec", text], env=environ, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        recorded: dict[str, Any] = json.loads(record.read_text())
+        return recorded
+
+    def read_by(self, service: dict[str, Any]) -> Path:
+        """The local file standing for the password file `service` reads in its container."""
+        path = Path(environment(service)["TANDEM_NATS_PASSWORD_FILE"])
+        mount = volume_mounts(service)[str(path.parent)]
+        return self.folders[mount["source"]] / path.name
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_secrets_are_generated_once_and_kept(
+    defaults: dict[str, Any], tmp_path: Path, shell: str
+) -> None:
+    volumes = Volumes(defaults, tmp_path / "one", shell)
+    done = volumes.write()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [f"{var}: generated" for var in PASSWORD_VARS]
+    stored = volumes.stored()
+    assert list(stored) == sorted(PASSWORD_VARS)
+    passwords = [value.removesuffix("\n") for value in stored.values()]
+    for value in passwords:
+        assert VALID_PASSWORD.fullmatch(value), value  # a token nats-server takes unquoted
+        assert len(value) >= 41, value  # 40 random letters and digits after its first
+        assert value not in done.stdout + done.stderr  # never printed
+    assert len(set(passwords)) == len(passwords), "two identities share a password"
+    # Only their owner may read them: root (nats) for the server's, the image's user for a
+    # role's (here: this user, OWNER being set to it).
+    for folder in volumes.folders.values():
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+        for file in folder.iterdir():
+            assert stat.S_IMODE(file.stat().st_mode) == 0o400, file
+            assert (file.stat().st_uid, file.stat().st_gid) == (os.getuid(), os.getgid())
+
+    # A second start keeps them; another machine (fresh volumes) gets others.
+    again = volumes.write()
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("\n")[:-1] == [f"{var}: kept" for var in PASSWORD_VARS]
+    assert volumes.stored() == stored
+    elsewhere = Volumes(defaults, tmp_path / "two", shell)
+    assert elsewhere.write().returncode == 0
+    assert not set(elsewhere.stored().values()) & set(stored.values())
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_nats_and_each_service_read_the_same_passwords(
+    config: dict[str, Any], tmp_path: Path, shell: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What nats-secrets writes is what the server is started with (and nats-server takes
+    it in deploy/nats.conf) and, for each Tandem service, its own role's password, read by
+    its `tandem` command from the file its variable names."""
+    volumes = Volumes(config, tmp_path, shell)
+    done = volumes.write()
+    assert done.returncode == 0, done.stderr
+    stored = {var: value.removesuffix("\n") for var, value in volumes.stored().items()}
+    started = volumes.start_nats()
+    assert started["args"] == ["--config", "/etc/nats/tandem.conf"]
+    assert {var: started["env"][var] for var in PASSWORD_VARS} == stored
+    checked = subprocess.run(
+        [nats_server_binary(), "-c", str(NATS_CONF), "-t"],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ.get("PATH", ""), "NATS_USER": "tandem", **stored},
+        cwd=tmp_path,
+        timeout=30,
+    )
+    assert checked.returncode == 0, checked.stderr
+    for name, service in tandem_services(config).items():
+        role = service["command"][0]
+        with monkeypatch.context() as env:
+            clear_tandem_env(env)
+            env.setenv("TANDEM_NATS_PASSWORD_FILE", str(volumes.read_by(service)))
+            args = build_parser().parse_args([role])
+        assert args.nats_password == stored[compose_password_var(role)], name
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_supplied_passwords_win_and_are_kept(
+    defaults: dict[str, Any], supplied: dict[str, Any], tmp_path: Path, shell: str
+) -> None:
+    """A supplied password replaces the stored one (generated or supplied before), each
+    variable on its own, and stays once the variable is unset again."""
+    volumes = Volumes(defaults, tmp_path, shell)
+    assert volumes.write().returncode == 0
+    generated = volumes.stored()
+    one = volumes.write(NATS_KVCACHE_PASSWORD="p-only-kvcache")
+    assert one.returncode == 0, one.stderr
+    assert "NATS_KVCACHE_PASSWORD: supplied" in one.stdout.split("\n")
+    assert volumes.stored() == generated | {"NATS_KVCACHE_PASSWORD": "p-only-kvcache\n"}
+    assert volumes.read_by(defaults["services"]["kvcache"]).read_text() == "p-only-kvcache\n"
+
+    production = Volumes(supplied, tmp_path, shell)  # the same folders, .env's passwords
+    done = production.write()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [f"{var}: supplied" for var in PASSWORD_VARS]
+    assert volumes.stored() == {var: f"{value}\n" for var, value in TEST_PASSWORDS.items()}
+    for value in TEST_PASSWORDS.values():
+        assert value not in done.stdout + done.stderr
+    unset = volumes.write()
+    assert unset.returncode == 0, unset.stderr
+    assert volumes.stored() == {var: f"{value}\n" for var, value in TEST_PASSWORDS.items()}
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("0123456789", "letters, digits, - and _ only, starting with a letter"),
+        ("p-with,comma", "letters, digits, - and _ only, starting with a letter"),
+        ("p with space", "letters, digits, - and _ only, starting with a letter"),
+        ("p-$(touch pwned)", "letters, digits, - and _ only, starting with a letter"),
+        (EXAMPLE_PASSWORD, ".env.example's password"),
+        ("same-as-admin", "another identity has the same password"),
+    ],
+)
+def test_unusable_supplied_passwords_stop_the_stack(
+    defaults: dict[str, Any], tmp_path: Path, value: str, reason: str
+) -> None:
+    """nats-secrets exits non-zero, naming the variable and why (nothing then starts: every
+    service waits for it to succeed), and stores nothing it refused."""
+    volumes = Volumes(defaults, tmp_path, "sh")
+    assert volumes.write().returncode == 0
+    before = volumes.stored()
+    admin = {"NATS_PASSWORD": value} if value == "same-as-admin" else {}
+    done = volumes.write(NATS_DECODE_PASSWORD=value, **admin)
+    assert done.returncode != 0
+    assert done.stderr.startswith("NATS_DECODE_PASSWORD"), done.stderr
+    assert reason in done.stderr
+    assert volumes.stored()["NATS_DECODE_PASSWORD"] == before["NATS_DECODE_PASSWORD"]
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
 
 
 def test_nats_monitoring_listens_on_loopback_only() -> None:
@@ -458,38 +795,35 @@ def test_replicas_get_distinct_identities(config: dict[str, Any]) -> None:
 # ---- .env.example -------------------------------------------------------------------------
 
 
+def leaves(node: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Every scalar of a resolved model, by its path."""
+    if isinstance(node, dict):
+        return {k: v for key, sub in node.items() for k, v in leaves(sub, (*path, key)).items()}
+    if isinstance(node, list):
+        return {k: v for i, sub in enumerate(node) for k, v in leaves(sub, (*path, str(i))).items()}
+    return {path: node}
+
+
 def test_env_example_documents_every_knob() -> None:
+    """Each variable compose reads is in .env.example: set to its default, or, for the
+    passwords (generated unless supplied), shown commented out."""
     text = COMPOSE_FILE.read_text() + SECOND_MODEL_FILE.read_text()
     used = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
     lines = ENV_EXAMPLE.read_text().splitlines()
     assigned = {m.group(1) for line in lines if (m := re.match(r"([A-Z_][A-Z0-9_]*)=", line))}
-    assert used <= assigned, f"not in .env.example: {used - assigned}"
-    assert assigned <= used, f"set in .env.example but unused by compose.yaml: {assigned - used}"
+    shown = {m.group(1) for line in lines if (m := re.match(r"# ([A-Z_][A-Z0-9_]*)=", line))}
+    assert shown == set(PASSWORD_VARS), shown
+    assert not assigned & shown
+    assert used <= assigned | shown, f"not in .env.example: {used - assigned - shown}"
+    assert assigned | shown <= used, f"in .env.example but unused: {assigned - used}"
 
 
-def test_env_example_changes_only_the_password(
+def test_env_example_changes_nothing(
     defaults: dict[str, Any], with_example: dict[str, Any]
 ) -> None:
-    """Every other value in .env.example is compose.yaml's default, so what people run
-    with only a password set is what the example documents."""
-
-    def leaves(node: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-        if isinstance(node, dict):
-            return {k: v for key, sub in node.items() for k, v in leaves(sub, (*path, key)).items()}
-        if isinstance(node, list):
-            return {
-                k: v for i, sub in enumerate(node) for k, v in leaves(sub, (*path, str(i))).items()
-            }
-        return {path: node}
-
-    a, b = leaves(defaults), leaves(with_example)
-    assert a.keys() == b.keys()
-    differing = {path for path in a if a[path] != b[path]}
-    assert differing, "the example should change the default password"
-    for path in differing:
-        assert path[-1] in PASSWORD_VARS or (
-            path[0] == "x-nats-credentials" and path[-1] in {"password", *ROLES}
-        ), path
+    """Every value in .env.example is compose.yaml's default and no password is set, so
+    `cp .env.example .env` runs what `docker compose up` with no .env runs."""
+    assert leaves(with_example) == leaves(defaults)
 
 
 def test_prefill_and_kvcache_containers_weigh_less_than_decode_ones(

@@ -12,6 +12,10 @@ Children also get PR_SET_PDEATHSIG, so even a SIGKILLed launcher takes them down
 requests, the one-engine baseline `tandem bench compare` measures disaggregation against.
 `--pin-cores` pins each model node to one core of its own (round-robin), so N nodes on N
 cores share the same hardware as one node on all of them, without stealing each other's.
+`--prometheus-targets FILE` keeps FILE a Prometheus file_sd list of every running process's
+/metrics (the router's API port, each node's metrics port), rewritten whenever a node starts
+or exits (the autoscaler adds and removes them) and removed when the stack stops:
+deploy/observability/ runs Prometheus, Grafana and Jaeger on it (docs/observability.md).
 `--isolate-decode` gives each decode node's engine thread (its steps) a core that nothing
 else uses, and puts every other process and thread (NATS, kvcache, prefill, router, the
 decode nodes' event loops) on the remaining cores: a decode step then never waits for a
@@ -31,13 +35,16 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from shared.bus.auth import BusAuth, ClusterAuth
 from shared.bus.server import NatsServer, free_port
 from shared.model.catalog import ModelEntry
 from shared.model.source import DEFAULT_MODEL
 from shared.procs import BACKGROUND_ROLES, child_setup
-from shared.runtime.options import model_entries, step_token_budget
+from shared.runtime.options import env_name, model_entries, step_token_budget
+from tandem.metrics_targets import TargetsFile, scrape_address
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -71,6 +78,12 @@ class Stack:
         self.shared_cpus: set[int] | None = None  # everything else's, when isolated
         self.out = sys.stdout
         self.lock = threading.Lock()
+        # --prometheus-targets: the file_sd file kept listing the running processes
+        self.targets = (
+            TargetsFile(Path(args.prometheus_targets), self.say)
+            if args.prometheus_targets
+            else None
+        )
 
     @property
     def url(self) -> str:
@@ -249,6 +262,8 @@ class Stack:
         return self.shared_cpus
 
     def start(self) -> None:
+        if self.targets is not None:  # before anything starts: an unwritable file stops it
+            self.targets.open(self.metrics_targets())
         if not self.nats_url:
             # Per-run credentials: nothing else on this machine can use our NATS, and each
             # service only the subjects its role uses (shared/bus/permissions.py).
@@ -265,6 +280,7 @@ class Stack:
         for child in children:
             self._spawn(child)
             self.children.append(child)
+        self.refresh_targets()
 
     def auth_for(self, role: str) -> BusAuth:
         """The NATS identity a service of `role` connects with."""
@@ -318,6 +334,7 @@ class Stack:
         """Start one more service while the stack runs (the autoscaler's local backend)."""
         self._spawn(child)
         self.children.append(child)
+        self.refresh_targets()
 
     def kill(self, name: str) -> None:
         """SIGKILL one service (chaos tests); `restart` brings it back with the same options."""
@@ -328,6 +345,7 @@ class Stack:
         c.reported = True
         if c.pump is not None:
             c.pump.join(timeout=2)
+        self.refresh_targets()
 
     def terminate(self, name: str) -> None:
         """SIGTERM one service: a graceful stop (a decode node drains first)."""
@@ -344,6 +362,7 @@ class Stack:
             c.proc.stdout.close()
         c.reported = False
         self._spawn(c)
+        self.refresh_targets()
 
     def dead_children(self) -> list[Child]:
         dead = []
@@ -351,7 +370,49 @@ class Stack:
             if c.proc is not None and c.proc.poll() is not None and not c.reported:
                 c.reported = True
                 dead.append(c)
+        # `tandem up` polls this twice a second: where a node that exited (a drained one
+        # the autoscaler stopped, or a crash) leaves the targets file.
+        self.refresh_targets()
         return dead
+
+    # ---- --prometheus-targets --------------------------------------------------------------
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """The Prometheus file_sd target groups of the running processes, labelled as
+        deploy/prometheus.yml labels compose's: job `router` (its API port serves /metrics)
+        or `nodes` with the node's `role`, plus its `node` name; `instance` stays the
+        address, as there. The router's group has no role or node label: its own
+        `tandem_node_requests_total{role,node}` would lose them (Prometheus renames a
+        scraped label that a target label takes to exported_*)."""
+        groups: list[dict[str, Any]] = []
+        for c in list(self.children):  # the autoscaler's thread may be appending
+            if c.proc is None or c.proc.poll() is not None:
+                continue
+            if c.name == "router":
+                address = scrape_address(self.args.host, int(self.args.port))
+                groups.append({"targets": [address], "labels": {"job": "router"}})
+            elif c.name in self.metrics_ports:
+                address = scrape_address(self._metrics_host(c), self.metrics_ports[c.name])
+                labels = {"job": "nodes", "role": c.argv[0], "node": c.name}
+                groups.append({"targets": [address], "labels": labels})
+        return groups
+
+    def _metrics_host(self, child: Child) -> str:
+        """The address a node's /metrics listens on: its --metrics-host, which (the
+        launcher passing none) its environment may set, else the option's default."""
+        if "--metrics-host" in child.argv:
+            return child.argv[child.argv.index("--metrics-host") + 1]
+        var = env_name("--metrics-host")
+        return self.env.get(var, os.environ.get(var, "127.0.0.1"))
+
+    @property
+    def targets_file(self) -> Path | None:
+        return self.targets.path if self.targets is not None else None
+
+    def refresh_targets(self) -> None:
+        """Rewrite the targets file if the running processes changed (--prometheus-targets)."""
+        if self.targets is not None:
+            self.targets.refresh(self.metrics_targets)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -368,6 +429,8 @@ class Stack:
         raise RuntimeError(f"stack not ready within {timeout:.0f}s")
 
     def stop(self) -> None:
+        if self.targets is not None:  # first: Prometheus stops scraping what is to go
+            self.targets.remove()
         for c in self.children:
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.terminate()

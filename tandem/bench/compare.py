@@ -38,7 +38,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.server import free_port
 from shared.errors import TandemError
-from tandem import up
 from tandem.bench.loadgen import Target
 from tandem.bench.serve import (
     check,
@@ -50,6 +49,7 @@ from tandem.bench.serve import (
 )
 from tandem.bench.sweep import Sweep, run_sweep
 from tandem.launcher import Stack
+from tandem.up_options import up_parser
 
 SIDES = ("colocated", "colocated-unchunked", "disaggregated", "conditional")
 ROUTES_METRIC = "tandem_router_routes_total"  # services/router/metrics.py
@@ -95,9 +95,7 @@ def start_stack(
     options: list[str], args: argparse.Namespace, log: Path, env: dict[str, str] | None = None
 ) -> Stack:
     """`tandem up` with these options (and environment) on a free port, ready to serve."""
-    parser = argparse.ArgumentParser(prog="tandem")
-    up.add_parser(parser.add_subparsers(dest="command"))
-    stack = Stack(parser.parse_args(["up", "--port", str(free_port()), *options]))
+    stack = Stack(up_parser().parse_args(["up", "--port", str(free_port()), *options]))
     stack.env = {**stack_env(args), **(env or {})}
     stack.out = log.open("w")
     try:

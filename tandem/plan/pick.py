@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -145,8 +146,10 @@ def choose(profile: str, prefill: int, decode: int, node_options: list[str]) -> 
     """Rank the three modes for `prefill` + `decode` nodes on the reference workloads.
     `node_options` are `tandem plan simulate` options the stack's nodes run with (step
     budget, transport, TPOT target, ...)."""
-    from tandem.cli import build_parser
     from tandem.plan import simulate
+
+    parser = argparse.ArgumentParser(prog="tandem plan")  # simulate's own options, no CLI
+    simulate.add_parser(parser.add_subparsers(dest="command"))
 
     def run(mode: Mode, workload: list[str]) -> tuple[float, float]:
         nodes = (
@@ -156,8 +159,8 @@ def choose(profile: str, prefill: int, decode: int, node_options: list[str]) -> 
         )
         if mode == "conditional":
             nodes.append("--conditional")
-        argv = ["plan", "simulate", "--profile", profile, "--quiet", *nodes]
-        args = build_parser().parse_args([*argv, *node_options, *workload])
+        argv = ["simulate", "--profile", profile, "--quiet", *nodes]
+        args = parser.parse_args([*argv, *node_options, *workload])
         sweep = simulate.simulate(args)
         points = [(p.rate or 0.0, p.metrics.slo_attainment) for p in sweep.points]
         tok_s = max(p.metrics.output_throughput for p in sweep.points)

@@ -1,6 +1,8 @@
 """The compose stack's metrics: deploy/prometheus.yml and every query of the Grafana
 dashboard (deploy/grafana/dashboards/tandem.json) checked by the real promtool, and the
-dashboard's structure and data source wired to what Grafana is provisioned with.
+dashboard's structure and data source wired to what Grafana is provisioned with. The same
+for `tandem up`'s (deploy/observability/prometheus.yml and its Grafana data source; the
+targets file the launcher writes for it: tests/unit/test_prometheus_targets.py).
 (tests/e2e/test_dashboard_metrics.py checks every metric it reads is one the processes
 serve.)"""
 
@@ -25,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tandem.json"
 DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
+# `tandem up`'s: deploy/observability/compose.yaml
+OBSERVABILITY = ROOT / "deploy" / "observability"
+UP_PROMETHEUS = OBSERVABILITY / "prometheus.yml"
+UP_DATASOURCES = OBSERVABILITY / "grafana" / "datasources" / "prometheus.yml"
 
 
 def promtool() -> str:
@@ -43,9 +49,10 @@ def expressions() -> list[str]:
     return [t["expr"] for p in dashboard()["panels"] for t in p["targets"]]
 
 
-def test_prometheus_config_passes_promtool() -> None:
+@pytest.mark.parametrize("config", [PROMETHEUS, UP_PROMETHEUS], ids=["compose", "tandem-up"])
+def test_prometheus_config_passes_promtool(config: Path) -> None:
     out = subprocess.run(
-        [promtool(), "check", "config", str(PROMETHEUS)], capture_output=True, text=True
+        [promtool(), "check", "config", str(config)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -62,6 +69,44 @@ def test_every_dashboard_query_parses(tmp_path: Path) -> None:
     out = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"{len(rules)} rules found" in out.stdout
+
+
+def dashboard_labels() -> set[str]:
+    """The labels the dashboard reads: those it groups by and those its legends show."""
+    out = {"le"}  # every histogram_quantile's
+    for panel in dashboard()["panels"]:
+        for target in panel["targets"]:
+            for group in re.findall(r"\bby \(([^)]*)\)", target["expr"]):
+                out |= {label.strip() for label in group.split(",")}
+            out |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+    return out
+
+
+def test_tandem_up_prometheus_keeps_every_label_the_dashboard_reads() -> None:
+    """The samples reach the dashboard as the processes label them: no relabelling of
+    samples, no target relabelling onto a label the dashboard reads, and `instance` left to
+    Prometheus (the address), as deploy/prometheus.yml leaves it. The targets' own labels
+    (the launcher's file) are checked against the same set in test_prometheus_targets.py."""
+    labels = dashboard_labels()
+    assert {"instance", "endpoint", "outcome", "direction", "le"} <= labels  # the parse works
+    for path in (PROMETHEUS, UP_PROMETHEUS):
+        for job in yaml.safe_load(path.read_text())["scrape_configs"]:
+            assert "metric_relabel_configs" not in job, (path, job["job_name"])
+            assert not job.get("honor_labels"), (path, job["job_name"])
+            for rule in job.get("relabel_configs", []):
+                assert rule.get("target_label") not in labels, (path, rule)
+                assert rule.get("action", "replace") in ("replace", "keep"), (path, rule)
+    up = yaml.safe_load(UP_PROMETHEUS.read_text())["scrape_configs"]
+    assert [list(job) for job in up] == [["job_name", "file_sd_configs"]]  # file_sd alone
+
+
+def test_tandem_up_grafana_reads_its_prometheus_under_the_dashboards_uid() -> None:
+    """deploy/observability's Grafana shares the host's network: its data source is the
+    Prometheus on the loopback, under the uid the dashboard names."""
+    compose_uid = yaml.safe_load(DATASOURCES.read_text())["datasources"][0]["uid"]
+    (source,) = yaml.safe_load(UP_DATASOURCES.read_text())["datasources"]
+    assert source["uid"] == compose_uid and source["isDefault"] and source["type"] == "prometheus"
+    assert source["url"] == "http://127.0.0.1:${PROMETHEUS_PORT}"
 
 
 def test_dashboard_structure_and_data_source() -> None:

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+from typing import Annotated
 
 import msgspec
 import xxhash
@@ -39,21 +40,31 @@ ACK_MAGIC = b"TKA1"
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int32": 4, "int64": 8}
 
 
+MAX_DIMS = 8  # a KV block run is [blocks, layers, 2, heads, block, dim]: 6
+# Bounds the decoder enforces field by field, before anything else looks at a header: what
+# a stranger's header can cost is then linear in its (bounded) size. Unbounded, 29,100 shape
+# entries of 2**63 - 1 took seconds of the event loop to multiply out (issue 49).
+_Id = Annotated[str, msgspec.Meta(max_length=256)]
+_Dim = Annotated[int, msgspec.Meta(ge=1, le=MAX_TRANSFER_BYTES)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_BYTES)]
+
+
 class TransferHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     v: int
-    request_id: str
-    transfer_id: str
-    dtype: str
-    shape: list[int]
-    nbytes: int
-    chunk_bytes: int
-    checksums: list[int]
-    first_block: int = 0
-    num_blocks: int = 0
-    layer_start: int = 0
-    layer_end: int = 0
-    traceparent: str = ""
-    mac: str = ""  # HMAC-SHA256 of the rest, keyed by the announcement's secret (hex)
+    request_id: _Id
+    transfer_id: _Id
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    shape: Annotated[list[_Dim], msgspec.Meta(min_length=1, max_length=MAX_DIMS)]
+    nbytes: _Count
+    chunk_bytes: _Count
+    checksums: list[int]  # xxh3-64 (msgpack carries no integer past 64 bits)
+    first_block: _Count = 0
+    num_blocks: _Count = 0
+    layer_start: _Count = 0
+    layer_end: _Count = 0
+    traceparent: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # HMAC-SHA256 of the rest, keyed by the announcement's secret (hex)
+    mac: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 def new_secret() -> str:
@@ -151,11 +162,11 @@ def decode_header(data: bytes | memoryview, max_bytes: int = MAX_TRANSFER_BYTES)
         raise WireFormatError(f"unknown dtype {header.dtype!r}")
     if not 0 < header.nbytes <= max_bytes:
         raise WireFormatError(f"transfer of {header.nbytes} bytes out of range")
-    if any(d <= 0 for d in header.shape) or not header.shape:
-        raise WireFormatError("transfer shape must be positive")
     numel = 1
-    for d in header.shape:
+    for d in header.shape:  # at most MAX_DIMS factors, each bounded, stopping past the size
         numel *= d
+        if numel * size > header.nbytes:
+            break
     if numel * size != header.nbytes:
         raise WireFormatError("transfer shape, dtype and byte count disagree")
     if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:

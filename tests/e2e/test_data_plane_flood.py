@@ -8,6 +8,7 @@ KV through (both decode nodes are attacked, so its KV lands on an attacked one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -18,10 +19,11 @@ from shared.bus.registry import NodeRegistry
 from shared.model.loader import LoadedModel
 from shared.transport.base import BufferHandler, TransferError, TransferRejected
 from shared.transport.factory import make_transport
-from shared.transport.frames import make_header, new_secret
+from shared.transport.frames import VERSION, TransferHeader, make_header, new_secret
 from tandem.launcher import Stack
 from tests.e2e.streaming import complete
 from tests.e2e.test_api import reference, text_of
+from tests.e2e.test_failover import failovers
 
 pytestmark = pytest.mark.e2e
 
@@ -99,3 +101,74 @@ async def test_flooded_data_ports_still_serve(stack: Stack, real_model: LoadedMo
         assert time.monotonic() - started < 60
     for writer in idle:
         writer.close()
+
+
+PROBES = 89  # issue 49's run: 89 crafted headers made 8 failovers and 0 of 4 exact streams
+
+
+def crafted_header(i: int) -> TransferHeader:
+    """Issue 49's probe: 29,100 shape entries of 2**63 - 1 (a 262 KB header) and no secret.
+    The Struct takes what it is given; only a receiver's decoder checks the bounds."""
+    return TransferHeader(
+        v=VERSION, request_id="probe", transfer_id=f"probe-{i}", dtype="uint8",
+        shape=[2**63 - 1] * 29_100, nbytes=1, chunk_bytes=1, checksums=[0],
+    )  # fmt: skip
+
+
+async def probe(addresses: list[str], streaming: asyncio.Future[list[str]]) -> int:
+    """Crafted headers at every address, in a loop, until the streams end (PROBES at least)."""
+    sender = make_transport(addresses[0].split("://")[0])
+    await sender.start(BufferHandler())
+    sent = 0
+    try:
+        while sent < PROBES or not streaming.done():
+            for address in addresses:
+                with contextlib.suppress(TransferError):  # refused: the connection dropped
+                    await sender.send(address, crafted_header(sent), memoryview(b"x"), timeout=10)
+                sent += 1
+    finally:
+        await sender.close()
+    return sent
+
+
+async def oldest_heartbeat(stack: Stack, nodes: set[str], done: asyncio.Future[int]) -> float:
+    """The oldest any of `nodes`' registry entries was seen while `done` ran (seconds since
+    its heartbeat), or infinity if one was missing from the registry."""
+    bus = await Bus(stack.nats_url, "e2e-probe", stack.auth).connect()
+    worst = 0.0
+    try:
+        registry = await NodeRegistry(bus).start()
+        while not done.done():
+            seen = {n.node_id: n for n in (await registry.nodes()).values()}
+            for node in nodes:
+                info = seen.get(node)
+                worst = max(worst, time.time() - info.timestamp if info else float("inf"))
+            await asyncio.sleep(0.1)
+    finally:
+        await bus.close()
+    return worst
+
+
+async def test_crafted_headers_cost_a_decode_node_nothing(
+    stack: Stack, real_model: LoadedModel
+) -> None:
+    """A stranger sends issue 49's crafted headers to both decode nodes' data ports in a
+    loop while 4 greedy streams run: every stream ends exact, no stream fails over, and the
+    decode nodes' heartbeats stay within the registry's TTL (2 s here) throughout."""
+    ports = await data_ports(stack)
+    decodes = {n: a for n, a in ports.items() if n.startswith("decode")}
+    prompts = [real_model.encode(f"Tell me about the number {i}.") for i in range(4)]
+    refs = [text_of(real_model, reference(real_model, ids, 48)) for ids in prompts]
+    before = failovers(stack)
+    async with aiohttp.ClientSession() as session:
+        streaming = asyncio.ensure_future(
+            asyncio.gather(*(complete(session, stack.url, ids, 48) for ids in prompts))
+        )
+        probing = asyncio.ensure_future(probe(list(decodes.values()), streaming))
+        worst = await oldest_heartbeat(stack, set(decodes), probing)
+        sent = probing.result()
+        assert streaming.result() == refs
+    print(f"\nprobe: {sent} crafted headers; oldest decode heartbeat seen {worst:.2f} s")
+    assert sent >= PROBES
+    assert failovers(stack) == before
+    assert worst < 2.0

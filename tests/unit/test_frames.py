@@ -118,3 +118,41 @@ def test_the_header_carries_a_mac_of_itself_not_the_secret() -> None:
     forged[1] ^= 1
     assert not f.secret_matches(secret, msgspec.structs.replace(header, checksums=forged))
     assert not f.secret_matches(secret, f.make_header("r", "kv-1", payload, chunk_bytes=4096))
+
+
+def _raw_header(**fields: object) -> bytes:
+    doc: dict[str, object] = {"v": f.VERSION, "request_id": "r", "transfer_id": "t",
+                              "dtype": "uint8", "shape": [100], "nbytes": 100,
+                              "chunk_bytes": 100, "checksums": [1]}  # fmt: skip
+    doc.update(fields)
+    return msgspec.msgpack.encode(doc)
+
+
+@pytest.mark.parametrize(
+    ("fields", "refusal"),
+    [
+        # issue 49's probe: 29,100 dims of 2**63 - 1 in a 262 KB header took 3.2 s of the
+        # event loop to multiply out before the secret was checked
+        ({"shape": [2**63 - 1] * 29_100}, "length <= 8"),
+        ({"shape": [2**63 - 1]}, "<= 4294967296"),
+        ({"shape": []}, "length >= 1"),
+        ({"transfer_id": "t" * 5000}, "length <= 256"),
+        ({"traceparent": "x" * 1000}, "length <= 128"),
+        ({"nbytes": -1}, ">= 0"),
+    ],
+)
+def test_a_strangers_header_is_refused_by_its_bounds_first(
+    fields: dict[str, object], refusal: str
+) -> None:
+    """Every field of a header has a bound the decoder checks as it reads: what a header
+    from anyone costs before its MAC is checked is linear in its bounded size."""
+    assert len(_raw_header(**fields)) <= f.MAX_HEADER_BYTES
+    with pytest.raises(WireFormatError, match=refusal):
+        f.decode_header(_raw_header(**fields))
+
+
+def test_a_shape_whose_product_overflows_stops_at_the_size() -> None:
+    """Eight bounded dims multiply to at most 2**256: the product stops once past the byte
+    count, and the header is refused as inconsistent."""
+    with pytest.raises(WireFormatError, match="disagree"):
+        f.decode_header(_raw_header(shape=[1 << 32] * 8))

@@ -72,8 +72,9 @@ COPY services ./services
 # Not editable: the image runs the installed copy. torch is already there and satisfies the
 # project's torch requirement, so pip keeps the build chosen above. The dependencies' versions
 # are bounded by pyproject.toml (DL3013 asks for pins, which a local path cannot carry).
+# The Kubernetes autoscaler runs from this image (deploy/kubernetes): its client is an extra.
 # hadolint ignore=DL3013
-RUN pip install .
+RUN pip install '.[kubernetes]'
 
 # Numeric, so that orchestrators can check runAsNonRoot without reading /etc/passwd.
 USER 10001:10001

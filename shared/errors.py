@@ -72,6 +72,13 @@ class PayloadTooLargeError(TandemError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeoutError(TandemError):
+    """The client did not send its whole request body within the router's deadline."""
+
+    http_status = 408
+    error_type = "invalid_request_error"
+
+
 class RateLimitError(TandemError):
     """Too many requests in flight (router-wide or for one API key): retry shortly."""
 

@@ -40,6 +40,7 @@ from shared.errors import (
     CapacityError,
     InvalidRequestError,
     PayloadTooLargeError,
+    RequestTimeoutError,
 )
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.logs import bind
@@ -54,14 +55,18 @@ def resumable_requested(request: web.Request) -> bool:
     return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
-async def read_body(request: web.Request, max_bytes: int) -> Any:
-    """The JSON body, within the size limit."""
+async def read_body(request: web.Request, max_bytes: int, timeout: float) -> Any:
+    """The JSON body, within the size limit and `timeout` seconds (a trickled body holds
+    its connection no longer)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes")
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes") from exc
+    except TimeoutError as exc:
+        raise RequestTimeoutError(f"request body not received within {timeout:g}s") from exc
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -73,8 +78,8 @@ async def read_body(request: web.Request, max_bytes: int) -> Any:
 # Tokenisation and chat templating of a prompt up to the body limit take up to ~0.1-1 s:
 # on the event loop they would stall every stream. One thread does them, one request at a
 # time (a tokenizer object is not safe to share between threads in every version), and the
-# requests waiting for it count as in flight (`InFlight.admit` is taken before the body is
-# read), so --max-inflight bounds the queue.
+# requests waiting for it count as in flight (`InFlight.admit` is taken once the body is
+# read, before it is parsed), so --max-inflight bounds the queue.
 T = TypeVar("T")
 _PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
@@ -98,10 +103,10 @@ async def admit(
     request: web.Request,
     chat: bool,
     tokenizers: Mapping[str, TokenizerInfo],
+    body: Any,
 ) -> ParsedRequest:
-    """The request, validated, if this router takes it now (the caller holds its in-flight
-    count). `tokenizers`: the served models' (its `model` picks one)."""
-    body = await read_body(request, parts.config.max_body_bytes)
+    """The request of JSON `body`, validated, if this router takes it now (the caller holds
+    its in-flight count). `tokenizers`: the served models' (its `model` picks one)."""
     parsed = await off_loop(parse_request, body, chat, tokenizers, parts.config.limits)
     if parts.config.isolate_cache_by_key:
         params = salted_by_key(parsed.params, request_owner(request))

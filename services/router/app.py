@@ -47,7 +47,9 @@ class Router:
         self.tokenizers = tokenizers  # by served model name, the first the default
         self._background: set[asyncio.Future[None]] = set()
         config = parts.config
-        self.tokens = TokensApi(tokenizers, config.limits, config.max_body_bytes)
+        self.tokens = TokensApi(
+            tokenizers, config.limits, config.max_body_bytes, config.body_timeout
+        )
         parts.nodes.on_leave.append(self.node_left)
 
     def node_left(self, node_id: str) -> None:
@@ -86,12 +88,18 @@ class Router:
         endpoint = "chat" if chat else "completions"
         parts = self.parts
         admission_span = TRACER.start_span("router.admission")
+        try:  # before a slot is taken: a slow body holds none (and gets a 408 at its deadline)
+            body = await admission.read_body(
+                request, parts.config.max_body_bytes, parts.config.body_timeout
+            )
+        except TandemError as exc:
+            return self._refused(endpoint, admission_span, exc)
         if parts.inflight.full():
             busy = RateLimitError("too many requests in flight; retry shortly", retry_after=1)
             return self._refused(endpoint, admission_span, busy)
-        with parts.inflight.admit():  # counted from here: reading and tokenising are work
+        with parts.inflight.admit():  # counted from here: tokenising is work
             try:
-                parsed = await admission.admit(parts, request, chat, self.tokenizers)
+                parsed = await admission.admit(parts, request, chat, self.tokenizers, body)
             except TandemError as exc:
                 return self._refused(endpoint, admission_span, exc)
             span.set_attribute("tandem.prompt_tokens", len(parsed.prompt_ids))

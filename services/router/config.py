@@ -12,6 +12,7 @@ class RouterConfig:
     node_id: str = "router"
     max_inflight: int = 256
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 10.0  # seconds for a request's whole body, once its headers came
     first_token_timeout: float = 120.0
     stall_timeout: float = 30.0
     request_timeout: float = 600.0  # whole request, streaming included

@@ -73,6 +73,22 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     """What one request and all of them together may ask; API keys."""
     add_option(p, "--max-inflight", type=int, default=256, help="admitted requests; then 429")
     add_option(p, "--max-body-bytes", type=int, default=1 << 20)
+    add_option(
+        p,
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's body may take to arrive once its headers did (then 408); "
+        "a request counts against --max-inflight only once its body is in",
+    )
+    add_option(
+        p,
+        "--idle-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may stay without a whole request's headers: from when it "
+        "opens, and from each response on (a slow or silent client holds no socket longer)",
+    )
     add_option(p, "--max-tokens-limit", type=int, default=4096)
     add_option(p, "--max-prompt-tokens", type=int, default=None, help="default: model context")
     add_option(p, "--max-stop", type=int, default=4, help="stop strings per request")
@@ -184,6 +200,7 @@ def config_of(
         node_id=node_id,
         max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
         first_token_timeout=args.first_token_timeout,
         stall_timeout=args.stall_timeout,
         request_timeout=args.request_timeout,
@@ -286,7 +303,15 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(parts, tokenizers, await kv_routing(args, bus, nodes))
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.
-    runner = web.AppRunner(build_app(router, keys), handler_cancellation=True, access_log=None)
+    # keepalive_timeout: aiohttp closes a connection that has not sent a whole request's
+    # headers this long after it opened or after its last response (its default, 3,630 s,
+    # let a stranger hold sockets for an hour).
+    runner = web.AppRunner(
+        build_app(router, keys),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=args.idle_timeout,
+    )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("router %s listening on http://%s:%d", node_id, args.host, args.port)

@@ -30,14 +30,19 @@ VERSION = _version()
 
 class TokensApi:
     def __init__(
-        self, tokenizers: Mapping[str, TokenizerInfo], limits: Limits, max_body_bytes: int
+        self,
+        tokenizers: Mapping[str, TokenizerInfo],
+        limits: Limits,
+        max_body_bytes: int,
+        body_timeout: float,
     ) -> None:
         self.tokenizers = tokenizers
         self.limits = limits
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def _body(self, request: web.Request) -> tuple[dict[str, Any], TokenizerInfo]:
-        body = await read_body(request, self.max_body_bytes)
+        body = await read_body(request, self.max_body_bytes, self.body_timeout)
         if not isinstance(body, dict):
             raise InvalidRequestError("request body must be a JSON object")
         model = body.get("model", next(iter(self.tokenizers)))  # vLLM lets it be left out

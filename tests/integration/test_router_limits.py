@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -320,3 +321,51 @@ def test_prompts_are_tokenised_off_the_event_loop_and_count_as_in_flight(
         # delays set it, but a loaded machine may start a thread late. Either way, of three
         # arriving while the first is still read and tokenised, one must be refused.
         assert sorted(statuses) == [400, 400, 429], statuses
+
+
+def _raw_socket(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes:
+    """What the router sent before closing `sock`, read until it closed (a socket it
+    keeps open past `seconds` fails the test)."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except TimeoutError:
+        pytest.fail(f"the router kept a slow client's socket open past {seconds:g} s")
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_slow_clients_hold_no_slot_and_no_socket() -> None:
+    """Issue 49: 300 connections that sent headers announcing a 1 MB body and then nothing
+    took every router-wide slot (the next request got 429) and held their sockets for an
+    hour. Now a slot is taken once a body is in: an ordinary request is served beside them;
+    each trickler gets a 408 at --body-timeout, and a connection that never finishes its
+    headers is closed at --idle-timeout."""
+    argv = ["--max-inflight", "8", "--body-timeout", "2", "--idle-timeout", "2"]
+    with NatsServer() as nats, running_router(nats, argv) as router:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n"
+        )
+        tricklers = [_raw_socket(router.url) for _ in range(40)]  # 5x --max-inflight
+        for sock in tricklers:
+            sock.sendall(head + b'{"model": ')
+        half = _raw_socket(router.url)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: rou")
+        status, body, _ = router.call("/v1/completions", good(), key=None)
+        assert status != 429, body  # no node serves it (503), but nothing refused it as busy
+        # the deadlines run from their last progress: 2 s, with room for a loaded host
+        for sock in tricklers:
+            answer = _closed_within(sock, 30)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            sock.close()
+        assert _closed_within(half, 30) == b""
+        half.close()

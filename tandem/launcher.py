@@ -227,6 +227,7 @@ class Stack:
                     "--heartbeat-ttl",
                     str(a.heartbeat_ttl),
                     *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
+                    *(["--allow-open"] if a.allow_open else []),
                     *(["--colocated"] if prefill == 0 else []),
                     *(["--conditional"] if a.conditional and prefill else []),
                     *(["--profile", a.profile] if a.profile else []),

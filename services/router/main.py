@@ -40,6 +40,7 @@ from shared.runtime.options import (
     add_node_options,
     add_option,
     model_entries,
+    open_api_problem,
     target_seconds,
 )
 from shared.runtime.service import freeze_startup_objects, run_service
@@ -97,6 +98,12 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
     add_option(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
+    add_option(
+        p,
+        "--allow-open",
+        action="store_true",
+        help="serve with no API keys on a --host beyond loopback (refused without it)",
+    )
 
 
 def add_failure_options(p: argparse.ArgumentParser) -> None:
@@ -223,6 +230,9 @@ def api_keys(args: argparse.Namespace) -> ApiKeys:
         args.max_inflight_per_key,
         args.metrics_auth,
     )
+    problem = open_api_problem(args.host, keys.enabled, args.allow_open)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     if not keys.enabled:
         log.warning("no API keys configured: the API is open to anyone who can reach it")
     return keys

@@ -9,6 +9,7 @@ so on. An explicit flag wins over the environment, which wins over the default.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any, cast
@@ -363,3 +364,26 @@ def add_engine_node_parser(
     add_data_plane_options(p)
     add_engine_options(p)
     return p
+
+
+def open_api_problem(host: str, keys_given: bool, allow_open: bool) -> str | None:
+    """Why a router on `host` must not start, if it would serve an open API (no keys) beyond
+    this machine without `--allow-open` saying so on purpose; None if it may."""
+    if keys_given or allow_open or is_loopback(host):
+        return None
+    return (
+        f"the API would listen on {host} with no API keys, open to anyone who reaches it: "
+        "set TANDEM_API_KEYS or --api-keys-file, or pass --allow-open (TANDEM_ALLOW_OPEN=1) "
+        "to serve it open on purpose"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a listening address) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
+

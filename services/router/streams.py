@@ -24,6 +24,10 @@ from shared.errors import WireFormatError
 log = logging.getLogger("tandem.router.streams")
 
 MAX_BUFFERED = 4096  # deltas held while waiting for a gap to fill
+# In-order deltas the client has not taken yet. A client that stops reading leaves its
+# response's writes blocked while the nodes keep generating: past this, the stream ends with
+# an error, and the relay then cancels the request on every node (its KV blocks freed).
+MAX_QUEUED = 1024
 # Deltas are published at most once (core NATS): a NATS restart or a cut link can lose
 # some while later ones arrive. A gap unfilled this long means lost, not late: resume.
 HOLE_WAIT = 1.0
@@ -58,6 +62,7 @@ class RequestStream:
         self.handoff = 0
         self.stale_errors = 0
         self.stale_tokens = 0  # deltas of a superseded handoff, dropped
+        self.overflowed = False  # MAX_QUEUED reached: the stream ends with an error
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
@@ -100,7 +105,7 @@ class RequestStream:
                 self.itl = gap if self.itl is None else 0.8 * self.itl + 0.2 * gap
             self.node_id = ready.node_id
             self.last_delta_at = now
-            self.queue.put_nowait(ready)
+            self._deliver(ready)
         if not self.pending:
             self.hole_since = None
         elif (
@@ -109,6 +114,17 @@ class RequestStream:
             and self.sender in (None, delta.node_id)  # and it is the current attempt's
         ):
             self.hole_since = time.monotonic()
+
+    def _deliver(self, delta: TokenDelta) -> None:
+        """Queue an in-order delta for the client; past MAX_QUEUED, an error once instead."""
+        if self.overflowed:
+            return
+        if self.queue.qsize() >= MAX_QUEUED:
+            self.overflowed = True
+            error = f"the client did not read its stream ({MAX_QUEUED} deltas undelivered)"
+            self.queue.put_nowait(TokenDelta(attempt_id=delta.attempt_id, error=error))
+            return
+        self.queue.put_nowait(delta)
 
     async def deltas(
         self,

@@ -8,7 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from services.router.streams import HOLE_WAIT, RequestStream
+from services.router.streams import HOLE_WAIT, MAX_QUEUED, RequestStream
 from shared.bus.messages import TokenDelta, encode
 
 
@@ -116,3 +116,16 @@ async def test_tokens_of_a_superseded_handoff_are_fenced_off() -> None:
     await send(3, 103, "d2", 1, done=True)
     assert stream.token_ids == [100, 101, 102, 103]
     assert stream.stale_tokens == 2 and stream.duplicates == 0
+
+
+async def test_a_client_that_stops_reading_ends_its_stream() -> None:
+    """Issue 49: the queue of a stream nobody read grew until max_tokens or the 600 s
+    timeout. Past MAX_QUEUED undelivered deltas the stream ends with one error (the relay
+    then cancels the request on every node) and queues nothing more."""
+    stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
+    for seq in range(MAX_QUEUED + 50):
+        await feed(stream, seq)
+    assert stream.queue.qsize() == MAX_QUEUED + 1 and stream.overflowed
+    got = [d async for d in stream.deltas(5.0, 5.0)]
+    assert [d.seq for d in got[:-1]] == list(range(MAX_QUEUED))
+    assert got[-1].error is not None and "did not read its stream" in got[-1].error

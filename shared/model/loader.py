@@ -15,11 +15,14 @@ from typing import Any
 import torch
 
 from shared.errors import ModelLoadError
+from shared.model.architectures import (
+    check_architecture,
+    check_config,
+    max_context,
+    to_runner_shape,
+)
 from shared.model.convert import converted_dir
 from shared.model.source import resolve_model
-
-# Architectures whose decoder layers have the Llama shape our forward pass implements.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +44,7 @@ class LoadedModel:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.config.max_position_embeddings)
+        return max_context(self.config)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -74,11 +77,7 @@ def _check_architecture(model_dir: os.PathLike[str]) -> None:
             archs = json.load(f).get("architectures") or []
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"unreadable config.json in {model_dir}: {exc}") from exc
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(
-            f"unsupported architecture {archs or 'unknown'} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    check_architecture(archs)
 
 
 def load_model(name: str | None, dtype: str = "float32", device: str = "auto") -> LoadedModel:
@@ -102,6 +101,8 @@ def load_model(name: str | None, dtype: str = "float32", device: str = "auto") -
         )
     except Exception as exc:  # transformers raises many types for a broken directory
         raise ModelLoadError(f"cannot load model from {model_dir}: {exc}") from exc
+    check_config(hf_model.config)
+    to_runner_shape(hf_model)
     hf_model.to(target_device)  # type: ignore[arg-type]
     hf_model.eval()
     hf_model.requires_grad_(False)

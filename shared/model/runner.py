@@ -91,6 +91,11 @@ class ModelRunner:
         silu = str(getattr(cfg, "hidden_act", "silu")) == "silu"
         self.kernels = cpu_kernels.load(self.device, model.dtype) if silu else None
         self.norms = [(ly.input_layernorm, ly.post_attention_layernorm) for ly in self.layers]
+        # Qwen3 RMS-norms q and k per head before rotary (shared/model/architectures.py)
+        self.qk_norms = [
+            (a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None
+            for a in (ly.self_attn for ly in self.layers)
+        ]
         # every linear layer's function: a oneDNN-packed weight (or MKL at few rows) on CPU fp32
         modules = [self.lm_head]
         for ly in self.layers:
@@ -126,16 +131,25 @@ class ModelRunner:
         return [block_ids[p // bs] * bs + p % bs for p in range(start, start + count)]
 
     def _qkv(
-        self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[n, heads, d]`, k and v `[n, kv_heads, d]` for `n` tokens, rotary applied."""
-        n = x.shape[0]
+        n, attn = x.shape[0], self.layers[layer_idx].self_attn
         q = self._linear(attn.q_proj, x).view(n, self.num_heads, self.head_dim)
         k = self._linear(attn.k_proj, x).view(n, self.num_kv_heads, self.head_dim)
         v = self._linear(attn.v_proj, x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self._qk_norm(layer_idx, q, k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
+
+    def _qk_norm(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norms = self.qk_norms[layer_idx]
+        if norms is None:
+            return q, k
+        return norms[0](q), norms[1](k)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(x, positions[None, :])
@@ -160,7 +174,7 @@ class ModelRunner:
             residual = h
             x = layer.input_layernorm(h)
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, x, cos, sin)
+            q, k, v = self._qkv(layer_idx, x, cos, sin)
             self.cache.write(layer_idx, slots, k, v)
             o = attend(layer_idx, q, k, v)
             h = residual + self._linear(attn.o_proj, o.reshape(len(token_ids), -1))
@@ -189,6 +203,7 @@ class ModelRunner:
             q = lin[attn.q_proj](x).view(n, self.num_heads, self.head_dim)
             k = lin[attn.k_proj](x).view(n, self.num_kv_heads, self.head_dim)
             v = lin[attn.v_proj](x).view(n, self.num_kv_heads, self.head_dim)
+            q, k = self._qk_norm(layer_idx, q, k)
             ops.rope_store(q, k, v, cos, sin, self.cache.kv[layer_idx], slots)
             o = attend(layer_idx, q, k, v)
             post = norms[layer_idx][1]

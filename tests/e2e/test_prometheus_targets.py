@@ -14,24 +14,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.bus.server import free_port
-from tests.e2e.test_up import start_up, stop, wait_ready
+from tests.e2e.test_up import complete_once, start_up, stop, wait_ready
 
 pytestmark = pytest.mark.e2e
 
 
 def complete(port: int) -> None:
     """One request: the router's labelled counters (per node, per route) get samples."""
-    base = f"http://127.0.0.1:{port}/v1"
-    with urllib.request.urlopen(f"{base}/models", timeout=30) as r:
-        served = json.load(r)["data"][0]["id"]
-    body = {"model": served, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
-    request = urllib.request.Request(
-        f"{base}/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as r:
-        assert json.load(r)["usage"]["completion_tokens"] == 4
+    assert complete_once(port, 4)["usage"]["completion_tokens"] == 4
 
 
 def sample_labels(address: str) -> set[str]:

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,6 +142,22 @@ def wait_ready(up: subprocess.Popen[bytes], log_path: Path) -> str:
     return text
 
 
+def complete_once(port: int, max_tokens: int) -> dict[str, Any]:
+    """One greedy completion of the stack's first served model, its whole response."""
+    base = f"http://127.0.0.1:{port}/v1"
+    with urllib.request.urlopen(f"{base}/models", timeout=30) as r:
+        served = json.load(r)["data"][0]["id"]
+    body = {"model": served, "prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        f"{base}/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        done: dict[str, Any] = json.load(r)
+    return done
+
+
 def stop(up: subprocess.Popen[bytes]) -> None:
     up.send_signal(signal.SIGINT)
     assert up.wait(60) == 0
@@ -168,17 +185,7 @@ def test_up_with_no_mode_flag_runs_the_planners_pick(tmp_path: Path, tiny_model_
         assert ("prefill" in roles) == (mode != "colocated"), (mode, sorted(roles))
         router = Path(f"/proc/{roles['router']}/cmdline").read_bytes().split(b"\0")
         assert (b"--conditional" in router) == (mode == "conditional"), router
-        base = f"http://127.0.0.1:{port}/v1"
-        with urllib.request.urlopen(f"{base}/models", timeout=30) as r:
-            served = json.load(r)["data"][0]["id"]
-        body = {"model": served, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
-        request = urllib.request.Request(
-            f"{base}/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as r:
-            done = json.load(r)
+        done = complete_once(port, 6)
         assert done["usage"]["completion_tokens"] == 6
         assert done["choices"][0]["finish_reason"] == "length"
         stop(up)

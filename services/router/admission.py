@@ -31,7 +31,7 @@ from services.router.placement import Plan, plan, track_backlog
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter
 from services.router.streams import RequestStream
-from services.router.validation import ParsedRequest, parse_request
+from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.ids import RequestId, attempt_id, new_request_id
 from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob
 from shared.bus.params import SamplingParams, new_seed
@@ -73,6 +73,14 @@ async def read_body(request: web.Request, max_bytes: int, timeout: float) -> Any
         raise InvalidRequestError(f"invalid JSON body: {exc}") from exc
     except RecursionError as exc:  # `[[[[...` a few thousand deep fits in any body limit
         raise InvalidRequestError("invalid JSON body: nested too deeply") from exc
+
+
+def choices_asked(body: Any, limits: Limits) -> int:
+    """How many sequences a body asks for (its `n`, 1 when absent or not a valid count:
+    the parse that follows refuses a bad one with its own message)."""
+    n = body.get("n", 1) if isinstance(body, dict) else 1
+    valid = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= limits.max_n
+    return int(n) if valid else 1
 
 
 # Tokenisation and chat templating of a prompt up to the body limit take up to ~0.1-1 s:

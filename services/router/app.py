@@ -94,11 +94,16 @@ class Router:
             )
         except TandemError as exc:
             return self._refused(endpoint, admission_span, exc)
-        if parts.inflight.full():
+        # n choices are n sequences: each counts against the router's and the key's limits
+        choices = admission.choices_asked(body, parts.config.limits)
+        if parts.inflight.room() < choices:
             busy = RateLimitError("too many requests in flight; retry shortly", retry_after=1)
             return self._refused(endpoint, admission_span, busy)
-        with parts.inflight.admit():  # counted from here: tokenising is work
+        with parts.inflight.admit(choices):  # counted from here: tokenising is work
             try:
+                claim = request.get("claim_key_slots")
+                if claim is not None and choices > 1:
+                    claim(choices - 1)
                 parsed = await admission.admit(parts, request, chat, self.tokenizers, body)
             except TandemError as exc:
                 return self._refused(endpoint, admission_span, exc)

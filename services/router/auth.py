@@ -124,10 +124,27 @@ def auth_middleware(keys: ApiKeys, on_reject: Callable[[str], None]) -> Middlewa
         inflight[who] = inflight.get(who, 0) + 1
         request["api_key"] = who
         request["owner"] = owner_digest(presented)
+        extra = 0
+
+        def claim(count: int) -> None:
+            """`count` more of this key's slots (a request's further choices), or 429."""
+            nonlocal extra
+            if inflight[who] + count > keys.max_inflight_per_key:
+                on_reject("429")
+                raise RateLimitError(
+                    f"this API key has room for {keys.max_inflight_per_key - inflight[who]} "
+                    f"more sequences in flight, and the request asks for {count + 1}",
+                    code="too_many_concurrent_requests",
+                    retry_after=1,
+                )
+            inflight[who] += count
+            extra += count
+
+        request["claim_key_slots"] = claim
         try:
             return await handler(request)
         finally:
-            inflight[who] -= 1
+            inflight[who] -= 1 + extra
             if not inflight[who]:
                 del inflight[who]
 

@@ -24,18 +24,19 @@ class InFlight:
         self.streaming: set[str] = set()  # client-facing ids of the streams this process serves
         self.failovers: dict[str, Failover] = {}  # client-facing id → its failover state
 
-    def full(self) -> bool:
-        return self.admitted >= self.max_inflight
-
     @contextmanager
-    def admit(self) -> Iterator[None]:
-        """Counts one request while the block runs, from before its body is read (reading
-        and tokenising it are work too); the caller checked `full()` just before."""
-        self.admitted += 1
+    def admit(self, count: int = 1) -> Iterator[None]:
+        """Counts a request (`count`: its choices, each a sequence of its own) while the
+        block runs, from once its body is in (tokenising it is work too); the caller
+        checked `room()` just before."""
+        self.admitted += count
         try:
             yield
         finally:
-            self.admitted -= 1
+            self.admitted -= count
+
+    def room(self) -> int:
+        return self.max_inflight - self.admitted
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.streaming

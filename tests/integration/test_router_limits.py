@@ -369,3 +369,22 @@ def test_slow_clients_hold_no_slot_and_no_socket() -> None:
             sock.close()
         assert _closed_within(half, 30) == b""
         half.close()
+
+
+def test_each_choice_counts_against_the_limits(router: Router) -> None:
+    """Issue 49: `n` up to 16 multiplied every per-key limit by 16. A key allowed 2 in
+    flight may ask for 2 choices (refused further on only because no node serves them
+    here), not 3; the refusal names the count."""
+    status, body, _ = router.call("/v1/completions", good(n=3))
+    assert status == 429 and "asks for 3" in body["error"]["message"], body
+    status, body, _ = router.call("/v1/completions", good(n=2))
+    assert status != 429, body
+    # the key's slots came back: a plain request is not refused as busy either
+    assert router.call("/v1/completions", good())[0] != 429
+
+
+def test_choices_count_router_wide_too() -> None:
+    with NatsServer() as nats, running_router(nats, ["--max-inflight", "2"]) as router:
+        status, body, _ = router.call("/v1/completions", good(n=3), key=None)
+        assert status == 429, body
+        assert router.call("/v1/completions", good(n=2), key=None)[0] != 429

@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         print(choose_mode(args), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C while the startup profile is measured: nothing ran
+        print("[up] stopped before starting", file=sys.stderr)
+        return 130
     except (RuntimeError, ValueError) as exc:  # no profile, or one the stack cannot use
         print(f"error: {exc}", file=sys.stderr)
         return 1

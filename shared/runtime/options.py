@@ -386,4 +386,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: it may resolve to anything
         return False
-

@@ -132,7 +132,11 @@ def test_decode_host_cut_off_streams_resume_and_blocks_return(
         svc.tandem(hosts["prefill"], "prefill", *model)
         svc.tandem(hosts["d1"], "decode", *model, "--lease", str(LEASE))
         svc.tandem(hosts["d2"], "decode", *model, "--lease", str(LEASE))
-        svc.tandem(hosts["router"], "router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT))
+        # open on purpose: the lab's network is the test's own namespaces
+        svc.tandem(
+            hosts["router"], "router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--allow-open",
+        )  # fmt: skip
         url = f"http://{hosts['router'].ip}:{ROUTER_PORT}"
         client = [sys.executable, "-m", "tests.e2e.netns_client"]
         hosts["client"].run([*client, "ready", url, "300"], timeout=320)

@@ -10,9 +10,8 @@ pools); elsewhere the split stays the default, and the line says why.
 from __future__ import annotations
 
 import argparse
-import os
 
-from tandem.launcher import prefill_nodes, served_models
+from tandem.launcher import Stack, prefill_nodes, served_models
 from tandem.plan.pick import Setting, choose, ensure_profile
 
 FLAGS = ("colocated", "split", "conditional")
@@ -69,11 +68,12 @@ def _single_model(args: argparse.Namespace) -> bool:
 
 
 def _setting(args: argparse.Namespace) -> Setting:
-    """The profile a node of this stack needs: its model, dtype, device and threads (the
-    launcher's share: the cores over the model nodes) and the stack's data plane."""
+    """The profile a node of this stack needs: its model, dtype and device, the torch
+    threads the launcher gives a decode node (read from its plan of a stack it never
+    starts: one rule for both), and the stack's data plane."""
     (model,) = served_models(args)
-    nodes = prefill_nodes(args) + args.decode
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // nodes)
+    decode = next(c for c in Stack(args).plan() if c.name.startswith("decode"))
+    threads = int(decode.argv[decode.argv.index("--threads") + 1])
     return Setting(model.source, model.dtype or args.dtype, args.device, threads, args.transport)
 
 

@@ -14,6 +14,7 @@ from shared.runtime.options import (
     add_chunking_options,
     add_model_options,
     add_nats_auth_options,
+    add_open_api_option,
     add_option,
     niceness,
     target_seconds,
@@ -104,12 +105,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_nats_auth_options(p)
     add_option(p, "--api-keys", default=None, help="comma-separated bearer keys for the API")
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
-    add_option(
-        p,
-        "--allow-open",
-        action="store_true",
-        help="serve with no API keys on a --host beyond loopback (refused without it)",
-    )
+    add_open_api_option(p)
     add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
     add_option(p, "--kv-cache-mb", type=int, default=1024)
     add_chunking_options(p, deployment=True)  # the model nodes' (and the router's choice)

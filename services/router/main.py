@@ -38,6 +38,7 @@ from shared.runtime.options import (
     add_chunking_options,
     add_models_file_option,
     add_node_options,
+    add_open_api_option,
     add_option,
     model_entries,
     open_api_problem,
@@ -98,12 +99,7 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
     add_option(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
-    add_option(
-        p,
-        "--allow-open",
-        action="store_true",
-        help="serve with no API keys on a --host beyond loopback (refused without it)",
-    )
+    add_open_api_option(p)
 
 
 def add_failure_options(p: argparse.ArgumentParser) -> None:

@@ -366,6 +366,16 @@ def add_engine_node_parser(
     return p
 
 
+def add_open_api_option(p: argparse.ArgumentParser) -> None:
+    """--allow-open: the router's, and `tandem up`'s for its router (`open_api_problem`)."""
+    add_option(
+        p,
+        "--allow-open",
+        action="store_true",
+        help="serve with no API keys on a --host beyond loopback (refused without it)",
+    )
+
+
 def open_api_problem(host: str, keys_given: bool, allow_open: bool) -> str | None:
     """Why a router on `host` must not start, if it would serve an open API (no keys) beyond
     this machine without `--allow-open` saying so on purpose; None if it may."""

@@ -49,6 +49,7 @@ from tandem.bench.serve import (
 )
 from tandem.bench.sweep import Sweep, run_sweep
 from tandem.launcher import Stack
+from tandem.plan.profile import cpu_name
 from tandem.up_options import up_parser
 
 SIDES = ("colocated", "colocated-unchunked", "disaggregated", "conditional")
@@ -109,15 +110,7 @@ def start_stack(
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
-            )
-    except OSError:
-        pass
-    return {"cpus": sorted(os.sched_getaffinity(0)), "cpu_model": model}
+    return {"cpus": sorted(os.sched_getaffinity(0)), "cpu_model": cpu_name()}
 
 
 def measure(

@@ -37,6 +37,7 @@ from typing import Literal
 
 from shared.costs.profile import PROFILE_VERSION, read_profile
 from shared.model.convert import cache_root
+from tandem import __version__
 from tandem.bench.metrics import goodput
 
 Mode = Literal["colocated", "split", "conditional"]
@@ -101,7 +102,7 @@ class Setting:
             "flags": cpu_flags(),
             "cores": len(os.sched_getaffinity(0)),
             "profile_version": PROFILE_VERSION,
-            "tandem": _version(),
+            "tandem": __version__,
         }
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -181,12 +182,3 @@ def best(scores: dict[Mode, float]) -> Mode:
 def _share(results: dict[Mode, float], mode: Mode) -> float:
     best = max(results.values())
     return results[mode] / best if best > 0 else 1.0
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("tandem")
-    except PackageNotFoundError:
-        return "unknown"

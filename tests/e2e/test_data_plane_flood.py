@@ -132,17 +132,23 @@ async def probe(addresses: list[str], streaming: asyncio.Future[list[str]]) -> i
 
 
 async def oldest_heartbeat(stack: Stack, nodes: set[str], done: asyncio.Future[int]) -> float:
-    """The oldest any of `nodes`' registry entries was seen while `done` ran (seconds since
-    its heartbeat), or infinity if one was missing from the registry."""
+    """The oldest any of `nodes`' heartbeats got while `done` ran: at each poll, seconds since
+    the newest heartbeat seen of each node (infinity for one never seen). A poll whose view
+    could not be read (NATS slow on a loaded host: `nodes()` returns {}) measures nothing,
+    but a node that really stops heartbeating ages through the polls that follow."""
     bus = await Bus(stack.nats_url, "e2e-probe", stack.auth).connect()
+    newest: dict[str, float] = {}
     worst = 0.0
     try:
         registry = await NodeRegistry(bus).start()
         while not done.done():
-            seen = {n.node_id: n for n in (await registry.nodes()).values()}
-            for node in nodes:
-                info = seen.get(node)
-                worst = max(worst, time.time() - info.timestamp if info else float("inf"))
+            seen = await registry.nodes()
+            if seen:
+                for node in nodes:
+                    if node in seen:
+                        newest[node] = max(newest.get(node, 0.0), seen[node].timestamp)
+                    age = time.time() - newest[node] if node in newest else float("inf")
+                    worst = max(worst, age)
             await asyncio.sleep(0.1)
     finally:
         await bus.close()

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from nats.aio.msg import Msg
 
 from services.decode.checkpoints import Checkpointing, CheckpointWriter
+from services.decode.gather import ArrivalWindow
 from services.decode.local_prefill import LocalPrefill
 from services.decode.presence import Presence
 from services.decode.receiver import KVReceiver
@@ -87,6 +88,7 @@ class DecodeWorker:
         self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
+        self.arrivals = ArrivalWindow()  # an idle node admits a wave whole (gather.py)
         self.metrics = NodeMetrics("decode")
         self.streams = Streams(node_id, engine.model.served_name)
         self.receiver = KVReceiver(
@@ -225,6 +227,9 @@ class DecodeWorker:
             if not self.engine.has_unfinished():
                 await self._idle(stop)
                 self.receiver.expire()
+                continue
+            if wait := self.arrivals.wait(self.engine.num_running, self.engine.num_waiting):
+                await asyncio.sleep(wait)
                 continue
             started, chunked = time.perf_counter(), self.engine.stats.chunked_steps
             outs = await self.on_engine(self._step)

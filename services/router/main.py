@@ -182,18 +182,23 @@ def add_routing_options(p: argparse.ArgumentParser) -> None:
     add_option(
         p,
         "--cache-isolation",
-        choices=["shared", "key"],
-        default="shared",
+        choices=["auto", "shared", "key"],
+        default="auto",
         help="shared: prefix caching across API keys (fastest; time to first token can tell "
-        "a client whether another sent a prefix); key: each key's cached blocks its own",
+        "a client whether another sent a prefix); key: each key's cached blocks its own; "
+        "auto (default): key when API keys are configured, shared when the API is open",
     )
     add_chunking_options(p)  # the decode nodes' own: the conditional choice models them
 
 
 def config_of(
-    args: argparse.Namespace, node_id: str, models: Sequence[ModelEntry] = ()
+    args: argparse.Namespace,
+    node_id: str,
+    models: Sequence[ModelEntry] = (),
+    keyed: bool = False,
 ) -> RouterConfig:
-    """The router's settings; `models`' own limits (a models file's) beside the server's."""
+    """The router's settings; `models`' own limits (a models file's) beside the server's.
+    `keyed`: API keys are configured (then `--cache-isolation auto` isolates by key)."""
     per_model = {
         m.name: (m.max_tokens_limit, m.max_prompt_tokens)
         for m in models
@@ -216,8 +221,16 @@ def config_of(
         ),
         colocated=args.colocated,
         standby_after=args.standby_after,
-        isolate_cache_by_key=args.cache_isolation == "key",
+        isolate_cache_by_key=isolates_by_key(args.cache_isolation, keyed),
     )
+
+
+def isolates_by_key(setting: str, keyed: bool) -> bool:
+    """Whether each API key's cached blocks are its own. With keys there are tenants, and
+    a shared cache lets one tell from its time to first token whether another sent a
+    prefix: isolated unless `--cache-isolation shared` says otherwise. Without keys there
+    is one tenant: nothing to isolate."""
+    return setting == "key" or (setting == "auto" and keyed)
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:
@@ -305,7 +318,10 @@ async def serve(args: argparse.Namespace) -> None:
     nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
     bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()
-    parts = RouterParts.of(config_of(args, node_id, models), bus, nodes, journal, tokenizers)
+    config = config_of(args, node_id, models, keys.enabled)
+    if config.isolate_cache_by_key:
+        log.info("cached prefixes are shared only within an API key (--cache-isolation)")
+    parts = RouterParts.of(config, bus, nodes, journal, tokenizers)
     router = Router(parts, tokenizers, await kv_routing(args, bus, nodes))
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.

@@ -18,6 +18,12 @@ MAX_CLIENT_SALT = 256
 # A first token delta carries the prompt's logprobs, each ~20 bytes + 12 per alternative
 # on the wire; one message stays well under NATS' limit (MAX_MESSAGE_BYTES).
 MAX_PROMPT_LOGPROB_BYTES = 384 * 1024
+# A response that is not streamed keeps every token's logprobs in the router until its last
+# token, then goes out as one JSON body: n x max_tokens x (1 + alternatives) entries of ~70
+# bytes of JSON and several hundred of Python objects each (at n=16, 4,096 tokens and 20
+# alternatives, ~1.4 million: about half a GB and seconds of serialising). A streamed one
+# sends each token's entries with it and keeps none, so only the others are bounded.
+MAX_RESPONSE_LOGPROB_ENTRIES = 1 << 18  # ~18 MB of JSON
 
 
 def _token_ids(value: Any, param: str, vocab: int, limit: int) -> list[int]:
@@ -88,6 +94,21 @@ def logprobs_option(body: dict[str, Any], chat: bool) -> int | None:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None
     return top or 0
+
+
+def response_logprobs_bound(n: int, max_tokens: int, k: int | None, stream: bool) -> None:
+    """Refuse a response that is not streamed whose logprobs would pass the bound above."""
+    if k is None or stream:
+        return
+    entries = n * max_tokens * (1 + k)
+    if entries > MAX_RESPONSE_LOGPROB_ENTRIES:
+        raise bad(
+            f"a response that is not streamed carries at most {MAX_RESPONSE_LOGPROB_ENTRIES} "
+            f"logprob entries (n x max_tokens x (1 + alternatives)); this request asks for "
+            f'{entries}: stream it ("stream": true), or ask fewer tokens, choices or '
+            "alternatives",
+            "logprobs",
+        )
 
 
 def echo_option(body: dict[str, Any], chat: bool) -> bool:

@@ -20,6 +20,7 @@ from services.router.options import (
     logprobs_option,
     processing_options,
     prompt_logprobs_option,
+    response_logprobs_bound,
 )
 from shared.bus.params import SamplingParams
 from shared.errors import NotFoundError
@@ -258,6 +259,7 @@ def parse_request(
     max_tokens = max_tokens or 1  # least one) and not shown
     params = _sampling(body, chat, echo, max_tokens, len(prompt_ids), limits, tok.vocab_size)
     stream = boolean(body, "stream", False)
+    response_logprobs_bound(n, max_tokens, params.logprobs, stream)
     return ParsedRequest(
         chat,
         model,

@@ -92,3 +92,20 @@ def test_response_format_becomes_a_checked_grammar(tok: TokenizerInfo) -> None:
     refused(tok, "response_format", response_format={"type": "yaml"})
     bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
     refused(tok, "response_format", response_format=bad)
+
+
+def test_a_response_not_streamed_has_bounded_logprobs(tok: TokenizerInfo) -> None:
+    """Issue 49: n=16 x 4,096 tokens x 20 alternatives would keep ~1.4 million entries in the
+    router and serialise them on its loop; refused with what to do instead. Streamed, each
+    chunk carries its own tokens' entries and nothing accumulates: accepted."""
+    big = {"n": 16, "max_tokens": 4000, "logprobs": 20}
+    with pytest.raises(InvalidRequestError) as err:
+        parse(tok, **big)
+    assert err.value.param == "logprobs" and "stream it" in err.value.message
+    assert parse(tok, stream=True, **big).params.logprobs == 20
+    chat = {"n": 16, "max_tokens": 4000, "logprobs": True, "top_logprobs": 20}
+    refused(tok, "logprobs", True, **chat)
+    assert parse(tok, True, stream=True, **chat).n == 16
+    # within the bound, and without logprobs at any size: as before
+    assert parse(tok, n=2, max_tokens=1000, logprobs=20).params.logprobs == 20
+    assert parse(tok, n=16, max_tokens=4000).params.logprobs is None

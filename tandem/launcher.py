@@ -227,6 +227,7 @@ class Stack:
                     "--heartbeat-ttl",
                     str(a.heartbeat_ttl),
                     *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
+                    *self._router_metrics(),
                     *(["--allow-open"] if a.allow_open else []),
                     *(["--colocated"] if prefill == 0 else []),
                     *(["--conditional"] if a.conditional and prefill else []),
@@ -237,6 +238,14 @@ class Stack:
             )
         )
         return out
+
+    def _router_metrics(self) -> list[str]:
+        """With API keys, the router serves /metrics only on a port of its own (tenants
+        must not read its counters: services/router/main.py); open, on its API port."""
+        if not (self.args.api_keys or self.args.api_keys_file):
+            return []
+        self.metrics_ports["router"] = free_port()
+        return ["--metrics-port", str(self.metrics_ports["router"])]
 
     def _idle_threads(self, cores: int) -> int:
         """A prefill node's threads for a batch sent while the router served nothing else
@@ -391,6 +400,8 @@ class Stack:
                 continue
             if c.name == "router":
                 address = scrape_address(self.args.host, int(self.args.port))
+                if c.name in self.metrics_ports:  # keyed: its own port (_router_metrics)
+                    address = scrape_address(self._metrics_host(c), self.metrics_ports[c.name])
                 groups.append({"targets": [address], "labels": {"job": "router"}})
             elif c.name in self.metrics_ports:
                 address = scrape_address(self._metrics_host(c), self.metrics_ports[c.name])

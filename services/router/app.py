@@ -27,7 +27,7 @@ from services.router.resume import resume_stream
 from services.router.routing import PrefixRouter
 from services.router.tokens_api import TokensApi
 from shared.bus.workqueue import purge_steered
-from shared.errors import InvalidRequestError, RateLimitError, TandemError
+from shared.errors import InvalidRequestError, NotFoundError, RateLimitError, TandemError
 from shared.model.tokenizer import TokenizerInfo
 from shared.telemetry.tracing import tracer
 
@@ -46,6 +46,8 @@ class Router:
         self.routing = routing
         self.tokenizers = tokenizers  # by served model name, the first the default
         self._background: set[asyncio.Future[None]] = set()
+        # why the API port does not serve /metrics (services/router/main.py), or None
+        self.metrics_refusal: str | None = None
         config = parts.config
         self.tokens = TokensApi(
             tokenizers, config.limits, config.max_body_bytes, config.body_timeout
@@ -171,6 +173,8 @@ class Router:
         return web.json_response(body, status=200 if ok else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        if self.metrics_refusal is not None:
+            raise NotFoundError(self.metrics_refusal)
         return web.Response(
             body=generate_latest(self.parts.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},

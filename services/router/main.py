@@ -14,6 +14,7 @@ from services.router.app import Router
 from services.router.auth import ApiKeys, read_keys
 from services.router.conditional import PrefillPathChooser
 from services.router.config import RouterConfig
+from services.router.flags import add_failure_options, add_limit_options, add_routing_options
 from services.router.http_app import build_app
 from services.router.janitor import Janitor
 from services.router.liveness import LivenessProbe, ProbeTiming
@@ -35,16 +36,14 @@ from shared.model.source import DEFAULT_MODEL
 from shared.model.tokenizer import TokenizerInfo, load_tokenizer
 from shared.runtime.node import connect_bus, make_node_id, setup_logging, stop_on_signals
 from shared.runtime.options import (
-    add_chunking_options,
     add_models_file_option,
     add_node_options,
-    add_open_api_option,
     add_option,
     model_entries,
     open_api_problem,
-    target_seconds,
 )
 from shared.runtime.service import freeze_startup_objects, run_service
+from shared.telemetry.metrics import serve_registry
 from shared.telemetry.tracing import setup_tracing
 
 log = logging.getLogger("tandem.router")
@@ -69,126 +68,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_failure_options(p)
     add_routing_options(p)
     p.set_defaults(func=run)
-
-
-def add_limit_options(p: argparse.ArgumentParser) -> None:
-    """What one request and all of them together may ask; API keys."""
-    add_option(p, "--max-inflight", type=int, default=256, help="admitted requests; then 429")
-    add_option(p, "--max-body-bytes", type=int, default=1 << 20)
-    add_option(
-        p,
-        "--body-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a request's body may take to arrive once its headers did (then 408); "
-        "a request counts against --max-inflight only once its body is in",
-    )
-    add_option(
-        p,
-        "--idle-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection may stay without a whole request's headers: from when it "
-        "opens, and from each response on (a slow or silent client holds no socket longer)",
-    )
-    add_option(p, "--max-tokens-limit", type=int, default=4096)
-    add_option(p, "--max-prompt-tokens", type=int, default=None, help="default: model context")
-    add_option(p, "--max-stop", type=int, default=4, help="stop strings per request")
-    add_option(p, "--max-stop-len", type=int, default=256, help="characters per stop string")
-    add_option(p, "--api-keys", default=None, help="comma-separated bearer keys (none: open API)")
-    add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
-    add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
-    add_option(p, "--metrics-auth", action="store_true", help="/metrics needs an API key too")
-    add_open_api_option(p)
-
-
-def add_failure_options(p: argparse.ArgumentParser) -> None:
-    """Deadlines, liveness probes, the registry entry and the resume lease."""
-    add_option(p, "--first-token-timeout", type=float, default=120.0)
-    add_option(p, "--stall-timeout", type=float, default=30.0)
-    add_option(
-        p,
-        "--probe-after",
-        type=float,
-        default=0.5,
-        help="ping the node a stream waits on after this long without a token (0: never)",
-    )
-    add_option(
-        p, "--request-timeout", type=float, default=600.0, help="deadline of a whole request"
-    )
-    add_option(
-        p,
-        "--heartbeat-ttl",
-        type=float,
-        default=3.0,
-        help="this router's registry entry lapses this long after its last heartbeat",
-    )
-    add_option(
-        p,
-        "--resume-lease",
-        type=float,
-        default=5.0,
-        help="seconds a client of a dead router has to resume its stream; then the request "
-        "is cancelled and its KV blocks freed",
-    )
-
-
-def add_routing_options(p: argparse.ArgumentParser) -> None:
-    """Where requests go: local prefill, standbys, colocated."""
-    add_option(
-        p,
-        "--local-prefill-max-tokens",
-        type=int,
-        default=96,
-        help="send a request to the decode node caching its prefix when at most this many "
-        "prompt tokens are uncached there (0: always disaggregate)",
-    )
-    add_option(
-        p,
-        "--standby-after",
-        type=int,
-        default=16,
-        help="delivered tokens after which another decode node loads a stream's stored KV, "
-        "so that a failover there loads only what was stored since (0: no standby)",
-    )
-    add_option(
-        p,
-        "--colocated",
-        action="store_true",
-        help="no prefill nodes: every request is prefilled on a decode node (the baseline)",
-    )
-    add_option(
-        p,
-        "--conditional",
-        action="store_true",
-        help="per request, prefill on the decode node or on the prefill pool, whichever the "
-        "costs say gives the first token sooner (see --profile)",
-    )
-    add_option(
-        p,
-        "--profile",
-        default=None,
-        help="a `tandem plan profile` JSON the conditional choice takes its costs from "
-        "(without one: a fixed rule on the prefill pool's backlog)",
-    )
-    add_option(
-        p,
-        "--tpot-target",
-        type=target_seconds,
-        default=0.0,
-        help="seconds a token: the conditional choice (with --profile) prefills on a decode "
-        "node only while its running streams keep within this (0: no target)",
-    )
-    add_option(
-        p,
-        "--cache-isolation",
-        choices=["auto", "shared", "key"],
-        default="auto",
-        help="shared: prefix caching across API keys (fastest; time to first token can tell "
-        "a client whether another sent a prefix); key: each key's cached blocks its own; "
-        "auto (default): key when API keys are configured, shared when the API is open",
-    )
-    add_chunking_options(p)  # the decode nodes' own: the conditional choice models them
 
 
 def config_of(
@@ -231,6 +110,21 @@ def isolates_by_key(setting: str, keyed: bool) -> bool:
     prefix: isolated unless `--cache-isolation shared` says otherwise. Without keys there
     is one tenant: nothing to isolate."""
     return setting == "key" or (setting == "auto" and keyed)
+
+
+def metrics_refusal(args: argparse.Namespace, keyed: bool) -> str | None:
+    """Why the API port does not serve /metrics, or None where it does. Its counters (routes
+    taken, prefix-cache hits) tell one tenant what others sent, so with API keys configured
+    it is served only on --metrics-port, where operators reach it, unless --metrics-auth
+    lets any key read it. An open API has one tenant: served there too (issue 49)."""
+    if not keyed or args.metrics_auth:
+        return None
+    if args.metrics_port is not None:
+        return "/metrics is served on the router's metrics port, not the API port"
+    return (
+        "/metrics is not served on the API port when API keys are configured: the operator "
+        "serves it on --metrics-port (or lets any API key read it: --metrics-auth)"
+    )
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:
@@ -323,6 +217,12 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("cached prefixes are shared only within an API key (--cache-isolation)")
     parts = RouterParts.of(config, bus, nodes, journal, tokenizers)
     router = Router(parts, tokenizers, await kv_routing(args, bus, nodes))
+    router.metrics_refusal = metrics_refusal(args, keys.enabled)
+    if args.metrics_port is not None:
+        port = serve_registry(parts.metrics.registry, args.metrics_port, args.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", args.metrics_host, port)
+    elif router.metrics_refusal is not None:
+        log.warning("%s", router.metrics_refusal)  # no /metrics anywhere: say so
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
     # then cancels the request on every node.
     # keepalive_timeout: aiohttp closes a connection that has not sent a whole request's

@@ -91,8 +91,7 @@ class NodeMetrics:
             return None
         served = CollectorRegistry()
         served.register(self._exposition)
-        server, _ = start_http_server(port, addr=host, registry=served)
-        return int(server.server_port)
+        return serve_registry(served, port, host)
 
     def serve_models(self, nodes: Mapping[str, NodeMetrics]) -> None:
         """From now on this node's port serves the metrics of every node of its process, a
@@ -123,3 +122,10 @@ class _Exposition:
                 for sample in family.samples:
                     out.samples.append(sample._replace(labels={**sample.labels, "model": model}))
         yield from merged.values()
+
+
+def serve_registry(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:
+    """Serve `registry` at /metrics on a listener of its own (a thread), on `port` (0 picks
+    a free one); returns the port."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,11 +77,13 @@ class Router:
 
 
 @contextlib.contextmanager
-def running_router(nats: NatsServer, argv: list[str]) -> Iterator[Router]:
+def running_router(
+    nats: NatsServer, argv: list[str], metrics_auth: bool = True
+) -> Iterator[Router]:
     """`tandem router ARGV` on `nats`, answering its health probe."""
     port = free_port()
     argv = ["router", "--nats", nats.url, "--port", str(port), *argv]
-    env = dict(os.environ, TANDEM_METRICS_AUTH="true")
+    env = dict(os.environ, TANDEM_METRICS_AUTH="true" if metrics_auth else "false")
     env.pop("TANDEM_API_KEYS", None)
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], env=env)
     try:
@@ -150,6 +153,22 @@ def test_valid_keys_pass_and_probes_stay_open(router: Router) -> None:
     assert router.call("/readyz", key=None)[0] == 503  # open, and honest: no nodes yet
     status, body, _ = router.call("/metrics", key=KEY_B)
     assert status == 200 and "tandem_errors_total" in body["text"]
+
+
+def test_a_keyed_router_keeps_its_metrics_off_the_api_port(tmp_path: Path) -> None:
+    """Issue 49: the route counters tell one tenant what others sent (prefix-cache hits).
+    With API keys and no --metrics-auth, the API port answers /metrics 404 even to a valid
+    key, and the operator's --metrics-port serves it."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY_A}\n")
+    metrics = free_port()
+    argv = ["--api-keys-file", str(keys), "--metrics-port", str(metrics)]
+    with NatsServer() as nats, running_router(nats, argv, metrics_auth=False) as r:
+        status, body, _ = r.call("/metrics", key=KEY_A)
+        assert status == 404 and "metrics port" in body["error"]["message"], body
+        assert r.call("/metrics", key=None)[0] == 404
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as resp:
+            assert b"tandem_errors_total" in resp.read()
 
 
 @pytest.mark.parametrize(

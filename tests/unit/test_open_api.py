@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.main import api_keys
+from services.router.main import api_keys, metrics_refusal
 from shared.runtime.options import is_loopback, open_api_problem
 from tandem.cli import build_parser
 from tandem.up import run
@@ -45,3 +45,25 @@ def test_tandem_up_refuses_before_starting_anything(
     monkeypatch.delenv("TANDEM_ALLOW_OPEN", raising=False)
     assert run(build_parser().parse_args(["up", "--host", "0.0.0.0", "--split"])) == 2
     assert "with no API keys" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "keyed", "served"),
+    [
+        ([], False, True),  # an open API: one tenant, /metrics beside it
+        (["--metrics-port", "0"], False, True),  # and on the operator's port too
+        ([], True, False),  # keys (tenants): not on the API port, and said where instead
+        (["--metrics-port", "0"], True, False),
+        (["--metrics-auth"], True, True),  # the operator lets any key read it
+    ],
+)
+def test_a_keyed_api_port_does_not_serve_metrics(
+    flags: list[str], keyed: bool, served: bool
+) -> None:
+    """Issue 49: /metrics' route counters reveal prefix-cache hits; tenants must not read
+    them on the API port unless the operator says so (--metrics-auth)."""
+    args = build_parser().parse_args(["router", *flags])
+    refusal = metrics_refusal(args, keyed)
+    assert (refusal is None) is served
+    if refusal is not None:
+        assert "--metrics-port" in refusal or "metrics port" in refusal

@@ -50,7 +50,7 @@ class Router:
         self.metrics_refusal: str | None = None
         config = parts.config
         self.tokens = TokensApi(
-            tokenizers, config.limits, config.max_body_bytes, config.body_timeout
+            tokenizers, config.limits, config.max_body_bytes, config.body_timeout, parts.inflight
         )
         parts.nodes.on_leave.append(self.node_left)
 

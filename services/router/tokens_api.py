@@ -7,14 +7,15 @@ the body names (the router's first model when it names none, as vLLM lets it).
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from services.router.admission import off_loop, read_body
+from services.router.inflight import InFlight
 from services.router.validation import Limits, tokenize_body
-from shared.errors import InvalidRequestError, NotFoundError
+from shared.errors import InvalidRequestError, NotFoundError, RateLimitError
 from shared.model.tokenizer import TokenizerInfo
 
 
@@ -26,6 +27,7 @@ def _version() -> str:
 
 
 VERSION = _version()
+T = TypeVar("T")
 
 
 class TokensApi:
@@ -35,8 +37,13 @@ class TokensApi:
         limits: Limits,
         max_body_bytes: int,
         body_timeout: float,
+        inflight: InFlight | None = None,
     ) -> None:
         self.tokenizers = tokenizers
+        # The tokenising thread is the completions' too: a call waiting for it counts
+        # against --max-inflight as a request does, so /tokenize cannot queue without bound
+        # ahead of them (None: uncounted, for tools and tests).
+        self.inflight = inflight
         self.limits = limits
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
@@ -51,9 +58,18 @@ class TokensApi:
             raise NotFoundError(f"model '{model}' not found", param="model", code="model_not_found")
         return body, tok
 
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenising thread, counted in flight (429 when full)."""
+        if self.inflight is None:
+            return await off_loop(fn, *args)
+        if self.inflight.room() < 1:
+            raise RateLimitError("too many requests in flight; retry shortly", retry_after=1)
+        with self.inflight.admit():
+            return await off_loop(fn, *args)
+
     async def tokenize(self, request: web.Request) -> web.Response:
         body, tok = await self._body(request)
-        tokens = await off_loop(tokenize_body, body, tok)
+        tokens = await self._on_thread(tokenize_body, body, tok)
         return web.json_response(
             {"count": len(tokens), "max_model_len": tok.max_model_len, "tokens": tokens}
         )
@@ -67,7 +83,7 @@ class TokensApi:
             raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
         if any(not 0 <= t < tok.vocab_size for t in tokens):
             raise InvalidRequestError("'tokens' holds ids outside the vocabulary", param="tokens")
-        return web.json_response({"prompt": await off_loop(tok.decode, tokens)})
+        return web.json_response({"prompt": await self._on_thread(tok.decode, tokens)})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})

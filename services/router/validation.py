@@ -99,13 +99,33 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(body: dict[str, Any], tok: TokenizerInfo) -> list[int]:
+def _within_length(chars: int, tok: TokenizerInfo, limits: Limits, param: str) -> None:
+    """Refuse, before tokenising, text longer than any prompt the limits take can be. Text
+    of c characters is at least c / `tok.max_token_chars` tokens; the factor 2 leaves room
+    for a normaliser that merges characters (NFKC). With the whole context allowed this only
+    refuses what the body limit already does for most models; with --max-prompt-tokens it
+    spares the tokenising thread (shared by every key) a prompt bound to be refused."""
+    tokens = tok.max_model_len - 1
+    if limits.max_prompt_tokens is not None:
+        tokens = min(tokens, limits.max_prompt_tokens)
+    most = 2 * tokens * tok.max_token_chars
+    if chars > most:
+        raise bad(
+            f"prompt of {chars} characters: longer than a prompt of at most {tokens} tokens "
+            f"can be (at most {most} characters with this tokenizer); refused before "
+            "tokenising",
+            param,
+        )
+
+
+def _prompt(body: dict[str, Any], tok: TokenizerInfo, limits: Limits) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
+        _within_length(len(prompt), tok, limits, "prompt")
         return tok.encode(text_field(prompt, "prompt"))
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -129,7 +149,12 @@ def _model(body: dict[str, Any], served: Mapping[str, Any]) -> str:
 
 def _prompt_ids(body: dict[str, Any], chat: bool, tok: TokenizerInfo, limits: Limits) -> list[int]:
     """The prompt as token ids (a chat's messages through the chat template), within limits."""
-    prompt_ids = tok.chat(_messages(body)) if chat else _prompt(body, tok)
+    if chat:
+        messages = _messages(body)
+        _within_length(sum(len(m["content"]) for m in messages), tok, limits, "messages")
+        prompt_ids = tok.chat(messages)
+    else:
+        prompt_ids = _prompt(body, tok, limits)
     if not prompt_ids:
         raise bad("the prompt is empty after tokenisation", "prompt")
     param = "messages" if chat else "prompt"

@@ -11,6 +11,7 @@ the same token ids.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -87,6 +88,15 @@ class TokenizerInfo:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text can span: its longest vocabulary entry (for
+        byte-level BPE an entry has a character per byte, never fewer than the text's; a
+        byte-fallback entry like <0xE2> is longer than its byte). So text of c characters
+        is at least c / max_token_chars tokens (the router refuses by length on that)."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max((len(entry) for entry in vocab), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -109,3 +109,31 @@ def test_a_response_not_streamed_has_bounded_logprobs(tok: TokenizerInfo) -> Non
     # within the bound, and without logprobs at any size: as before
     assert parse(tok, n=2, max_tokens=1000, logprobs=20).params.logprobs == 20
     assert parse(tok, n=16, max_tokens=4000).params.logprobs is None
+
+
+def test_a_prompt_too_long_for_the_limit_is_refused_before_tokenising(
+    tok: TokenizerInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49: the one tokenising thread is every key's; text that no prompt of at most
+    --max-prompt-tokens tokens can be is refused by its length alone. Just under that
+    length it is tokenised (and refused by its count, as before)."""
+    limits = Limits(max_prompt_tokens=50)
+    most = 2 * 50 * tok.max_token_chars
+    assert tok.max_token_chars >= max(len(tok.decode([t])) for t in range(tok.vocab_size))
+
+    def no_tokenising(*args: Any) -> list[int]:
+        raise AssertionError("tokenised")
+
+    with monkeypatch.context() as m:
+        m.setattr(TokenizerInfo, "encode", no_tokenising)
+        m.setattr(TokenizerInfo, "chat", no_tokenising)
+        for chat, body in (
+            (False, {"prompt": "a" * (most + 1)}),
+            (True, {"messages": [{"role": "user", "content": "a" * (most + 1)}]}),
+        ):
+            with pytest.raises(InvalidRequestError) as err:
+                parse_request({"model": MODEL, **body}, chat, {MODEL: tok}, limits)
+            assert "before tokenising" in err.value.message
+    with pytest.raises(InvalidRequestError) as err:  # tokenised, then refused by its count
+        parse_request({"model": MODEL, "prompt": "a " * (most // 2)}, False, {MODEL: tok}, limits)
+    assert "accepts at most 50" in err.value.message

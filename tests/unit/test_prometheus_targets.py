@@ -159,6 +159,27 @@ def test_scrape_addresses_are_reachable_from_this_machine(tmp_path: Path) -> Non
     assert addresses["decode-1"] == f"[::1]:{stack.metrics_ports['decode-1']}"
 
 
+def test_a_keyed_routers_target_is_its_own_metrics_port(tmp_path: Path) -> None:
+    """With API keys the router serves /metrics only on a port of its own (issue 49): the
+    launcher gives it one and lists that port, not the API port."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("tk-" + "k" * 32 + "\n")
+    stack = stack_for(tmp_path / "t.json", "--kvcache", "0", "--api-keys-file", str(keys))
+    stack.children = stack.plan()
+    router = next(c for c in stack.children if c.name == "router")
+    port = stack.metrics_ports["router"]
+    assert router.argv[router.argv.index("--metrics-port") + 1] == str(port)
+    with stand_ins(stack):
+        addresses = {
+            g["labels"].get("node", "router"): g["targets"][0] for g in stack.metrics_targets()
+        }
+    assert addresses["router"] == f"127.0.0.1:{port}" and port != stack.args.port
+    open_stack = stack_for(tmp_path / "u.json", "--kvcache", "0")  # no keys: the API port
+    open_stack.children = open_stack.plan()
+    assert "router" not in open_stack.metrics_ports
+    assert all("--metrics-port" not in c.argv for c in open_stack.children if c.name == "router")
+
+
 def label_names(registry: Any) -> set[str]:
     """Every label name of a registry's metrics, those with no sample yet too (collect()
     shows a labelled metric's names only once it has a child)."""

@@ -30,8 +30,13 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, position
     if params.greedy:
         return int(torch.argmax(logits).item())
     scaled = logits.double() / params.temperature
+    u = seeded_uniform(seed, position)
     if not 0 < params.top_k < scaled.shape[0] and params.top_p >= 1.0:
-        return _draw_unsorted(scaled, seeded_uniform(seed, position))
+        # No cut: the draw walks the vocabulary in its own order. Any fixed order draws from
+        # the same distribution; the sorted one the cuts need cost a stable sort of every
+        # row's 49,152 logits (SmolLM2): at temperature 1, vllm bench serve's default,
+        # colocated TPOT at 16 streams went from 203 to 131 ms without it.
+        return _inverse_cdf(torch.softmax(scaled, dim=0), u)
     if params.top_k > 0 and params.top_k < scaled.shape[0]:
         values, indices = torch.topk(scaled, params.top_k)
     else:
@@ -42,22 +47,17 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, position
         # Keep the smallest head whose mass reaches top_p (always at least one token).
         keep = int(torch.searchsorted(cumulative, torch.tensor(params.top_p, dtype=torch.float64)))
         probs = probs[: keep + 1]
+    return int(indices[_inverse_cdf(probs, u)].item())
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The index `u` (in [0, 1)) picks by the inverse CDF of `probs` (any positive total:
+    a cut head is scaled to it). A zero-probability entry is never picked: the cumulative
+    sum does not rise at it."""
     cumulative = torch.cumsum(probs, dim=0)
-    u = seeded_uniform(seed, position) * float(cumulative[-1])
-    idx = int(torch.searchsorted(cumulative, torch.tensor(u, dtype=torch.float64), right=True))
-    return int(indices[min(idx, probs.shape[0] - 1)].item())
-
-
-def _draw_unsorted(scaled: torch.Tensor, u: float) -> int:
-    """A draw with no top-k or top-p cut: the inverse CDF in vocabulary order. Any fixed
-    order draws from the same distribution; the sorted one the cuts need cost a stable
-    sort of the whole vocabulary per row (49,152 values for SmolLM2: ~40 ms of a 16-stream
-    step at temperature 1, the default of `vllm bench serve`'s requests). A token of zero
-    probability is never drawn: the cumulative sum does not rise at it."""
-    cumulative = torch.cumsum(torch.softmax(scaled, dim=0), dim=0)
     target = torch.tensor(u * float(cumulative[-1]), dtype=torch.float64)
     idx = int(torch.searchsorted(cumulative, target, right=True))
-    return min(idx, scaled.shape[0] - 1)
+    return min(idx, probs.shape[0] - 1)
 
 
 def sample(

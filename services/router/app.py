@@ -98,8 +98,9 @@ class Router:
             return self._refused(endpoint, admission_span, exc)
         # n choices are n sequences: each counts against the router's and the key's limits
         choices = admission.choices_asked(body, parts.config.limits)
-        if parts.inflight.room() < choices:
-            busy = RateLimitError("too many requests in flight; retry shortly", retry_after=1)
+        try:
+            parts.inflight.check_room(choices)
+        except RateLimitError as busy:
             return self._refused(endpoint, admission_span, busy)
         with parts.inflight.admit(choices):  # counted from here: tokenising is work
             try:

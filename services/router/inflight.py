@@ -1,7 +1,8 @@
 """The requests this router serves now: admission's count and the table of live streams.
 
-Admission counts a request from the moment the router takes it, before its body is read
-and tokenised (`admitted`, bounded by `--max-inflight`). A stream is registered under its
+Admission counts a request from the moment its body is in, before it is tokenised
+(`admitted`, bounded by `--max-inflight`; `/tokenize` and `/detokenize` count too while they
+wait for the tokenising thread). A stream is registered under its
 client-facing id from its first journal write until it ends: the janitor leaves a
 registered request alone, a resume of it on this router is refused, and when a node leaves,
 every registered stream's failover hears of it.
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+from shared.errors import RateLimitError
 
 if TYPE_CHECKING:
     from services.router.failover import Failover
@@ -37,6 +40,11 @@ class InFlight:
 
     def room(self) -> int:
         return self.max_inflight - self.admitted
+
+    def check_room(self, count: int = 1) -> None:
+        """A RateLimitError (429) unless `count` more fit: call just before `admit`."""
+        if self.room() < count:
+            raise RateLimitError("too many requests in flight; retry shortly", retry_after=1)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.streaming

@@ -15,7 +15,7 @@ from aiohttp import web
 from services.router.admission import off_loop, read_body
 from services.router.inflight import InFlight
 from services.router.validation import Limits, tokenize_body
-from shared.errors import InvalidRequestError, NotFoundError, RateLimitError
+from shared.errors import InvalidRequestError, NotFoundError
 from shared.model.tokenizer import TokenizerInfo
 
 
@@ -37,12 +37,12 @@ class TokensApi:
         limits: Limits,
         max_body_bytes: int,
         body_timeout: float,
-        inflight: InFlight | None = None,
+        inflight: InFlight,
     ) -> None:
         self.tokenizers = tokenizers
         # The tokenising thread is the completions' too: a call waiting for it counts
         # against --max-inflight as a request does, so /tokenize cannot queue without bound
-        # ahead of them (None: uncounted, for tools and tests).
+        # ahead of them.
         self.inflight = inflight
         self.limits = limits
         self.max_body_bytes = max_body_bytes
@@ -60,10 +60,7 @@ class TokensApi:
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenising thread, counted in flight (429 when full)."""
-        if self.inflight is None:
-            return await off_loop(fn, *args)
-        if self.inflight.room() < 1:
-            raise RateLimitError("too many requests in flight; retry shortly", retry_after=1)
+        self.inflight.check_room()
         with self.inflight.admit():
             return await off_loop(fn, *args)
 

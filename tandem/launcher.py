@@ -45,6 +45,7 @@ from shared.model.source import DEFAULT_MODEL
 from shared.procs import BACKGROUND_ROLES, child_setup
 from shared.runtime.options import env_name, model_entries, step_token_budget
 from tandem.metrics_targets import TargetsFile, scrape_address
+from tandem.up_options import keys_given
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -242,7 +243,7 @@ class Stack:
     def _router_metrics(self) -> list[str]:
         """With API keys, the router serves /metrics only on a port of its own (tenants
         must not read its counters: services/router/main.py); open, on its API port."""
-        if not (self.args.api_keys or self.args.api_keys_file):
+        if not keys_given(self.args):
             return []
         self.metrics_ports["router"] = free_port()
         return ["--metrics-port", str(self.metrics_ports["router"])]

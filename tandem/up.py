@@ -15,7 +15,7 @@ from shared.procs import move_process
 from shared.runtime.options import open_api_problem
 from tandem.launcher import Stack, exit_code, prefill_nodes, served_models
 from tandem.mode import choose_mode, mode_problem
-from tandem.up_options import add_up_options
+from tandem.up_options import add_up_options, keys_given
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
               "--autoscale", file=sys.stderr)  # fmt: skip
         return 2
     served_models(args)  # a bad models file stops here, before anything starts
-    keys_given = bool(args.api_keys or args.api_keys_file)  # each also read from TANDEM_*
-    problem = open_api_problem(args.host, keys_given, args.allow_open) or mode_problem(args)
+    problem = open_api_problem(args.host, keys_given(args), args.allow_open) or mode_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -129,6 +129,12 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_policy_options(p)
 
 
+def keys_given(args: argparse.Namespace) -> bool:
+    """Whether the stack's router gets API keys (`--api-keys` or `--api-keys-file`, each
+    also read from TANDEM_*): an open API or not."""
+    return bool(args.api_keys or args.api_keys_file)
+
+
 def up_parser() -> argparse.ArgumentParser:
     """A parser of `tandem up`'s options alone (its first argument: `up`)."""
     parser = argparse.ArgumentParser(prog="tandem")

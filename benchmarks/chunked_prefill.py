@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import load_model
+from shared.sampling_params import SamplingParams
 from tandem.plan.profile import cpu_flags
 
 BUDGETS = [0, 64, 128, 256, 512]  # 0: classic (prefill whole, then decode)

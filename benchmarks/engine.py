@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model import cpu_gemm
 from shared.model.loader import LoadedModel, load_model
+from shared.sampling_params import SamplingParams
 from tandem.plan.profile import cpu_flags
 
 PROMPT = (

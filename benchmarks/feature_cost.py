@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run inside each tree (its own `shared` package): only APIs both commits have.
 WORKLOAD = """
 import json, statistics, sys, time
-from shared.bus.params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import load_model
 

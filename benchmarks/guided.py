@@ -19,10 +19,10 @@ from collections import defaultdict
 import torch
 from llguidance import LLMatcher
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.grammar import grammar_for
 from shared.model.loader import LoadedModel, load_model
+from shared.sampling_params import SamplingParams
 from tandem.plan.profile import cpu_flags
 
 # An array of numbers: every row stays inside the grammar for the whole run (no early end).

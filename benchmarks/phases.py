@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel, load_model
+from shared.sampling_params import SamplingParams
 
 DECODE_STEPS = 8
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import load_model
+from shared.sampling_params import SamplingParams
 from tandem.plan.profile import cpu_flags
 
 # aten op name → category; first match wins (checked in order)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from shared.bus.ids import AttemptId
-from shared.bus.messages import TokenDelta
-from shared.engine.outputs import StepOutput
+from shared.bus.messages import TokenDelta, TokenLogprob
+from shared.engine import types
 
 
-def delta_from_output(out: StepOutput, node_id: str, handoff: int) -> TokenDelta:
+def wire_logprobs(lps: list[types.TokenLogprob] | None) -> list[TokenLogprob] | None:
+    """The engine's logprobs as the wire carries them."""
+    if lps is None:
+        return None
+    return [TokenLogprob(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in lps]
+
+
+def delta_from_output(out: types.StepOutput, node_id: str, handoff: int) -> TokenDelta:
     """`seq` is the index of the token the delta brings, so any node numbers alike;
     `handoff` is the request's handoff this node runs (the router fences by it)."""
     return TokenDelta(
@@ -21,6 +28,6 @@ def delta_from_output(out: StepOutput, node_id: str, handoff: int) -> TokenDelta
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_output_tokens,
         handoff=handoff,
-        logprobs=out.logprobs,
-        prompt_logprobs=out.prompt_logprobs,
+        logprobs=wire_logprobs(out.logprobs),
+        prompt_logprobs=wire_logprobs(out.prompt_logprobs),
     )

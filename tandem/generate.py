@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.bus.params import SamplingParams
 from shared.errors import InvalidRequestError, TandemError
 from shared.runtime.options import add_model_options, add_option
+from shared.sampling_params import SamplingParams
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

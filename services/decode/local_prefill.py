@@ -24,7 +24,7 @@ from shared.bus.messages import PrefillJob, accepted, decode, refused
 from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.engine.engine import Engine
-from shared.engine.outputs import StepOutput
+from shared.engine.types import StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock

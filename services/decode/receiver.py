@@ -21,6 +21,7 @@ from shared.bus.ids import AttemptId
 from shared.bus.messages import DecodeAssignment, SequenceSnapshot, accepted, decode, refused
 from shared.bus.topology import is_token_subject
 from shared.bus.tracing import extract_context
+from shared.connector.snapshots import from_wire
 from shared.engine.engine import Engine
 from shared.errors import TandemError, WireFormatError
 from shared.telemetry.logs import bind
@@ -167,7 +168,9 @@ class KVReceiver:
         with TRACER.start_as_current_span("decode.admission", context=ctx) as admission:
             try:
                 # the received buffer itself: imported into the pool, its one copy
-                await self.node.on_engine(self.engine.add_snapshot, exp.snapshot, payload)
+                await self.node.on_engine(
+                    self.engine.add_snapshot, from_wire(exp.snapshot), payload
+                )
             except TandemError as exc:
                 admission.set_status(Status(StatusCode.ERROR, exc.message))
                 raise TransferRejected(exc.message, request_id=rid) from exc

@@ -42,7 +42,7 @@ from shared.bus.topology import (
 )
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine
-from shared.engine.outputs import StepOutput
+from shared.engine.types import StepOutput
 from shared.kvclient.prefix_cache import PrefixCache
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader

@@ -21,14 +21,15 @@ from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
 from shared.bus.ids import handoff_transfer_id
-from shared.bus.messages import DecodeAssignment, NodeInfo, SequenceSnapshot, encode, read_reply
+from shared.bus.messages import DecodeAssignment, NodeInfo, encode, read_reply
 from shared.bus.registry import CachedNodes, NodeRegistry
 from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
+from shared.connector.snapshots import to_wire
 from shared.deltas import delta_from_output
 from shared.engine.engine import Engine
-from shared.engine.outputs import StepOutput
+from shared.engine.types import SequenceState, StepOutput
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
@@ -74,7 +75,7 @@ class HandOff:
         self,
         job: ReceivedJob,
         out: StepOutput,
-        snap: SequenceSnapshot | None,
+        snap: SequenceState | None,
         frame: memoryview | None,
         ctx: otel_context.Context,
     ) -> None:
@@ -93,7 +94,7 @@ class HandOff:
         self,
         job: ReceivedJob,
         out: StepOutput,
-        snap: SequenceSnapshot | None,
+        snap: SequenceState | None,
         frame: memoryview | None,
     ) -> None:
         await self._publish_first(job, out)
@@ -139,7 +140,7 @@ class HandOff:
         return nodes
 
     async def _send_to(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: memoryview
+        self, node: NodeInfo, job: ReceivedJob, snap: SequenceState, frame: memoryview
     ) -> bool:
         with TRACER.start_as_current_span(
             "kv.transfer.send",
@@ -162,13 +163,13 @@ class HandOff:
             return ok
 
     async def _assign_and_send(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceSnapshot, frame: memoryview
+        self, node: NodeInfo, job: ReceivedJob, snap: SequenceState, frame: memoryview
     ) -> bool:
         assert self.bus.nc is not None
         rid = job.job.attempt_id
         assignment = DecodeAssignment(
             transfer_id=handoff_transfer_id(rid, job.job.handoff),
-            snapshot=snap,
+            snapshot=to_wire(snap),
             token_subject=job.job.token_subject,
             prefill_node=self.node_id,
             deadline=time.time() + TRANSFER_TIMEOUT,

@@ -26,14 +26,14 @@ from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher, PoolEvents
-from shared.bus.messages import NodeInfo, SequenceSnapshot, TokenDelta
+from shared.bus.messages import NodeInfo, TokenDelta
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.engine.engine import Engine
-from shared.engine.outputs import StepOutput
 from shared.engine.prefill_steps import Prefilled, PrefillRequest, prefill_steps
+from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
@@ -264,7 +264,7 @@ class PrefillWorker:
         handoff: HandOff,
         received: ReceivedJob,
         out: StepOutput,
-        snap: SequenceSnapshot | None,
+        snap: SequenceState | None,
         frame: memoryview | None,
         contexts: dict[str, otel_context.Context],
         compute: dict[str, Span],

@@ -34,7 +34,6 @@ from services.router.streams import RequestStream
 from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.ids import RequestId, attempt_id, new_request_id
 from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob
-from shared.bus.params import SamplingParams, new_seed
 from shared.bus.topology import token_subject
 from shared.errors import (
     CapacityError,
@@ -43,6 +42,7 @@ from shared.errors import (
     RequestTimeoutError,
 )
 from shared.model.tokenizer import TokenizerInfo
+from shared.sampling_params import SamplingParams, new_seed
 from shared.telemetry.logs import bind
 
 log = logging.getLogger("tandem.router")

@@ -38,8 +38,8 @@ from services.router.request import ServedRequest
 from services.router.routing import PrefixRouter
 from services.router.streams import StreamTimeout
 from services.router.validation import ParsedRequest
-from shared.bus.params import MASK64
 from shared.errors import TandemError
+from shared.sampling_params import MASK64
 from shared.telemetry.tracing import tracer
 
 TRACER = tracer("router")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.router.body_fields import bad, boolean, integer, number, text_field
-from shared.bus.params import MAX_LOGPROBS
 from shared.grammar import grammar_for
+from shared.sampling_params import MAX_LOGPROBS
 
 MAX_BIASED_TOKENS = 1024
 MAX_STOP_TOKEN_IDS = 64

@@ -22,9 +22,9 @@ from services.router.options import (
     prompt_logprobs_option,
     response_logprobs_bound,
 )
-from shared.bus.params import SamplingParams
 from shared.errors import NotFoundError
 from shared.model.tokenizer import TokenizerInfo
+from shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Literal, TypeVar
 import msgspec
 
 from shared.bus.ids import AttemptId, RequestId
-from shared.bus.params import SamplingParams
 from shared.errors import WireFormatError
+from shared.sampling_params import SamplingParams
 
 SCHEMA_VERSION = 1
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.bus.messages import SequenceSnapshot, TokenLogprob
-from shared.bus.params import SamplingParams, new_seed
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.detokenize import IncrementalDetokenizer
 from shared.engine.guided import Guides
@@ -28,11 +26,11 @@ from shared.engine.logprobs import (
     model_logprobs,
     wants_prompt_logprobs,
 )
-from shared.engine.outputs import EngineStats, StepOutput
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine.tail_exchange import TailExchange
+from shared.engine.types import EngineStats, SequenceState, StepOutput, TokenLogprob
 from shared.errors import CapacityError, WireFormatError
 from shared.kv.block_pool import BlockPool
 from shared.kv.export import decode_kv, new_frame
@@ -41,6 +39,7 @@ from shared.kv.shared_pool import KVBudget, SharedBlockPool
 from shared.kv.tail import TailBlock
 from shared.model.loader import LoadedModel
 from shared.model.runner import ModelRunner, PackedItem, kv_layout
+from shared.sampling_params import SamplingParams, new_seed
 
 _DETOK_CONTEXT = 4  # prompt tokens given to the detokenizer for the first word's spacing
 
@@ -186,40 +185,40 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def add_snapshot(self, snapshot: SequenceSnapshot, kv_frame: bytes | memoryview) -> str:
+    def add_snapshot(self, snapshot: SequenceState, kv_frame: bytes | memoryview) -> str:
         """Continue a sequence computed elsewhere: import its KV, then join the batch (a
         writable frame, as received, is copied once: into the pool)."""
         header, blocks = decode_kv(kv_frame)
         if header.layout() != self.layout:
             raise WireFormatError(
                 f"KV layout {header.layout()} does not match this node's {self.layout}",
-                request_id=snapshot.attempt_id,
+                request_id=snapshot.request_id,
             )
         if header.first_block != 0 or header.num_tokens != snapshot.num_computed:
             raise WireFormatError(
                 "KV export must cover the sequence from its first block up to num_computed",
-                request_id=snapshot.attempt_id,
+                request_id=snapshot.request_id,
             )
         if self.scheduler.blocks_for(snapshot.num_computed) != header.num_blocks:
             raise WireFormatError(
                 "KV export block count does not match its token count",
-                request_id=snapshot.attempt_id,
+                request_id=snapshot.request_id,
             )
         total = len(snapshot.prompt_ids) + len(snapshot.output_ids)
         if not total - snapshot.num_computed > 0:
-            raise WireFormatError("snapshot has no pending token", request_id=snapshot.attempt_id)
+            raise WireFormatError("snapshot has no pending token", request_id=snapshot.request_id)
         self.validate(
-            snapshot.attempt_id, snapshot.prompt_ids, snapshot.params, snapshot.output_ids
+            snapshot.request_id, snapshot.prompt_ids, snapshot.params, snapshot.output_ids
         )
         if not self.pool.can_allocate(header.num_blocks):
             raise CapacityError(
                 f"no room for {header.num_blocks} KV blocks ({self.pool.num_free} free)",
-                request_id=snapshot.attempt_id,
+                request_id=snapshot.request_id,
             )
         block_ids = self.pool.allocate(header.num_blocks)
         self.cache.write_blocks(block_ids, blocks)
         seq = self._new_sequence(
-            snapshot.attempt_id,
+            snapshot.request_id,
             snapshot.prompt_ids,
             snapshot.params,
             snapshot.seed,
@@ -236,14 +235,14 @@ class Engine:
             self.scheduler.add(seq, front=True)
         return seq.request_id
 
-    def export(self, request_id: str) -> tuple[SequenceSnapshot, memoryview]:
+    def export(self, request_id: str) -> tuple[SequenceState, memoryview]:
         """Snapshot and KV frame of a sequence (its blocks stay allocated); the blocks
         are copied once, straight into the frame."""
         seq = self.requests[request_id]
         nblocks = self.scheduler.blocks_for(seq.num_computed)
         frame, payload = new_frame(self.layout, nblocks, seq.num_computed)
         self.cache.read_blocks(seq.block_ids[:nblocks], out=payload)
-        return seq.snapshot(), frame
+        return seq.state(), frame
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks are freed. False if unknown."""

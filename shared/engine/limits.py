@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass
 
-from shared.bus.params import SamplingParams
 from shared.errors import CapacityError, InvalidRequestError
 from shared.grammar import check as check_guide
+from shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

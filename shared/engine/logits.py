@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.bus.params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shared.engine.sequence import Sequence as Seq

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.bus.messages import TokenLogprob
+from shared.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
     from shared.engine.sequence import Sequence

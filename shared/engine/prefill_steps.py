@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
-from shared.bus.messages import SequenceSnapshot
-from shared.bus.params import SamplingParams
-from shared.engine.outputs import StepOutput
+from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError
+from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shared.engine.engine import Engine
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 # a request to prefill: its id, its prompt's token ids, its sampling parameters
 PrefillRequest = tuple[str, list[int], SamplingParams]
 # a prefilled request: its first token, and its KV to ship (none if that token ended it)
-Prefilled = tuple[StepOutput, SequenceSnapshot | None, memoryview | None]
+Prefilled = tuple[StepOutput, SequenceState | None, memoryview | None]
 
 
 def prefill_steps(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.bus.params import MASK64 as _MASK64
-from shared.bus.params import SamplingParams
+from shared.sampling_params import MASK64 as _MASK64
+from shared.sampling_params import SamplingParams
 
 
 def _splitmix64(x: int) -> int:

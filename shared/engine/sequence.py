@@ -1,4 +1,4 @@
-"""A sequence's state, and the snapshot of it that travels between nodes.
+"""A sequence's state in an engine, and what of it another engine needs to continue it.
 
 Invariant: `all_ids = prompt_ids + output_ids`; the KV cache holds the first `num_computed`
 of them; the rest (at least one token while running) are pending and go into the next
@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from shared.bus.ids import AttemptId
-from shared.bus.messages import SequenceSnapshot, TokenLogprob
-from shared.bus.params import SamplingParams
 from shared.engine.detokenize import IncrementalDetokenizer
+from shared.engine.types import SequenceState, TokenLogprob
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
+from shared.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -80,9 +79,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def snapshot(self) -> SequenceSnapshot:
-        return SequenceSnapshot(
-            attempt_id=AttemptId(self.request_id),
+    def state(self) -> SequenceState:
+        """Its state for another engine (lists copied: this one keeps appending)."""
+        return SequenceState(
+            request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
             output_ids=list(self.output_ids),
             params=self.params,

@@ -15,7 +15,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanContext
 
 from shared.engine.engine import Engine
-from shared.engine.outputs import StepOutput
+from shared.engine.types import StepOutput
 from shared.kv.block_hash import BlockHash, block_hashes, chain_root
 from shared.kv.export import split_frame
 from shared.kvclient.client import KVCacheClient

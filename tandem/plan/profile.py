@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shared.bus.ids import AttemptId
 from shared.costs.profile import (
     PROFILE_VERSION,
     DecodePoint,
@@ -207,9 +206,9 @@ def _prompt(n: int, rng: random.Random, vocab: int) -> list[int]:
 
 
 def _prefill_points(model: object, grid: Grid, repeats: int, bar: object) -> list[PrefillPoint]:
-    from shared.bus.params import SamplingParams
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.prefill_steps import prefill_and_export
+    from shared.sampling_params import SamplingParams
 
     rng = random.Random(1)
     vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
@@ -244,8 +243,8 @@ def _decode_points(model: object, grid: Grid, repeats: int, bar: object) -> list
     once, then imported `batch` times: a step's cost does not depend on what its KV holds,
     and prefilling every sequence (32 x 2,048 tokens on the full grid) took most of the
     profile's time."""
-    from shared.bus.params import SamplingParams
     from shared.engine.engine import Engine, EngineConfig
+    from shared.sampling_params import SamplingParams
 
     rng = random.Random(2)
     vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
@@ -265,9 +264,7 @@ def _decode_points(model: object, grid: Grid, repeats: int, bar: object) -> list
             config = EngineConfig(num_blocks=blocks, enable_prefix_caching=False)
             engine = Engine(model, config)  # type: ignore[arg-type]
             for i in range(batch):
-                engine.add_snapshot(
-                    msgspec.structs.replace(snapshot, attempt_id=AttemptId(f"{rid}-{i}")), frame
-                )
+                engine.add_snapshot(replace(snapshot, request_id=f"{rid}-{i}"), frame)
             seconds = median_seconds(engine.step, repeats)
             points.append(DecodePoint(batch=batch, context=context, seconds=seconds))
             bar.update()  # type: ignore[attr-defined]
@@ -297,8 +294,8 @@ def _kv_copies(
     """A prompt prefilled on `source`, exported, imported by `target` (then dropped), its
     blocks copied out as a checkpoint does, and placed into `target`'s pool as a prefix
     fetched from kvcache would be."""
-    from shared.bus.params import SamplingParams
     from shared.kv.block_hash import BlockHash
+    from shared.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     rid = source.add_request(prompt, params)
@@ -312,7 +309,7 @@ def _kv_copies(
 
     def imported() -> None:
         target.add_snapshot(snapshot, frame)
-        target.abort(snapshot.attempt_id)
+        target.abort(snapshot.request_id)
 
     def loaded() -> None:  # new hashes each time: a pool holding them skips them
         n = next(fresh)

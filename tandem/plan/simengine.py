@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.bus.params import SamplingParams
 from shared.costs.model import CostModel
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
 from shared.kv.block_pool import BlockPool
+from shared.sampling_params import SamplingParams
 
 SIM_TOKEN = 7  # every simulated output token: its value never matters, its count does
 

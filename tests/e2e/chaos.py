@@ -20,9 +20,9 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 WORDS = [

@@ -375,8 +375,8 @@ def test_penalties_bias_min_tokens_and_stop_ids_through_the_stack(
 ) -> None:
     """The OpenAI parameters that change tokens, sent by the SDK, give what the engine
     alone gives (tests/unit/test_logits.py holds the engine to transformers)."""
-    from shared.bus.params import SamplingParams
     from shared.engine.engine import Engine, EngineConfig
+    from shared.sampling_params import SamplingParams
 
     prompt = "List the colours of the rainbow, again and again:"
     ids = real_model.encode(prompt)

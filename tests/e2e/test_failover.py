@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tandem.launcher import Stack
 from tests.e2e.chaos import Request, Stream, run_streams
 from tests.e2e.conftest import wait_for_every_node

@@ -34,7 +34,6 @@ from shared.bus.messages import (
     SequenceSnapshot,
     encode,
 )
-from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import (
     KV_EVENTS_SUBJECT,
@@ -45,6 +44,7 @@ from shared.bus.topology import (
     prefill_subject,
 )
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tandem.launcher import Stack
 from tests.e2e.test_api import MODEL, reference, text_of
 

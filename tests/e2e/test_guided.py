@@ -12,10 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.grammar import grammar_for
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tandem.launcher import Stack
 from tests.e2e.conftest import wait_for_every_node
 from tests.e2e.streaming import complete, kill_its_decode_node

@@ -25,7 +25,6 @@ from shared.bus.messages import (
     encode,
     read_reply,
 )
-from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import free_port
 from shared.bus.topology import assign_subject, local_prefill_subject, token_subject
@@ -33,6 +32,7 @@ from shared.kv.block_hash import block_hashes
 from shared.kvclient.client import KVCacheClient
 from shared.model.loader import LoadedModel
 from shared.model.runner import kv_layout
+from shared.sampling_params import SamplingParams
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
 from tandem.launcher import Stack

@@ -19,11 +19,11 @@ import pytest
 
 from shared.bus.client import Bus
 from shared.bus.messages import NodeInfo
-from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry
 from shared.bus.server import free_port
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tandem.autoscale.controller import Controller
 from tandem.autoscale.local_backend import LocalBackend
 from tandem.autoscale.types import Decision, RoleBounds

@@ -13,10 +13,11 @@ from pathlib import Path
 import msgspec
 import torch
 
-from shared.bus.params import SamplingParams
+from shared.connector.snapshots import to_wire
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.prefill_steps import prefill_and_export
 from shared.model.loader import load_model
+from shared.sampling_params import SamplingParams
 from tests.integration.prompts import varied_prompts
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
@@ -32,14 +33,16 @@ def main(out_dir: Path, mode: str) -> None:
         results = prefill_and_export(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)])
         for out, snapshot, frame in results:
             assert snapshot is not None and frame is not None
-            (out_dir / f"{out.request_id}.snap").write_bytes(msgspec.msgpack.encode(snapshot))
+            (out_dir / f"{out.request_id}.snap").write_bytes(
+                msgspec.msgpack.encode(to_wire(snapshot))
+            )
             (out_dir / f"{out.request_id}.kv").write_bytes(frame)
     else:
         rid = engine.add_request(prompts[0], SAMPLED, request_id="s0")
         for _ in range(11):  # prefill + 10 decode steps
             engine.step()
         snapshot, frame = engine.export(rid)
-        (out_dir / "s0.snap").write_bytes(msgspec.msgpack.encode(snapshot))
+        (out_dir / "s0.snap").write_bytes(msgspec.msgpack.encode(to_wire(snapshot)))
         (out_dir / "s0.kv").write_bytes(frame)
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.errors import ModelLoadError
 from shared.model.loader import load_model
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 

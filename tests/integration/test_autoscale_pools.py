@@ -11,7 +11,6 @@ import pytest
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
 from shared.bus.messages import PrefillJob
-from shared.bus.params import SamplingParams
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
@@ -22,6 +21,7 @@ from shared.bus.topology import (
     prefill_subject,
 )
 from shared.bus.workqueue import submit_job
+from shared.sampling_params import SamplingParams
 from tandem.autoscale.controller import Controller
 from tandem.autoscale.policy import Policy, PolicyConfig
 

@@ -21,7 +21,6 @@ from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_keys import live_keys
 from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode, encode
-from shared.bus.params import SamplingParams
 from shared.bus.registry import (
     STALE_CHECK,
     CachedNodes,
@@ -41,6 +40,7 @@ from shared.bus.topology import (
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import JobConsumer, ReceivedJob, purge_steered, submit_job
 from shared.errors import TandemError
+from shared.sampling_params import SamplingParams
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.integration

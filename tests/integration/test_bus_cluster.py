@@ -14,7 +14,6 @@ from shared.bus.client import Bus
 from shared.bus.ids import AttemptId, RequestId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import JournalEntry, PrefillJob
-from shared.bus.params import SamplingParams
 from shared.bus.server import NatsServer, free_port
 from shared.bus.topology import (
     JOURNAL_BUCKET,
@@ -24,6 +23,7 @@ from shared.bus.topology import (
 )
 from shared.bus.workqueue import JobConsumer, submit_job
 from shared.errors import TandemError
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 

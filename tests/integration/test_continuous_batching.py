@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tests.integration.prompts import varied_prompts
 
 pytestmark = pytest.mark.integration

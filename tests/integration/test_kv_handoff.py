@@ -10,7 +10,9 @@ import msgspec
 import pytest
 
 from shared.bus.messages import SequenceSnapshot
+from shared.connector.snapshots import from_wire
 from shared.engine.engine import Engine, EngineConfig
+from shared.engine.types import SequenceState
 from shared.model.loader import LoadedModel
 from tests.integration.kv_worker import GREEDY, SAMPLED
 from tests.integration.prompts import varied_prompts
@@ -37,9 +39,10 @@ def drain(engine: Engine) -> dict[str, list[int]]:
     return got
 
 
-def load(out: Path, name: str) -> tuple[SequenceSnapshot, bytes]:
+def load(out: Path, name: str) -> tuple[SequenceState, bytes]:
+    """A snapshot as the wire carried it, mapped back to the engine's state."""
     snap = msgspec.msgpack.decode((out / f"{name}.snap").read_bytes(), type=SequenceSnapshot)
-    return snap, (out / f"{name}.kv").read_bytes()
+    return from_wire(snap), (out / f"{name}.kv").read_bytes()
 
 
 def test_prefill_export_import_decode_across_processes(
@@ -53,7 +56,7 @@ def test_prefill_export_import_decode_across_processes(
     for i in range(len(prompts)):
         snap, frame = load(tmp_path, f"r{i}")
         assert snap.prompt_ids == prompts[i] and snap.num_computed == len(prompts[i])
-        first[snap.attempt_id] = list(snap.output_ids)
+        first[snap.request_id] = list(snap.output_ids)
         decode.add_snapshot(snap, frame)
     rest = drain(decode)
     for i in range(len(prompts)):

@@ -17,7 +17,6 @@ from services.decode.worker import DecodeWorker
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
 from shared.bus.messages import Cancel, PrefillJob, encode, read_reply
-from shared.bus.params import SamplingParams
 from shared.bus.server import NatsServer
 from shared.bus.topology import (
     REPLY_BY_HEADER,
@@ -28,6 +27,7 @@ from shared.bus.topology import (
 )
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import load_model
 from shared.model.runner import PackedItem
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -67,7 +67,7 @@ def test_a_cache_salt_starts_a_chain_of_its_own() -> None:
 
 def test_key_isolation_puts_the_key_digest_before_the_salt() -> None:
     from services.router.admission import salted_by_key
-    from shared.bus.params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     params = SamplingParams(cache_salt="mine")
     assert salted_by_key(params, "d1g35t").cache_salt == "d1g35t:mine"

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.kvclient.uploader import BlockUploader
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.kv.paged_cache import PagedKVCache
 from shared.model import cpu_gemm, cpu_kernels
 from shared.model.loader import LoadedModel
 from shared.model.runner import ModelRunner, kv_layout
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -8,11 +8,11 @@ import msgspec
 import pytest
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.prefill_steps import prefill_and_export
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

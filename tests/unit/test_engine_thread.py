@@ -19,7 +19,7 @@ import argparse, asyncio, os, sys, threading
 from shared.runtime.options import add_engine_node_parser
 from shared.runtime.engine import engine_from_args, start_engine
 from shared.runtime.engine_thread import EngineThread
-from shared.bus.params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 parser = argparse.ArgumentParser()
 add_engine_node_parser(parser.add_subparsers(), "decode", "")

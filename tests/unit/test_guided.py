@@ -13,11 +13,11 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.errors import InvalidRequestError
 from shared.grammar import grammar_for
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.errors import WireFormatError
 from shared.kv.block_hash import ROOT_HASH, BlockHash
 from shared.kv.tail import TailBlock, fit_tail
 from shared.kvclient.tails import TailUploader, extend
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.unit

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.outputs import StepOutput
+from shared.engine.types import StepOutput
 from shared.errors import InvalidRequestError
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

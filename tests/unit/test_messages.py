@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from shared.bus import messages as m
 from shared.bus.messages import SequenceSnapshot
-from shared.bus.params import SamplingParams
 from shared.bus.topology import is_token_subject, token_subject
 from shared.errors import WireFormatError
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

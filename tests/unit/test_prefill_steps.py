@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.prefill_steps import prefill_steps
 from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

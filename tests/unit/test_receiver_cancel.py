@@ -11,7 +11,7 @@ import pytest
 from services.decode.receiver import Expected, KVReceiver
 from shared.bus.ids import AttemptId, handoff_transfer_id
 from shared.bus.messages import SequenceSnapshot
-from shared.bus.params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

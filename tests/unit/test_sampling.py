@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.bus.params import SamplingParams
 from shared.engine.sampling import sample, sample_row, seeded_uniform
 from shared.errors import InvalidRequestError
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from shared.buffers import PAGE
-from shared.bus.params import SamplingParams
 from shared.engine.engine import Engine, EngineConfig
 from shared.errors import CapacityError
 from shared.kv.paged_cache import KVLayout, PagedKVCache
 from shared.kv.shared_pool import KVBudget, SharedBlockPool
 from shared.model.loader import LoadedModel, load_model
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,7 @@
-"""Sampling parameters as they travel on the wire: torch-free, so a process that only
-routes (the router) never loads the model stack to read or write them.
+"""Sampling parameters: what a request asks of generation. A value type of its own, as
+vLLM's `SamplingParams` is: the router builds and validates it, control messages carry it,
+the engine reads it, and none of the three imports another to share it. Torch-free, so a
+process that only routes never loads the model stack to read or write it.
 
 The sampler that applies them is `shared/engine/sampling.py`.
 """

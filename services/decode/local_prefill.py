@@ -23,12 +23,12 @@ from shared.bus.client import Bus
 from shared.bus.messages import PrefillJob, accepted, decode, refused
 from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
+from shared.connector.prefix_cache import PrefixCache
 from shared.engine.engine import Engine
 from shared.engine.types import StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
-from shared.kvclient.prefix_cache import PrefixCache
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer

@@ -174,8 +174,8 @@ async def start_worker(
     the task keeping its kvcache connections warm (None without a kvcache service)."""
     from services.decode.worker import DecodeWorker
     from shared.bus.journal import RequestJournal
+    from shared.connector.prefix_cache import PrefixCache
     from shared.kvclient.client import KVCacheClient
-    from shared.kvclient.prefix_cache import PrefixCache
     from shared.kvclient.tails import TailUploader
     from shared.kvclient.uploader import BlockUploader
     from shared.kvclient.warm import keep_warm

@@ -23,9 +23,9 @@ from services.decode.local_prefill import load_prefix
 from services.decode.streams import DecodeNode
 from shared.bus.client import Bus
 from shared.bus.messages import Prefetch, decode
+from shared.connector.prefix_cache import PrefixCache
 from shared.engine.engine import Engine
 from shared.errors import WireFormatError
-from shared.kvclient.prefix_cache import PrefixCache
 
 log = logging.getLogger("tandem.decode")
 PREFETCH_TIMEOUT = 5.0  # seconds for one prefetch's load from kvcache (as for a prefix)

@@ -30,7 +30,7 @@ from services.decode.standby import Standby
 from services.decode.streams import Streams
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
-from shared.bus.kv_events import KVEventPublisher, PoolEvents
+from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import (
@@ -40,10 +40,11 @@ from shared.bus.topology import (
     local_prefill_subject,
     prefetch_subject,
 )
-from shared.deltas import delta_from_output
+from shared.connector.deltas import delta_from_output
+from shared.connector.pool_events import PoolEvents
+from shared.connector.prefix_cache import PrefixCache
 from shared.engine.engine import Engine
 from shared.engine.types import StepOutput
-from shared.kvclient.prefix_cache import PrefixCache
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader
 from shared.runtime.cancels import read_cancel

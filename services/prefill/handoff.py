@@ -26,8 +26,8 @@ from shared.bus.registry import CachedNodes, NodeRegistry
 from shared.bus.topology import assign_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
+from shared.connector.deltas import delta_from_output
 from shared.connector.snapshots import to_wire
-from shared.deltas import delta_from_output
 from shared.engine.engine import Engine
 from shared.engine.types import SequenceState, StepOutput
 from shared.telemetry.logs import bind

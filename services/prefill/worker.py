@@ -3,7 +3,7 @@
 Jobs come from the node's own queue (steered here by a router: this pool holds their
 prefix) and the shared one (intake.py). Per job: drop it if cancelled or past its deadline;
 load the longest cached prefix of its prompt from the kvcache service beyond what this
-node's own pool holds (`shared/kvclient/prefix_cache.py`); prefill only the rest (batched
+node's own pool holds (`shared/connector/prefix_cache.py`); prefill only the rest (batched
 with the jobs that arrived together, in steps: shared/engine/prefill_steps.py) on the
 engine thread; as each step ends, hand its sequences to decode nodes (handoff.py), store
 their newly computed full blocks in the kvcache service in the background, and announce
@@ -25,19 +25,20 @@ from prometheus_client import Counter
 from services.prefill.handoff import RETRY_DELAY, HandOff
 from services.prefill.intake import JobIntake, one_per_request
 from shared.bus.client import Bus
-from shared.bus.kv_events import KVEventPublisher, PoolEvents
+from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import NodeInfo, TokenDelta
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
+from shared.connector.pool_events import PoolEvents
+from shared.connector.prefix_cache import PrefixCache
 from shared.engine.engine import Engine
 from shared.engine.prefill_steps import Prefilled, PrefillRequest, prefill_steps
 from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.kvclient.client import KVCacheClient
-from shared.kvclient.prefix_cache import PrefixCache
 from shared.runtime.cancels import RecentCancels, read_cancel
 from shared.runtime.engine import torch_threads
 from shared.runtime.engine_thread import EngineThread

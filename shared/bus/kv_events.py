@@ -19,7 +19,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from nats.js.api import DeliverPolicy
 
@@ -28,9 +27,6 @@ from shared.bus.messages import KVEvent, KVEventOp, decode
 from shared.bus.topology import KV_EVENTS_SUBJECT, kv_events_subject
 from shared.errors import WireFormatError
 from shared.tasks import cancel_and_wait
-
-if TYPE_CHECKING:
-    from shared.engine.engine import Engine
 
 log = logging.getLogger("tandem.kv_events")
 
@@ -102,33 +98,6 @@ class KVEventPublisher:
         await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), 1.0)
-
-
-class PoolEvents:
-    """What an engine's block pool took in and evicted, as KV events of `publisher`.
-
-    The engine names and evicts blocks on its own thread: they are collected there (`take`,
-    on that thread, between engine calls) and published from the event loop (`publish`).
-    """
-
-    def __init__(self, engine: Engine, publisher: KVEventPublisher) -> None:
-        self.publisher = publisher
-        self._named: list[bytes] = []
-        self._evicted: list[bytes] = []
-        engine.exchange.on_blocks_named = lambda hashes: self._named.extend(
-            hashes
-        )  # the list rebinds
-        engine.pool.on_evict = lambda _block, h: self._evicted.append(h)
-
-    def take(self) -> tuple[list[bytes], list[bytes]]:
-        """(evicted, named) since the last take."""
-        evicted, self._evicted = self._evicted, []
-        named, self._named = self._named, []
-        return evicted, named
-
-    def publish(self, evicted: list[bytes], named: list[bytes]) -> None:
-        self.publisher.evicted(evicted)  # evictions first: a block may be evicted and reused
-        self.publisher.stored(named)
 
 
 class KVIndex:

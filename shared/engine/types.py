@@ -1,7 +1,7 @@
 """The engine's own types: what it takes in (`SequenceState`, with `SamplingParams`) and
 gives out per step (`StepOutput`, `TokenLogprob`), and its running counts.
 
-They belong to the engine, not to the wire: the planes (shared/connector/, shared/deltas.py)
+They belong to the engine, not to the wire: the planes (shared/connector/)
 map them to and from the control messages of shared/bus/messages.py, so a change to either
 side is made in one place and the other side does not import it. Plain data, no torch: a
 module that only relays outputs does not load the model stack.

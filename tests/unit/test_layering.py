@@ -5,6 +5,8 @@ processes load.
   service and not the `tandem` command (services meet only through `shared/`).
 - No import cycle between modules: function-level imports count, and so do `TYPE_CHECKING`
   ones (they never run, but two modules that name each other's types are one design).
+- The engine and the planes meet only in `shared/connector/`: the engine imports nothing of
+  the bus, the data plane or the kvcache client, and none of those imports the engine.
 - The router and the kvcache node load neither torch nor transformers' model code.
 """
 
@@ -63,6 +65,42 @@ def test_shared_and_services_import_no_service_and_not_the_command() -> None:
             if top[0] == "services" and dtop[0] == "services" and dtop[1] != top[1]:
                 bad.append(f"{name} -> {dep}")
     assert not bad, "\n".join(sorted(bad))
+
+
+ENGINE = ("shared.engine",)
+PLANES = ("shared.bus", "shared.transport", "shared.kvclient")
+
+
+def under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def crossings(edges: dict[str, set[str]]) -> list[str]:
+    """Imports between the engine and the planes, either way."""
+    bad = []
+    for name, deps in edges.items():
+        for dep in deps:
+            if (under(name, ENGINE) and under(dep, PLANES)) or (
+                under(name, PLANES) and under(dep, ENGINE)
+            ):
+                bad.append(f"{name} -> {dep}")
+    return sorted(bad)
+
+
+def test_engine_and_planes_meet_only_in_the_connector() -> None:
+    assert crossings(graph()) == []
+
+
+def test_the_crossing_finder_finds_both_ways() -> None:
+    edges = {
+        "shared.engine.engine": {"shared.bus.messages", "shared.kv.tail"},
+        "shared.kvclient.client": {"shared.engine.types"},
+        "shared.connector.snapshots": {"shared.engine.types", "shared.bus.messages"},
+    }
+    assert crossings(edges) == [
+        "shared.engine.engine -> shared.bus.messages",
+        "shared.kvclient.client -> shared.engine.types",
+    ]
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

@@ -25,9 +25,8 @@ from services.decode.streams import Streams
 from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord
-from shared.engine.block_exchange import CheckpointPoint
-from shared.engine.engine import Engine
-from shared.engine.sequence import SequenceStatus
+from shared.engine.interface import EngineCore
+from shared.engine.types import CheckpointPoint
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader
 from shared.tasks import WakeLoop
@@ -104,7 +103,7 @@ class Checkpointing:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineCore,
         streams: Streams,
         uploader: BlockUploader | None,
         tails: TailUploader | None,
@@ -148,22 +147,12 @@ class Checkpointing:
         )
 
     def checkpoint_lag(self) -> int:
-        """Read from the metrics server's thread: a copy of the running requests, and a
-        racing change only makes this scrape a step stale."""
+        """Read from the metrics server's thread (a racing step makes it a step stale);
+        the queued have nothing to lose yet."""
         assert self.records is not None
         covered = self.records.covered
-        try:
-            running = list(self.engine.requests.values())
-        except RuntimeError:  # the engine thread changed the table mid-copy
-            return 0
-        return max(
-            (
-                s.num_tokens - covered.get(s.request_id, 0)
-                for s in running
-                if s.status is SequenceStatus.RUNNING  # not the queued: nothing to lose yet
-            ),
-            default=0,
-        )
+        running = self.engine.running_tokens()
+        return max((n - covered.get(rid, 0) for rid, n in running.items()), default=0)
 
     def start(self) -> None:
         if self.uploader is not None:

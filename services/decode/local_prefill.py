@@ -24,7 +24,7 @@ from shared.bus.messages import PrefillJob, accepted, decode, refused
 from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.connector.prefix_cache import PrefixCache
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
 from shared.errors import TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
@@ -48,7 +48,7 @@ class LocalPrefill:
     def __init__(
         self,
         node: DecodeNode,
-        engine: Engine,
+        engine: EngineCore,
         bus: Bus,
         streams: Streams,
         metrics: NodeMetrics,
@@ -127,7 +127,7 @@ class LocalPrefill:
                 await msg.respond(refused("draining"))
                 return
             if not self.engine.serves(job.model):
-                await msg.respond(refused(f"this node serves {self.engine.model.served_name!r}"))
+                await msg.respond(refused(f"this node serves {self.engine.served_name!r}"))
                 return
             if job.attempt_id in self.admitting or job.attempt_id in self.streams:
                 await msg.respond(refused("already here"))
@@ -136,7 +136,7 @@ class LocalPrefill:
                 await msg.respond(refused("cancelled"))
                 return
             context = job.prompt_ids + job.output_ids  # a resumed request: its output too
-            prompt_blocks = self.engine.scheduler.blocks_for(len(context))
+            prompt_blocks = self.engine.blocks_for(len(context))
             if self.node.free_blocks() < prompt_blocks + 1:
                 await msg.respond(refused("not enough free KV blocks"))
                 return

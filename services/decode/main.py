@@ -133,7 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
             # Each model's node logs as itself: its tasks (subscriptions, loops) start in a
             # context naming its node and model (the process's default is the first node).
             context = contextvars.copy_context()
-            context.run(bind, node_id=rt.node_id, model=engine.model.served_name)
+            context.run(bind, node_id=rt.node_id, model=engine.served_name)
             contexts.append(context)
             worker, warm = await asyncio.create_task(
                 start_worker(rt, engine, thread, margs, rate), context=context
@@ -145,9 +145,7 @@ async def serve(args: argparse.Namespace) -> None:
                 worker.siblings = [w.engine for w in workers]
                 worker.host = first.node_id
             # the process's one metrics port (the first node's) serves every model's
-            workers[0].metrics.serve_models(
-                {w.engine.model.served_name: w.metrics for w in workers}
-            )
+            workers[0].metrics.serve_models({w.engine.served_name: w.metrics for w in workers})
         faults.install(thread)
         freeze_startup_objects()
         await asyncio.gather(
@@ -217,7 +215,7 @@ async def start_worker(
     log.info(
         "decode node %s ready (%s): %d KV blocks, data plane %s",
         rt.node_id,
-        engine.model.served_name,
+        engine.served_name,
         engine.pool.num_blocks,
         rt.transport.address,
     )

@@ -22,7 +22,7 @@ from shared.bus.messages import DecodeAssignment, SequenceSnapshot, accepted, de
 from shared.bus.topology import is_token_subject
 from shared.bus.tracing import extract_context
 from shared.connector.snapshots import from_wire
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.errors import TandemError, WireFormatError
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
@@ -50,7 +50,7 @@ class KVReceiver:
     def __init__(
         self,
         node: DecodeNode,
-        engine: Engine,
+        engine: EngineCore,
         bus: Bus,
         streams: Streams,
         metrics: NodeMetrics,
@@ -91,10 +91,10 @@ class KVReceiver:
             await msg.respond(refused(exc.message))
             return
         if not self.engine.serves(assignment.model):
-            await msg.respond(refused(f"this node serves {self.engine.model.served_name!r}"))
+            await msg.respond(refused(f"this node serves {self.engine.served_name!r}"))
             return
-        need = self.engine.scheduler.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
-        now_blocks = self.engine.scheduler.blocks_for(snap.num_computed)
+        need = self.engine.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
+        now_blocks = self.engine.blocks_for(snap.num_computed)
         if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
             await msg.respond(refused("not enough free KV blocks"))
             return

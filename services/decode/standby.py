@@ -24,7 +24,7 @@ from services.decode.streams import DecodeNode
 from shared.bus.client import Bus
 from shared.bus.messages import Prefetch, decode
 from shared.connector.prefix_cache import PrefixCache
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.errors import WireFormatError
 
 log = logging.getLogger("tandem.decode")
@@ -36,7 +36,7 @@ class Standby:
     """A decode worker's part: the prefetches it takes as another stream's standby."""
 
     def __init__(
-        self, node: DecodeNode, engine: Engine, bus: Bus, prefix: PrefixCache | None
+        self, node: DecodeNode, engine: EngineCore, bus: Bus, prefix: PrefixCache | None
     ) -> None:
         self.node = node
         self.engine = engine
@@ -48,14 +48,14 @@ class Standby:
     async def on_prefetch(self, msg: Msg) -> None:
         try:
             hint = decode(msg.data, Prefetch)
-            if len(hint.token_ids) > self.engine.model.max_model_len:
+            if len(hint.token_ids) > self.engine.max_model_len:
                 raise WireFormatError("prefetch context longer than the model's")
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             return
         if self.node.draining or self.prefix is None or self.prefetching >= MAX_PREFETCHES:
             return
-        need = self.engine.scheduler.blocks_for(len(hint.token_ids))
+        need = self.engine.blocks_for(len(hint.token_ids))
         if self.node.free_blocks() < 2 * need:
             return
         self.prefetching += 1

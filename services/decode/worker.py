@@ -1,6 +1,6 @@
 """A decode node: receives KV transfers into its paged pool and runs the continuous batch.
 
-Engine calls (import, step, abort) all run on one dedicated thread, in order, so the
+EngineCore calls (import, step, abort) all run on one dedicated thread, in order, so the
 engine needs no locks and the event loop stays free for NATS and the data plane while a
 step computes. A transfer is accepted only if it was announced by a DecodeAssignment first
 (the node reserves room then), within its deadline and of the announced size.
@@ -43,7 +43,7 @@ from shared.bus.topology import (
 from shared.connector.deltas import delta_from_output
 from shared.connector.pool_events import PoolEvents
 from shared.connector.prefix_cache import PrefixCache
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
 from shared.kvclient.tails import TailUploader
 from shared.kvclient.uploader import BlockUploader
@@ -62,7 +62,7 @@ class DecodeWorker:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineCore,
         bus: Bus,
         node_id: str,
         transport: Transport | None = None,
@@ -84,14 +84,14 @@ class DecodeWorker:
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
         # Every engine of this process, this one's included, when it hosts several models
         # (their steps share the thread); empty alone.
-        self.siblings: list[Engine] = []
+        self.siblings: list[EngineCore] = []
         self.host = ""  # the process's first node id when it hosts several models
         self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
         self.arrivals = ArrivalWindow()  # an idle node admits a wave whole (gather.py)
         self.metrics = NodeMetrics("decode")
-        self.streams = Streams(node_id, engine.model.served_name)
+        self.streams = Streams(node_id, engine.served_name)
         self.receiver = KVReceiver(
             self,
             engine,
@@ -293,10 +293,10 @@ class DecodeWorker:
             running=self.engine.num_running,
             free_kv_blocks=max(0, self.free_blocks()),
             total_kv_blocks=self.engine.pool.num_blocks,
-            hash_key=self.engine.hash_extra.decode(),
-            block_size=self.engine.config.block_size,
+            hash_key=self.engine.hash_key,
+            block_size=self.engine.block_size,
             draining=self.draining,
-            model=self.engine.model.served_name,
+            model=self.engine.served_name,
             host_running=self.host_running(),
             hosted_models=max(1, len(self.siblings)),
             host=self.host,

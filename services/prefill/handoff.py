@@ -28,7 +28,7 @@ from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
 from shared.connector.deltas import delta_from_output
 from shared.connector.snapshots import to_wire
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.engine.types import SequenceState, StepOutput
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
@@ -51,7 +51,7 @@ class HandOff:
     def __init__(
         self,
         node_id: str,
-        engine: Engine,
+        engine: EngineCore,
         bus: Bus,
         transport: Transport,
         registry: NodeRegistry,
@@ -130,7 +130,7 @@ class HandOff:
     async def _decode_candidates(self, preferred: str, fresh: bool = False) -> list[NodeInfo]:
         # only nodes that key their blocks as this one does: the same model and dtype
         # (an older node, without a hash key, is taken on trust)
-        key = self.engine.hash_extra.decode()
+        key = self.engine.hash_key
         nodes = [
             n
             for n in (await self.decode_nodes.nodes(preferred, fresh)).values()
@@ -175,7 +175,7 @@ class HandOff:
             deadline=time.time() + TRANSFER_TIMEOUT,
             transfer_secret=new_secret(),
             handoff=job.job.handoff,
-            model=self.engine.model.served_name,
+            model=self.engine.served_name,
         )
         try:
             reply = await self.bus.nc.request(
@@ -197,7 +197,7 @@ class HandOff:
             assignment.transfer_id,
             payload,
             chunk_bytes=self.engine.layout.bytes_per_block,
-            num_blocks=self.engine.scheduler.blocks_for(snap.num_computed),
+            num_blocks=self.engine.blocks_for(snap.num_computed),
             traceparent=inject_headers().get("traceparent", ""),
             secret=assignment.transfer_secret,
         )

@@ -33,7 +33,7 @@ from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
 from shared.connector.pool_events import PoolEvents
 from shared.connector.prefix_cache import PrefixCache
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.engine.prefill_steps import Prefilled, PrefillRequest, prefill_steps
 from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError, TandemError
@@ -56,7 +56,7 @@ KEEP_ALIVE_INTERVAL = 2.0  # in_progress for held jobs: well inside the queue's 
 class PrefillWorker:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineCore,
         bus: Bus,
         transport: Transport,
         registry: NodeRegistry,
@@ -111,15 +111,15 @@ class PrefillWorker:
             data_address=self.transport.address,
             free_kv_blocks=self.engine.pool.num_free,
             total_kv_blocks=self.engine.pool.num_blocks,
-            hash_key=self.engine.hash_extra.decode(),
-            block_size=self.engine.config.block_size,
-            model=self.engine.model.served_name,
+            hash_key=self.engine.hash_key,
+            block_size=self.engine.block_size,
+            model=self.engine.served_name,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.bus.nc is not None
         await self.bus.nc.subscribe(cancel_subject(), cb=self.on_cancel)
-        intake = await JobIntake(self.bus, self.node_id, self.engine.model.served_name).start()
+        intake = await JobIntake(self.bus, self.node_id, self.engine.served_name).start()
         handoff = HandOff(
             self.node_id,
             self.engine,
@@ -307,7 +307,7 @@ class PrefillWorker:
                     "tandem.batch_size": len(jobs),
                     "tandem.batch_tokens": sum(len(x.job.prompt_ids) for x in jobs),
                     "tandem.node_id": self.node_id,
-                    "tandem.model": self.engine.model.served_name,
+                    "tandem.model": self.engine.served_name,
                 },
             )
             for j in jobs
@@ -363,7 +363,7 @@ class PrefillWorker:
             return False
         if not self.engine.serves(job.job.model):  # steered here wrongly
             await self._fail(
-                job, f"this node serves {self.engine.model.served_name!r}, not {job.job.model!r}"
+                job, f"this node serves {self.engine.served_name!r}, not {job.job.model!r}"
             )
             return False
         try:

@@ -4,7 +4,7 @@ on the bus for the routers' index (shared/bus/kv_events.py)."""
 from __future__ import annotations
 
 from shared.bus.kv_events import KVEventPublisher
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 
 
 class PoolEvents:
@@ -14,7 +14,7 @@ class PoolEvents:
     on that thread, between engine calls) and published from the event loop (`publish`).
     """
 
-    def __init__(self, engine: Engine, publisher: KVEventPublisher) -> None:
+    def __init__(self, engine: EngineCore, publisher: KVEventPublisher) -> None:
         self.publisher = publisher
         self._named: list[bytes] = []
         self._evicted: list[bytes] = []

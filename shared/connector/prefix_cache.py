@@ -14,9 +14,9 @@ from __future__ import annotations
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanContext
 
-from shared.engine.engine import Engine
+from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
-from shared.kv.block_hash import BlockHash, block_hashes, chain_root
+from shared.kv.block_hash import BlockHash
 from shared.kv.export import split_frame
 from shared.kvclient.client import KVCacheClient
 from shared.kvclient.uploader import BlockUploader
@@ -27,7 +27,9 @@ TRACER = tracer("prefill")
 
 
 class PrefixCache:
-    def __init__(self, engine: Engine, cache: KVCacheClient | None, upload: bool = True) -> None:
+    def __init__(
+        self, engine: EngineCore, cache: KVCacheClient | None, upload: bool = True
+    ) -> None:
         self.engine = engine
         self.cache = cache
         self.uploader = BlockUploader(cache) if cache is not None and upload else None
@@ -93,10 +95,8 @@ class PrefixCache:
         """Queue the full blocks of `token_ids` that did not come from a cache for kvcache."""
         if self.uploader is None:
             return
-        bs = self.engine.config.block_size
-        root = chain_root(cache_salt)
-        hashes = block_hashes(token_ids, bs, self.engine.hash_extra, parent=root)
-        first = out.num_cached_tokens // bs
+        hashes = self.engine.exchange.context_block_hashes(token_ids, cache_salt)
+        first = out.num_cached_tokens // self.engine.block_size
         if first >= len(hashes):
             return
         _, payload = split_frame(frame)

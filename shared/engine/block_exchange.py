@@ -11,26 +11,15 @@ from __future__ import annotations
 
 from collections import abc
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from shared.engine.sequence import Sequence
+from shared.engine.types import CheckpointPoint
 from shared.errors import WireFormatError
 from shared.kv.block_hash import BlockHash, block_hashes, chain_root
 from shared.kv.block_pool import BlockPool
 from shared.kv.paged_cache import KVLayout, PagedKVCache
-
-
-@dataclass(frozen=True)
-class CheckpointPoint:
-    """How far a sequence's KV is handed to the uploader: enough to resume it elsewhere."""
-
-    request_id: str
-    num_tokens: int  # positions covered by its handed-over full blocks
-    block_hashes: list[BlockHash]
-    output_ids: list[int]  # generated so far (with the seed: the whole sampler state)
-    seed: int
 
 
 class BlockExchange:
@@ -60,8 +49,12 @@ class BlockExchange:
 
     def prompt_block_hashes(self, prompt_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
         """Hashes of the prompt's blocks a prefix hit could cover (≥ 1 token stays to compute)."""
-        bs, root = self.layout.block_size, chain_root(cache_salt)
-        return block_hashes(prompt_ids[:-1], bs, self.hash_extra, parent=root)
+        return self.context_block_hashes(prompt_ids[:-1], cache_salt)
+
+    def context_block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
+        """Hashes of every full block of `token_ids` (a prompt's, as a prefill computed it)."""
+        root = chain_root(cache_salt)
+        return block_hashes(token_ids, self.layout.block_size, self.hash_extra, parent=root)
 
     def cached_prefix_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` this node's own pool holds."""

@@ -29,6 +29,7 @@ from shared.engine.logprobs import (
 from shared.engine.sampling import sample
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.engine.stopping import stop_reason
 from shared.engine.tail_exchange import TailExchange
 from shared.engine.types import EngineStats, SequenceState, StepOutput, TokenLogprob
 from shared.errors import CapacityError, WireFormatError
@@ -115,6 +116,34 @@ class Engine:
             model.max_model_len, self.vocab_size, self.config.block_size, num_blocks
         )
         self._ids = itertools.count()
+
+    # ---- what it is (shared/engine/interface.py) --------------------------------------------
+
+    @property
+    def served_name(self) -> str:
+        return self.model.served_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def hash_key(self) -> str:
+        return self.hash_extra.decode()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.scheduler.blocks_for(num_tokens)
+
+    def running_tokens(self) -> dict[str, int]:
+        try:
+            running = list(self.requests.values())
+        except RuntimeError:  # the engine thread changed the table mid-copy: try once more
+            running = list(self.requests.values())
+        return {s.request_id: s.num_tokens for s in running if s.status is SequenceStatus.RUNNING}
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -332,23 +361,7 @@ class Engine:
 
     def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> StepOutput:
         seq.output_ids.append(tok)
-        reason: str | None = None
-        if tok in self.model.eos_token_ids and not seq.params.ignore_eos:
-            reason = "stop"
-        elif tok in seq.params.stop_token_ids:
-            reason = "stop"  # its text is not part of the output, as EOS's is not
-        else:
-            if seq.detok is not None:
-                seq.detok.add(tok)
-                if seq.detok.stopped:
-                    reason = "stop"
-            if self.guides.advance(seq, tok):
-                reason = "stop"  # the response format is complete
-        if reason is None and (
-            len(seq.output_ids) >= seq.params.max_tokens
-            or seq.num_tokens >= self.model.max_model_len
-        ):
-            reason = "length"
+        reason = stop_reason(seq, tok, self.model.eos_token_ids, self.guides, self.max_model_len)
         text = seq.detok.delta(final=reason is not None) if seq.detok is not None else ""
         prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # out with the first token
         if reason is not None:

@@ -21,7 +21,7 @@ from shared.errors import CapacityError
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from shared.engine.engine import Engine
+    from shared.engine.interface import EngineCore
 
 # a request to prefill: its id, its prompt's token ids, its sampling parameters
 PrefillRequest = tuple[str, list[int], SamplingParams]
@@ -30,7 +30,7 @@ Prefilled = tuple[StepOutput, SequenceState | None, memoryview | None]
 
 
 def prefill_steps(
-    engine: Engine,
+    engine: EngineCore,
     requests: list[PrefillRequest],
     resumed: dict[str, list[int]] | None = None,
 ) -> Generator[list[Prefilled], None, None]:
@@ -51,7 +51,7 @@ def prefill_steps(
     try:
         for request_id, prompt_ids, params in sorted(requests, key=context):
             engine.add_request(prompt_ids, params, request_id, resumed.get(request_id))
-        while engine.scheduler.waiting:
+        while engine.num_waiting:
             outs = engine.step()
             if not outs:
                 raise CapacityError("KV blocks exhausted during prefill")
@@ -70,7 +70,7 @@ def prefill_steps(
 
 
 def prefill_and_export(
-    engine: Engine,
+    engine: EngineCore,
     requests: list[PrefillRequest],
     resumed: dict[str, list[int]] | None = None,
 ) -> list[Prefilled]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.kv.block_hash import BlockHash
 from shared.sampling_params import SamplingParams
 
 
@@ -35,6 +36,17 @@ class SequenceState:
     params: SamplingParams
     seed: int
     num_computed: int
+
+
+@dataclass(frozen=True)
+class CheckpointPoint:
+    """How far a sequence's KV is handed to the uploader: enough to resume it elsewhere."""
+
+    request_id: str
+    num_tokens: int  # positions covered by its handed-over full blocks
+    block_hashes: list[BlockHash]
+    output_ids: list[int]  # generated so far (with the seed: the whole sampler state)
+    seed: int
 
 
 @dataclass

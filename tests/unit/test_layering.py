@@ -7,6 +7,9 @@ processes load.
   ones (they never run, but two modules that name each other's types are one design).
 - The engine and the planes meet only in `shared/connector/`: the engine imports nothing of
   the bus, the data plane or the kvcache client, and none of those imports the engine.
+- Prefill and decode nodes reach the engine only through its interface
+  (shared/engine/interface.py, its types, and `prefill_steps` over it); the one engine they
+  run is built for them by shared/runtime/engine.py.
 - The router and the kvcache node load neither torch nor transformers' model code.
 """
 
@@ -100,6 +103,38 @@ def test_the_crossing_finder_finds_both_ways() -> None:
     assert crossings(edges) == [
         "shared.engine.engine -> shared.bus.messages",
         "shared.kvclient.client -> shared.engine.types",
+    ]
+
+
+NODES = ("services.prefill", "services.decode")
+SEAM = ("shared.engine.interface", "shared.engine.types", "shared.engine.prefill_steps")
+
+
+def past_the_seam(edges: dict[str, set[str]]) -> list[str]:
+    """Imports of engine internals (or the model stack) by a prefill or decode node."""
+    inside = ("shared.engine", "shared.model")
+    return sorted(
+        f"{name} -> {dep}"
+        for name, deps in edges.items()
+        if under(name, NODES)
+        for dep in deps
+        if under(dep, inside) and not under(dep, SEAM)
+    )
+
+
+def test_nodes_use_the_engine_only_through_its_interface() -> None:
+    assert past_the_seam(graph()) == []
+
+
+def test_the_seam_check_finds_a_reach_past_it() -> None:
+    edges = {
+        "services.decode.worker": {"shared.engine.interface", "shared.engine.engine"},
+        "services.prefill.worker": {"shared.model.loader", "shared.engine.types"},
+        "services.router.app": {"shared.engine.engine"},
+    }
+    assert past_the_seam(edges) == [
+        "services.decode.worker -> shared.engine.engine",
+        "services.prefill.worker -> shared.model.loader",
     ]
 
 

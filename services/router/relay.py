@@ -176,7 +176,7 @@ def shown(
     parsed, writer = served.parsed, progress.logprobs
     if delta.seq <= served.skip_through:  # the client has it (send_event says so)
         return delta.text, None
-    echo = parsed.echo and delta.seq == 0
+    echo = parsed.echo and delta.first_seq == 0
     prompt_part = None
     if echo and writer is not None:  # first: offsets count the prompt's text
         prompt_part = writer.add_prompt(parsed.prompt_ids, delta.prompt_logprobs)
@@ -213,7 +213,7 @@ def observe(
     else:
         metrics.itl.labels(served.parsed.model).observe(now - progress.last_t)
     progress.last_t = now
-    if delta.seq > 0 or served.route == "local":
+    if delta.first_seq > 0 or served.route == "local":
         progress.decode_by = delta.node_id
         if served.kv_placed is not None:  # its decode node holds its prompt's KV now
             served.kv_placed.set()
@@ -234,7 +234,7 @@ async def send_event(
         if not delta.finished:
             return
         text = ""  # it may not have seen the end: say it, without the text
-    opening = delta.seq == 0
+    opening = delta.first_seq == 0
     if response is None or not (text or delta.finished or opening or logprobs):
         return
     reason = delta.finish_reason if delta.finished else None

@@ -89,15 +89,18 @@ class RequestStream:
         if delta.handoff is not None and delta.handoff != self.handoff:
             self.stale_tokens += 1  # a node this request failed over from, still running
             return
-        if delta.seq < self.next_seq or delta.seq in self.pending:
+        # Deltas are ordered by token index, not counted: one may bring several tokens.
+        # One that overlaps what was delivered is dropped whole (its text cannot be cut).
+        first = delta.first_seq
+        if first < self.next_seq or first in self.pending:
             self.duplicates += 1
             return
         if len(self.pending) >= MAX_BUFFERED:
             return
-        self.pending[delta.seq] = delta
+        self.pending[first] = delta
         while self.next_seq in self.pending:
             ready = self.pending.pop(self.next_seq)
-            self.next_seq += 1
+            self.next_seq = ready.seq + 1
             self.token_ids.extend(ready.token_ids)
             now = time.monotonic()
             if self.node_id == ready.node_id and self.next_seq > 2:  # a decode step's gap
@@ -110,7 +113,7 @@ class RequestStream:
             self.hole_since = None
         elif (
             self.hole_since is None
-            and delta.seq in self.pending  # it skipped ahead
+            and first in self.pending  # it skipped ahead
             and self.sender in (None, delta.node_id)  # and it is the current attempt's
         ):
             self.hole_since = time.monotonic()

@@ -92,7 +92,9 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
 
 
 class TokenDelta(Message, frozen=True, tag="token_delta"):
-    """Node → router: the next tokens of a request; `seq` counts deltas per request from 0."""
+    """Node → router: the next tokens of a request, one or more (an engine may make several
+    a step). `seq` is the index of its last token in the request's output, so any node
+    numbers alike; `first_seq` its first's."""
 
     attempt_id: AttemptId = AttemptId("")
     seq: int = 0
@@ -110,6 +112,10 @@ class TokenDelta(Message, frozen=True, tag="token_delta"):
     handoff: int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks
     prompt_logprobs: list[TokenLogprob] | None = None  # the first delta's, when asked
+
+    @property
+    def first_seq(self) -> int:
+        return self.seq - max(1, len(self.token_ids)) + 1
 
 
 class Reply(Message, frozen=True, tag="reply"):

@@ -129,3 +129,45 @@ async def test_a_client_that_stops_reading_ends_its_stream() -> None:
     got = [d async for d in stream.deltas(5.0, 5.0)]
     assert [d.seq for d in got[:-1]] == list(range(MAX_QUEUED))
     assert got[-1].error is not None and "did not read its stream" in got[-1].error
+
+
+async def feed_many(stream: RequestStream, first: int, n: int, finished: bool = False) -> None:
+    """A delta of `n` tokens, first..first+n-1 (an engine that makes several a step)."""
+    ids = [100 + i for i in range(first, first + n)]
+    delta = TokenDelta(attempt_id="r1", seq=first + n - 1, token_ids=ids, text=f"<{first}+{n}>",
+                       finished=finished, node_id="d1")  # fmt: skip
+    await stream._on_msg(FakeMsg(encode(delta)))  # type: ignore[arg-type]
+
+
+async def test_deltas_of_several_tokens_are_ordered_by_token_index() -> None:
+    stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
+
+    async def resume(reason: str) -> bool:
+        raise AssertionError(f"resumed: {reason}")
+
+    await feed_many(stream, 0, 1)  # the prefill node's first token
+    await feed_many(stream, 4, 2)  # arrives before the delta it follows: held
+    await feed_many(stream, 1, 3)
+    await feed_many(stream, 1, 3)  # a duplicate
+    await feed_many(stream, 3, 2)  # overlaps what was delivered: dropped whole
+    await feed_many(stream, 6, 3, finished=True)
+    got = [(d.first_seq, d.seq) async for d in stream.deltas(5.0, 5.0, None, resume)]
+    assert got == [(0, 0), (1, 3), (4, 5), (6, 8)]
+    assert stream.token_ids == [100 + i for i in range(9)]
+    assert stream.next_seq == 9 and stream.duplicates == 2
+
+
+async def test_a_lost_delta_of_several_tokens_is_a_gap() -> None:
+    stream = RequestStream(bus=None, request_id="r1")  # type: ignore[arg-type]
+    reasons: list[str] = []
+
+    async def resume(reason: str) -> bool:
+        reasons.append(reason)
+        stream.sender = "d1"
+        await feed_many(stream, 3, 3)  # the resumed attempt fills the gap
+        return True
+
+    await feed_many(stream, 0, 3)
+    await feed_many(stream, 6, 1, finished=True)  # 3..5 were lost
+    got = [d.seq async for d in stream.deltas(30.0, 30.0, None, resume)]
+    assert got == [2, 5, 6] and reasons == ["deltas after #2 were lost"]

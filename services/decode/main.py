@@ -19,7 +19,12 @@ from typing import Any
 
 from shared.runtime import faults
 from shared.runtime.node import NodeRuntime
-from shared.runtime.options import add_engine_node_parser, add_option, model_entries
+from shared.runtime.options import (
+    add_engine_node_parser,
+    add_option,
+    model_entries,
+    whole_number,
+)
 from shared.runtime.service import freeze_startup_objects, run_service
 from shared.telemetry.logs import bind
 
@@ -84,7 +89,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="an engine call (a step) running this long is a hung engine: the node takes no "
         "new work and answers probes 'stalled', so its streams move elsewhere",
     )
+    add_option(
+        p,
+        "--decode-ahead",
+        type=decode_ahead,
+        default=1,
+        help="run up to K engine steps per step, and stream each sequence's tokens of them "
+        "together: fewer messages, burstier gaps; new requests wait up to K steps "
+        "(shared/engine/ahead.py)",
+    )
     p.set_defaults(func=run)
+
+
+def decode_ahead(text: str) -> int:
+    """--decode-ahead: 1 (the default: a token a step) to MAX_AHEAD."""
+    from shared.engine.ahead import MAX_AHEAD  # only when given: it loads torch
+
+    return whole_number(text, 1, MAX_AHEAD)
 
 
 def checkpoint_rate(given: float) -> float:

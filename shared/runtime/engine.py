@@ -11,7 +11,9 @@ from contextlib import contextmanager
 
 import torch
 
+from shared.engine.ahead import DecodeAhead
 from shared.engine.engine import Engine, EngineConfig
+from shared.engine.interface import EngineCore
 from shared.kv.shared_pool import KVBudget
 from shared.runtime.engine_thread import EngineThread
 
@@ -45,14 +47,15 @@ def torch_threads(threads: int) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -> Engine:
+def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -> EngineCore:
     """Load the model and build the engine a prefill or decode node runs (`budget`: KV
-    memory shared with the node's other models' engines)."""
+    memory shared with the node's other models' engines; a decode node's `--decode-ahead`
+    K > 1 runs K of its steps per step, shared/engine/ahead.py)."""
     from shared.model.loader import load_model
 
     configure_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
-    return Engine(
+    engine = Engine(
         model,
         EngineConfig(
             kv_cache_bytes=args.kv_cache_mb << 20,
@@ -65,9 +68,11 @@ def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -
         ),
         budget,
     )
+    ahead = getattr(args, "decode_ahead", 1)
+    return DecodeAhead(engine, ahead) if ahead > 1 else engine
 
 
-async def start_engine(args: argparse.Namespace) -> tuple[Engine, EngineThread]:
+async def start_engine(args: argparse.Namespace) -> tuple[EngineCore, EngineThread]:
     """Build the node's engine on the thread that will run it, and return both.
 
     Built anywhere else, the model load leaves a second OpenMP team behind and every step

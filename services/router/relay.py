@@ -32,6 +32,7 @@ from services.router.parts import RouterParts
 from services.router.request import ServedRequest
 from services.router.responses import Output, chunk, completion
 from services.router.streams import StreamTimeout
+from services.router.trim import tail_of
 from shared.bus.messages import TokenDelta
 from shared.errors import DeadlineError, GenerationError, TandemError
 from shared.telemetry.tracing import tracer
@@ -158,6 +159,8 @@ async def stream_deltas(
     async for delta in deltas:
         if delta.error is not None:
             raise GenerationError(f"generation failed: {delta.error}", request_id=served.rid)
+        if delta.first_seq <= served.skip_through < delta.seq:  # the client has part of it
+            delta = tail_of(delta, served.skip_through + 1) or delta
         observe(parts, served, span, delta, progress, first)
         served.journal.delivered(delta, stream.token_ids)
         if not failover.standby:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.router.trim import tail_of
 from shared.bus.client import Bus
 from shared.bus.messages import TokenDelta, decode
 from shared.bus.topology import token_subject
@@ -90,8 +91,11 @@ class RequestStream:
             self.stale_tokens += 1  # a node this request failed over from, still running
             return
         # Deltas are ordered by token index, not counted: one may bring several tokens.
-        # One that overlaps what was delivered is dropped whole (its text cannot be cut).
+        # One that overlaps what was delivered is cut to what is new (dropped whole if it
+        # cannot be cut exactly: trim.py).
         first = delta.first_seq
+        if first < self.next_seq <= delta.seq and (cut := tail_of(delta, self.next_seq)):
+            delta, first = cut, self.next_seq
         if first < self.next_seq or first in self.pending:
             self.duplicates += 1
             return

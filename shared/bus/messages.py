@@ -112,6 +112,9 @@ class TokenDelta(Message, frozen=True, tag="token_delta"):
     handoff: int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks
     prompt_logprobs: list[TokenLogprob] | None = None  # the first delta's, when asked
+    # With several tokens: the length `text` had after each, so the router can cut the
+    # delta between two tokens (services/router/trim.py). None: one token, or not known.
+    text_ends: list[int] | None = None
 
     @property
     def first_seq(self) -> int:

@@ -30,4 +30,5 @@ def delta_from_output(out: types.StepOutput, node_id: str, handoff: int) -> Toke
         handoff=handoff,
         logprobs=wire_logprobs(out.logprobs),
         prompt_logprobs=wire_logprobs(out.prompt_logprobs),
+        text_ends=out.text_ends if len(out.new_token_ids) > 1 else None,
     )

@@ -32,8 +32,19 @@ from shared.sampling_params import SamplingParams
 MAX_AHEAD = 64
 
 
+def text_ends(out: StepOutput) -> list[int] | None:
+    """The length of `out.text` after each of its tokens (None: not known)."""
+    if out.text_ends is not None:
+        return out.text_ends
+    return [len(out.text)] if len(out.new_token_ids) == 1 else None
+
+
 def merged(a: StepOutput, b: StepOutput) -> StepOutput:
     """`a` then `b`, the same request's outputs of two steps in a row, as one."""
+    ends_a, ends_b = text_ends(a), text_ends(b)
+    ends = None
+    if ends_a is not None and ends_b is not None:
+        ends = ends_a + [len(a.text) + e for e in ends_b]
     logprobs = None
     if a.logprobs is not None or b.logprobs is not None:
         logprobs = (a.logprobs or []) + (b.logprobs or [])
@@ -48,6 +59,7 @@ def merged(a: StepOutput, b: StepOutput) -> StepOutput:
         num_cached_tokens=b.num_cached_tokens,
         logprobs=logprobs,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        text_ends=ends,
     )
 
 

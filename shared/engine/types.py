@@ -65,6 +65,10 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asks
     # with the first token, if asked: prompt tokens 1.. (the first has none)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With several tokens: the length `text` had after each (what a client served token by
+    # token would have had), so a reader can cut the output between two of them. None: one
+    # token, or an engine that cannot say.
+    text_ends: list[int] | None = None
 
 
 @dataclass

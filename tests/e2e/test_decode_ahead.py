@@ -1,9 +1,14 @@
 """Several tokens a step, through the whole stack: decode nodes run `--decode-ahead 3`
-(shared/engine/ahead.py), so each of their deltas brings up to three tokens. Eight greedy
-streams; once each has a few events, decode-1 is SIGKILLed. Every stream still ends with
-exactly the uninterrupted text: the router orders deltas by token index, checkpoints and
-tails cover the tokens of every inner step, and a resume continues after the last token
-the client has (issue 50: nothing above the engine may assume one token per step).
+(shared/engine/ahead.py), so each of their deltas brings up to three tokens.
+
+- The router SIGKILLed mid-stream: the client resumes (`Last-Event-ID`) on the restarted
+  router and gets exactly the rest, however the regenerated tokens are grouped.
+- Eight greedy streams; once each has a few events, decode-1 is SIGKILLed. Every stream
+  still ends with exactly the uninterrupted text: the router orders deltas by token index,
+  checkpoints and tails cover the tokens of every inner step, and a resume continues after
+  the last token the client has.
+
+Issue 50: nothing above the engine may assume one token per step.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from shared.bus.server import free_port
 from tandem.launcher import Stack
 from tests.e2e.chaos import Request, Stream, failed_over, run_streams
-from tests.e2e.conftest import running_stack, wait_for_every_node
+from tests.e2e.conftest import running_stack, wait_for_every_node, wait_ready
+from tests.e2e.test_api import MODEL
+from tests.e2e.test_router_restart import RESUMABLE, events, text
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +48,43 @@ def ahead_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
     with running_stack(argv, log, env={"TANDEM_DECODE_AHEAD": str(AHEAD)}) as s:
         wait_for_every_node(s, timeout=300)
         yield s, log
+
+
+async def test_a_client_resumes_a_dead_routers_stream(
+    ahead_stack: tuple[Stack, Path], chaos_reference: tuple[list[Request], list[list[str]]]
+) -> None:
+    stack, _ = ahead_stack
+    requests, pieces = chaos_reference
+    expected = "".join(pieces[1][:MAX_TOKENS])
+    body = {"model": MODEL, "prompt": requests[1].prompt_ids, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    got: list[str] = []
+    last, rid, several = -1, "", False
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/completions", json=body, headers=RESUMABLE) as resp:
+            async for event_id, data in events(resp):
+                assert event_id is not None and event_id > last
+                several |= event_id > last + 1  # an event of several tokens
+                rid, last = data["id"], event_id
+                got.append(text(data))
+                if event_id >= 20:
+                    break
+        await asyncio.to_thread(stack.kill, "router")
+    assert several
+    stack.restart("router")
+    await asyncio.to_thread(wait_ready, stack)
+    async with aiohttp.ClientSession() as s:
+        resume = f"{stack.url}/v1/requests/{rid}/stream"
+        async with s.get(resume, headers={"Last-Event-ID": str(last)}) as resp:
+            assert resp.status == 200, await resp.text()
+            async for event_id, data in events(resp):
+                if data == "[DONE]":
+                    break
+                assert event_id is not None and event_id > last
+                last = event_id
+                got.append(text(data))
+    assert "".join(got) == expected  # no gap, no repeat
+    assert last == MAX_TOKENS - 1
 
 
 async def test_streams_of_several_tokens_a_delta_survive_a_decode_node_kill(

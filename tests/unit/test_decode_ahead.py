@@ -47,6 +47,18 @@ def test_same_tokens_and_text_several_a_step(tiny_model: LoadedModel) -> None:
     plain = run(Engine(tiny_model, EngineConfig(num_blocks=128)), reqs)
     ahead = run(DecodeAhead(Engine(tiny_model, EngineConfig(num_blocks=128)), 4), reqs)
     assert per_request(ahead) == per_request(plain)
+    # each token's text, as a client served token by token had it: where text_ends cut
+    by_token: dict[str, list[str]] = {}
+    for o in plain:
+        by_token.setdefault(o.request_id, []).append(o.text)
+    cut: dict[str, list[str]] = {}
+    for o in ahead:
+        ends = o.text_ends or [len(o.text)]
+        assert len(ends) == len(o.new_token_ids)
+        cut.setdefault(o.request_id, []).extend(
+            o.text[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)
+        )
+    assert cut == by_token
     assert max(len(o.new_token_ids) for o in ahead) == 4
     for o in ahead:  # a delta numbers its last token by the count after it
         assert o.logprobs is None or len(o.logprobs) == len(o.new_token_ids)

@@ -131,11 +131,16 @@ async def test_a_client_that_stops_reading_ends_its_stream() -> None:
     assert got[-1].error is not None and "did not read its stream" in got[-1].error
 
 
-async def feed_many(stream: RequestStream, first: int, n: int, finished: bool = False) -> None:
-    """A delta of `n` tokens, first..first+n-1 (an engine that makes several a step)."""
+async def feed_many(
+    stream: RequestStream, first: int, n: int, finished: bool = False, ends: bool = False
+) -> None:
+    """A delta of `n` tokens, first..first+n-1 (an engine that makes several a step), with
+    text `<i>` per token; `ends`: with the text's length after each (it can be cut)."""
     ids = [100 + i for i in range(first, first + n)]
-    delta = TokenDelta(attempt_id="r1", seq=first + n - 1, token_ids=ids, text=f"<{first}+{n}>",
-                       finished=finished, node_id="d1")  # fmt: skip
+    parts = [f"<{i}>" for i in range(first, first + n)]
+    text_ends = [len("".join(parts[: j + 1])) for j in range(n)] if ends else None
+    delta = TokenDelta(attempt_id="r1", seq=first + n - 1, token_ids=ids, text="".join(parts),
+                       finished=finished, node_id="d1", text_ends=text_ends)  # fmt: skip
     await stream._on_msg(FakeMsg(encode(delta)))  # type: ignore[arg-type]
 
 
@@ -149,10 +154,12 @@ async def test_deltas_of_several_tokens_are_ordered_by_token_index() -> None:
     await feed_many(stream, 4, 2)  # arrives before the delta it follows: held
     await feed_many(stream, 1, 3)
     await feed_many(stream, 1, 3)  # a duplicate
-    await feed_many(stream, 3, 2)  # overlaps what was delivered: dropped whole
-    await feed_many(stream, 6, 3, finished=True)
-    got = [(d.first_seq, d.seq) async for d in stream.deltas(5.0, 5.0, None, resume)]
-    assert got == [(0, 0), (1, 3), (4, 5), (6, 8)]
+    await feed_many(stream, 3, 3)  # overlaps what was delivered, cannot be cut: dropped
+    await feed_many(stream, 5, 3, ends=True)  # overlaps by one token: cut to 6..7
+    await feed_many(stream, 8, 1, finished=True)
+    got = [d async for d in stream.deltas(5.0, 5.0, None, resume)]
+    assert [(d.first_seq, d.seq) for d in got] == [(0, 0), (1, 3), (4, 5), (6, 7), (8, 8)]
+    assert "".join(d.text for d in got) == "".join(f"<{i}>" for i in range(9))
     assert stream.token_ids == [100 + i for i in range(9)]
     assert stream.next_seq == 9 and stream.duplicates == 2
 

@@ -134,7 +134,11 @@ class LivenessProbe:
     async def _probe(self, node: str, sent: float) -> None:
         try:
             assert self.bus.nc is not None
-            reply = await self.bus.nc.request(ping_subject(node), b"", timeout=self.timing.timeout)
+            info = self.nodes.nodes.get(node)
+            if info is None:  # not registered (any more): its leaving moves its streams
+                return
+            subject = ping_subject(info.role, node)  # only that role's identity answers
+            reply = await self.bus.nc.request(subject, b"", timeout=self.timing.timeout)
             if reply.data.startswith(PING_STALLED.encode()):  # alive, its engine hung
                 self._declare_dead(node, reply.data[:200].decode(errors="replace"))
                 return

@@ -97,7 +97,7 @@ def permissions(role: str) -> Permissions:
                 "tandem.cancel",
                 "tandem.decode.*.prefill",
                 "tandem.decode.*.prefetch",
-                "tandem.node.*.ping",
+                "tandem.node.*.*.ping",
                 PREFILL_SUBJECT,
                 PREFILL_MODEL_SUBJECTS,
                 PREFILL_NODE_SUBJECTS,
@@ -127,7 +127,7 @@ def permissions(role: str) -> Permissions:
                 f"{API}.CONSUMER.MSG.NEXT.{PREFILL_STREAM}.*",
                 f"$JS.ACK.{PREFILL_STREAM}.>",
             ],
-            [inbox, "tandem.cancel", "tandem.node.*.ping"],
+            [inbox, "tandem.cancel", "tandem.node.prefill.*.ping"],
             responds=True,
         )
     if role == "decode":
@@ -146,7 +146,7 @@ def permissions(role: str) -> Permissions:
             [
                 inbox,
                 "tandem.cancel",
-                "tandem.node.*.ping",
+                "tandem.node.decode.*.ping",
                 *(f"tandem.decode.*.{op}" for op in ("assign", "prefill", "prefetch")),
             ],
             responds=True,
@@ -154,7 +154,7 @@ def permissions(role: str) -> Permissions:
     if role == "kvcache":
         return Permissions(
             [*_node("kvcache"), f"{KV_EVENTS_SUBJECT}.*"],
-            [inbox, "tandem.node.*.ping", "tandem.kvcache.*.*"],
+            [inbox, "tandem.node.kvcache.*.ping", "tandem.kvcache.*.*"],
             responds=True,
         )
     if role == "autoscaler":

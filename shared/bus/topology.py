@@ -118,10 +118,12 @@ def prefetch_subject(node_id: str) -> str:
 PING_STALLED = "stalled"
 
 
-def ping_subject(node_id: str) -> str:
+def ping_subject(role: str, node_id: str) -> str:
     """Every node answers here: a router probes a node whose stream went quiet. A dead
-    node's subscription is gone, so NATS answers "no responders" at once."""
-    return f"tandem.node.{node_id}.ping"
+    node's subscription is gone, so NATS answers "no responders" at once. The role is in
+    the subject so that each role's identity may answer its own role's pings only
+    (shared/bus/permissions.py): a kvcache node cannot declare a decode node stalled."""
+    return f"tandem.node.{role}.{node_id}.ping"
 
 
 def assign_subject(node_id: str) -> str:

@@ -138,7 +138,7 @@ class NodeRuntime:
         async def pong(msg: Msg) -> None:
             await msg.respond(health().encode())
 
-        await self.bus.nc.subscribe(ping_subject(self.node_id), cb=pong)
+        await self.bus.nc.subscribe(ping_subject(self.role, self.node_id), cb=pong)
         self._beats = asyncio.create_task(self.registry.run_heartbeats(info))
         host = getattr(self.args, "metrics_host", "127.0.0.1")
         port = metrics.serve(self.args.metrics_port, host)

@@ -45,7 +45,21 @@ class Flow:
         return self.node
 
 
+@dataclass
+class Registered:
+    role: str = "decode"
+
+
+class Registry:
+    """What the probe reads of the router's node table: every node is a decode node."""
+
+    def get(self, node_id: str) -> Registered:
+        return Registered()
+
+
 class Nodes:
+    nodes = Registry()
+
     def suspect(self, node_id: str) -> None:
         pass
 
@@ -99,11 +113,11 @@ async def subscribe_pings(
     async def on_ping(msg: Msg) -> None:
         await (msg.respond(b"") if msg.data == SETUP else cb(msg))
 
-    sub = await node.nc.subscribe(ping_subject(node.name), cb=on_ping)
+    sub = await node.nc.subscribe(ping_subject("decode", node.name), cb=on_ping)
     await node.nc.flush()
     for _ in range(100):
         try:
-            await router.bus.nc.request(ping_subject(node.name), SETUP, timeout=0.5)
+            await router.bus.nc.request(ping_subject("decode", node.name), SETUP, timeout=0.5)
             return sub
         except NoRespondersError:
             await asyncio.sleep(0.05)
@@ -211,7 +225,7 @@ async def test_a_nats_restart_is_no_verdict_on_nodes_that_come_back_late(
             back = router.bus.reconnected_at
             await asyncio.sleep(0.5)  # "no responders" for both, all this time
             assert not router.lost
-            await late.nc.subscribe(ping_subject("late"), cb=answer)  # "late" is back
+            await late.nc.subscribe(ping_subject("decode", "late"), cb=answer)  # "late" is back
             await late.nc.flush()
             while "gone" not in router.lost and time.monotonic() - back < 5:
                 await asyncio.sleep(0.01)

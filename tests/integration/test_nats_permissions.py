@@ -23,6 +23,7 @@ from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer
+from shared.bus.topology import ping_subject
 from shared.runtime.node import connect_bus
 
 pytestmark = pytest.mark.integration
@@ -167,6 +168,15 @@ async def test_each_role_is_refused_what_it_must_not_do(raw: dict[str, Raw]) -> 
     assert "$kv.tandem-nodes.decode.decode-1" in await pre.refused()
     await auto.nc.publish("tandem.cancel", b"cancel everything")
     assert "tandem.cancel" in await auto.refused()
+    # a node answers its own role's pings only: a kvcache or prefill identity cannot
+    # answer a decode node's "stalled" and have its streams moved (issue 49)
+    for other in (kv, pre):
+        other.errors.clear()
+        await other.nc.subscribe(ping_subject("decode", "decode-1"))
+        assert "tandem.node.decode.decode-1.ping" in await other.refused()
+    dec.errors.clear()
+    await dec.nc.subscribe(ping_subject("kvcache", "kvcache-1"))
+    assert "tandem.node.kvcache.kvcache-1.ping" in await dec.refused()
 
 
 async def test_a_registry_entry_under_another_roles_key_is_not_taken(

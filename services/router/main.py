@@ -25,7 +25,7 @@ from services.router.validation import Limits
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
-from shared.bus.kv_events import KVIndex
+from shared.bus.kv_events import UNADVERTISED_CAPACITY, KVIndex
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import TopologyConfig
 from shared.costs.model import CostModel
@@ -144,7 +144,12 @@ def api_keys(args: argparse.Namespace) -> ApiKeys:
 async def kv_routing(args: argparse.Namespace, bus: Bus, nodes: NodeTable) -> PrefixRouter:
     """KV-aware routing over the cluster's KV events; a node that left keeps its entries
     for INDEX_GRACE (a missed heartbeat or two must not wipe them)."""
-    index = KVIndex()
+
+    def capacity(node_id: str) -> int | None:
+        info = nodes.nodes.get(node_id)  # a node not registered announces nothing
+        return None if info is None else info.total_kv_blocks or UNADVERTISED_CAPACITY
+
+    index = KVIndex(capacity)
     await index.follow(bus)
     bus.on_reconnect.append(lambda: index.refollow(bus))
     loop = asyncio.get_running_loop()

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nats.js.api import DeliverPolicy
 
@@ -32,6 +32,8 @@ log = logging.getLogger("tandem.kv_events")
 
 MAX_HASHES_PER_EVENT = 4096  # 16-byte hashes: an event stays far below NATS' payload limit
 MAX_PENDING_HASHES = 200_000
+# Blocks the index takes from a node that advertises no KV block count (a kvcache node)
+UNADVERTISED_CAPACITY = 1 << 20
 FLUSH_INTERVAL = 0.05
 
 
@@ -101,11 +103,20 @@ class KVEventPublisher:
 
 
 class KVIndex:
-    """Which node holds which block, from the KV-event stream."""
+    """Which node holds which block, from the KV-event stream.
 
-    def __init__(self) -> None:
+    What an event may add is bounded (a forged or runaway publisher must not grow the
+    router): `capacity` says, per node id, how many blocks the node can hold (its advertised
+    KV blocks), or None for a node not in the registry, whose "stored" events are refused
+    (removals are always applied). Without `capacity` (tools, tests) every node is taken
+    at `UNADVERTISED_CAPACITY`.
+    """
+
+    def __init__(self, capacity: Callable[[str], int | None] | None = None) -> None:
         self.by_node: dict[str, set[bytes]] = {}
         self.events = 0
+        self.refused = 0  # hashes of "stored" events not indexed (unknown node, or full)
+        self.capacity = capacity or (lambda _node: UNADVERTISED_CAPACITY)
         self._sub: object | None = None
 
     def apply(self, event: KVEvent) -> None:
@@ -113,11 +124,23 @@ class KVIndex:
         if event.op == "cleared":
             self.by_node.pop(event.node_id, None)
             return
+        if event.op == "evicted":
+            if (held := self.by_node.get(event.node_id)) is not None:
+                held.difference_update(event.block_hashes)
+            return
+        if event.op != "stored":
+            return
+        cap = self.capacity(event.node_id)
+        if cap is None:
+            self.refused += len(event.block_hashes)
+            return
         held = self.by_node.setdefault(event.node_id, set())
-        if event.op == "stored":
-            held.update(event.block_hashes)
-        elif event.op == "evicted":
-            held.difference_update(event.block_hashes)
+        room = max(0, cap - len(held))
+        new = [h for h in event.block_hashes if h not in held]
+        if len(new) > room:
+            self.refused += len(new) - room
+            new = new[:room]
+        held.update(new)
 
     def drop_node(self, node_id: str) -> None:
         self.by_node.pop(node_id, None)
@@ -142,10 +165,16 @@ class KVIndex:
 
         async def on_event(msg: object) -> None:
             data = getattr(msg, "data", b"")
+            subject = getattr(msg, "subject", KV_EVENTS_SUBJECT)
             try:
-                self.apply(decode(data, KVEvent))
+                event = decode(data, KVEvent)
             except WireFormatError as exc:
-                bus.count_drop(getattr(msg, "subject", KV_EVENTS_SUBJECT), str(exc))
+                bus.count_drop(subject, str(exc))
+                return
+            if subject != kv_events_subject(event.node_id):  # a node speaks for itself only
+                bus.count_drop(subject, f"a KV event of {event.node_id!r} on another's subject")
+                return
+            self.apply(event)
 
         self._sub = await bus.js.subscribe(
             f"{KV_EVENTS_SUBJECT}.>",

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
 
 from services.decode.checkpoints import Checkpointing, CheckpointWriter
 from services.decode.gather import ArrivalWindow
 from services.decode.local_prefill import LocalPrefill
 from services.decode.presence import Presence
-from services.decode.receiver import KVReceiver
 from services.decode.standby import Standby
 from services.decode.streams import Streams
 from shared.bus.client import Bus
@@ -43,6 +43,7 @@ from shared.bus.topology import (
 from shared.connector.deltas import delta_from_output
 from shared.connector.pool_events import PoolEvents
 from shared.connector.prefix_cache import PrefixCache
+from shared.connector.receiver import KVReceiver
 from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
 from shared.kvclient.tails import TailUploader
@@ -96,7 +97,6 @@ class DecodeWorker:
             self,
             engine,
             bus,
-            self.streams,
             self.metrics,
             node_id,
             transport.name if transport else "",
@@ -146,6 +146,12 @@ class DecodeWorker:
 
     async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.thread.call(fn, *args)
+
+    def admitted(
+        self, request_id: str, token_subject: str, handoff: int, ctx: otel_context.Context
+    ) -> None:
+        self.streams.start(request_id, token_subject, handoff, ctx)
+        self.streams.wake.set()
 
     def free_blocks(self) -> int:
         return (

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from services.decode.receiver import Expected, KVReceiver
 from shared.bus.ids import AttemptId, handoff_transfer_id
 from shared.bus.messages import SequenceSnapshot
+from shared.connector.receiver import Expected, KVReceiver
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

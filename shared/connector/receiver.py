@@ -1,20 +1,24 @@
-"""The decode node's data-plane side: which KV transfers it takes, and admitting them.
+"""The KV connector's receiving side of a hand-off (a decode node): which KV transfers it
+takes, and admitting them into its engine.
 
 A transfer is accepted only if a DecodeAssignment announced it first (the node reserved
 room then), before the announcement's deadline, of at most the announced size and carrying
-the announcement's secret; once its checksums verify, its sequence joins the running batch.
+the announcement's secret; once its checksums verify, its sequence joins the engine's
+batch and the node is told (`ReceivingNode.admitted`) to stream it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
-from services.decode.streams import DecodeNode, Streams
 from shared.buffers import uninitialised
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
@@ -32,6 +36,24 @@ from shared.transport.frames import TransferHeader, secret_matches
 
 log = logging.getLogger("tandem.decode")
 TRACER = tracer("decode")
+T = TypeVar("T")
+
+
+class ReceivingNode(Protocol):
+    """The node a receiver admits into, as the receiver sees it."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the engine thread (every engine call goes there, in order)."""
+        ...
+
+    def admitted(
+        self, request_id: str, token_subject: str, handoff: int, ctx: otel_context.Context
+    ) -> None:
+        """A received sequence joined the batch: stream its tokens from now on."""
+        ...
 
 
 @dataclass
@@ -45,14 +67,13 @@ class Expected:
 
 
 class KVReceiver:
-    """A decode worker's part: the transfers announced to it, received into its batch."""
+    """A decode node's part: the transfers announced to it, received into its engine."""
 
     def __init__(
         self,
-        node: DecodeNode,
+        node: ReceivingNode,
         engine: EngineCore,
         bus: Bus,
-        streams: Streams,
         metrics: NodeMetrics,
         node_id: str,
         transport_name: str,
@@ -60,7 +81,6 @@ class KVReceiver:
         self.node = node
         self.engine = engine
         self.bus = bus
-        self.streams = streams
         self.metrics = metrics
         self.node_id = node_id
         self.transport_name = transport_name
@@ -180,8 +200,7 @@ class KVReceiver:
                 exp.snapshot.num_computed,
                 self.engine.num_running,
             )
-        self.streams.start(rid, exp.token_subject, exp.handoff, ctx)
-        self.streams.wake.set()
+        self.node.admitted(rid, exp.token_subject, exp.handoff, ctx)
 
     def failed(self, header: TransferHeader | None, reason: str) -> None:
         self.failures += 1

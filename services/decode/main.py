@@ -101,11 +101,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def decode_ahead(text: str) -> int:
-    """--decode-ahead: 1 (the default: a token a step) to MAX_AHEAD."""
-    from shared.engine.ahead import MAX_AHEAD  # only when given: it loads torch
+MAX_DECODE_AHEAD = 64  # shared/engine/ahead.py's MAX_AHEAD (a test keeps them equal)
 
-    return whole_number(text, 1, MAX_AHEAD)
+
+def decode_ahead(text: str) -> int:
+    """--decode-ahead: 1 (the default: a token a step) to MAX_DECODE_AHEAD. Checked here,
+    not by importing the engine: parsing options must not load torch."""
+    return whole_number(text, 1, MAX_DECODE_AHEAD)
 
 
 def checkpoint_rate(given: float) -> float:
@@ -193,52 +195,42 @@ async def start_worker(
     the task keeping its kvcache connections warm (None without a kvcache service)."""
     from services.decode.worker import DecodeWorker
     from shared.bus.journal import RequestJournal
+    from shared.connector.planes import CheckpointSettings, KVPlanes
     from shared.connector.prefix_cache import PrefixCache
-    from shared.kvclient.client import KVCacheClient
-    from shared.kvclient.tails import TailUploader
-    from shared.kvclient.uploader import BlockUploader
-    from shared.kvclient.warm import keep_warm
-    from shared.transport.pending import PendingTransfers, SplitHandler
 
     assert rt.bus is not None and rt.transport is not None
-    pending = PendingTransfers()  # kvcache replies to this node's gets
-    client = uploader = journal = prefix = tails = None
-    if not args.no_kvcache:
-        client = KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
-        prefix = PrefixCache(engine, client, upload=False)  # loads for local prefills
-    if client is not None and args.checkpoint_every > 0:
-        uploader = BlockUploader(client, rate=rate * 1e6)
-        engine.exchange.checkpoint_every = args.checkpoint_every
-        journal = await RequestJournal(rt.bus).start()
-        if not args.no_checkpoint_tails:
-            tails = TailUploader(client, args.checkpoint_tail_interval)
+    planes = KVPlanes.open(rt.bus, rt.transport, rt.registry, kvcache=not args.no_kvcache)
+    prefix = journal = settings = None
+    if planes.cache is not None:
+        prefix = PrefixCache(engine, planes.cache, upload=False)  # loads for local prefills
+        if args.checkpoint_every > 0:
+            tail_interval = None if args.no_checkpoint_tails else args.checkpoint_tail_interval
+            settings = CheckpointSettings(args.checkpoint_every, rate, tail_interval)
+            journal = await RequestJournal(rt.bus).start()
     worker = DecodeWorker(
         engine,
         rt.bus,
         rt.node_id,
-        transport=rt.transport,
+        planes=planes,
         registry=rt.registry,
         drain_timeout=args.drain_timeout,
         lease=max(args.lease, args.heartbeat_ttl),
         prefix=prefix,
-        uploader=uploader,
-        tails=tails,
+        checkpoints=settings,
         journal=journal,
         thread=thread,
         stall_timeout=args.engine_stall_timeout,
     )
-    await rt.transport.start(SplitHandler(pending, worker.receiver))
+    await planes.listen(worker.receiver)
     await worker.subscribe()
     await rt.live(worker.info, worker.metrics, worker.health)
-    warming = None
-    if client is not None:  # checkpoint and prefix loads' first gets find it open
-        warming = asyncio.create_task(keep_warm(client, rt.stop))
+    warming = planes.keep_warm(rt.stop)  # checkpoints' and prefix loads' first gets
     log.info(
         "decode node %s ready (%s): %d KV blocks, data plane %s",
         rt.node_id,
         engine.served_name,
         engine.pool.num_blocks,
-        rt.transport.address,
+        planes.address,
     )
     return worker, warming
 

@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
-from services.decode.checkpoints import Checkpointing, CheckpointWriter
 from services.decode.gather import ArrivalWindow
 from services.decode.local_prefill import LocalPrefill
 from services.decode.presence import Presence
@@ -40,18 +39,17 @@ from shared.bus.topology import (
     local_prefill_subject,
     prefetch_subject,
 )
+from shared.connector.checkpoints import Checkpointing, CheckpointWriter
 from shared.connector.deltas import delta_from_output
+from shared.connector.planes import CheckpointSettings, KVPlanes
 from shared.connector.pool_events import PoolEvents
 from shared.connector.prefix_cache import PrefixCache
 from shared.connector.receiver import KVReceiver
 from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
-from shared.kvclient.tails import TailUploader
-from shared.kvclient.uploader import BlockUploader
 from shared.runtime.cancels import read_cancel
 from shared.runtime.engine_thread import EngineThread
 from shared.telemetry.metrics import NodeMetrics
-from shared.transport.base import Transport
 
 log = logging.getLogger("tandem.decode")
 T = TypeVar("T")
@@ -66,13 +64,12 @@ class DecodeWorker:
         engine: EngineCore,
         bus: Bus,
         node_id: str,
-        transport: Transport | None = None,
+        planes: KVPlanes | None = None,
         registry: NodeRegistry | None = None,
         drain_timeout: float = 30.0,
         lease: float = 5.0,
         prefix: PrefixCache | None = None,
-        uploader: BlockUploader | None = None,
-        tails: TailUploader | None = None,
+        checkpoints: CheckpointSettings | None = None,
         journal: RequestJournal | None = None,
         thread: EngineThread | None = None,
         stall_timeout: float = 20.0,
@@ -80,7 +77,7 @@ class DecodeWorker:
         self.engine = engine
         self.bus = bus
         self.node_id = node_id
-        self.transport = transport  # None: no data plane (tests)
+        self.planes = planes  # None: no data plane (tests)
         self.presence = Presence(registry, lease, drain_timeout)
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
         # Every engine of this process, this one's included, when it hosts several models
@@ -99,16 +96,21 @@ class DecodeWorker:
             bus,
             self.metrics,
             node_id,
-            transport.name if transport else "",
+            planes.transport_name if planes else "",
         )
         self.local = LocalPrefill(self, engine, bus, self.streams, self.metrics, prefix)
         self.standby = Standby(self, engine, bus, prefix)
+        uploader, tails = planes.checkpoint_uploaders(checkpoints) if planes else (None, None)
+        if uploader is not None and checkpoints is not None:
+            engine.exchange.checkpoint_every = checkpoints.every
         records = None
         if uploader is not None and journal is not None:
             records = CheckpointWriter(
                 journal, node_id, self.streams.__contains__, uploader.client.pin
             )
-        self.checkpoints = Checkpointing(engine, self.streams, uploader, tails, records)
+        self.checkpoints = Checkpointing(
+            engine, self.streams.running_contexts, uploader, tails, records
+        )
         # What this node's pool holds goes out as KV events, so routers can send a request
         # whose prefix lives here straight to this node. Collected on the engine thread,
         # published after each step.
@@ -294,7 +296,7 @@ class DecodeWorker:
         return node_info(
             self.node_id,
             "decode",
-            data_address=self.transport.address if self.transport is not None else "",
+            data_address=self.planes.address if self.planes is not None else "",
             load=self.engine.num_running + self.engine.num_waiting,
             running=self.engine.num_running,
             free_kv_blocks=max(0, self.free_blocks()),

@@ -1,8 +1,9 @@
 """A prefill node's hand-off of a prefilled sequence to a decode node.
 
-Publish the first token as delta 0; ask the chosen decode node to expect the transfer (it
-may refuse while full: try the others, with backoff, until the request's deadline); send
-the KV over the data plane; ack the job only after the decode node confirmed receipt. A
+Publish the first token as delta 0; have the KV connector announce and send the KV to the
+chosen decode node (shared/connector/sender.py; a full node refuses: try the others, with
+backoff, until the request's deadline); ack the job only after the decode node confirmed
+receipt. A
 failed hand-off is nak'ed for a retry (delta 0 is then re-sent and the router drops the
 duplicate).
 """
@@ -16,31 +17,22 @@ import time
 from collections.abc import Awaitable, Callable, Container
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
 from shared.bus.client import Bus
-from shared.bus.ids import handoff_transfer_id
-from shared.bus.messages import DecodeAssignment, NodeInfo, encode, read_reply
+from shared.bus.messages import NodeInfo
 from shared.bus.registry import CachedNodes, NodeRegistry
-from shared.bus.topology import assign_subject
-from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import ReceivedJob
 from shared.connector.deltas import delta_from_output
-from shared.connector.snapshots import to_wire
+from shared.connector.sender import KVSender
 from shared.engine.interface import EngineCore
 from shared.engine.types import SequenceState, StepOutput
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
-from shared.transport.base import TransferError, Transport
-from shared.transport.frames import make_header, new_secret
 
 log = logging.getLogger("tandem.prefill")
 TRACER = tracer("prefill")
 
-ASSIGN_TIMEOUT = 5.0
-TRANSFER_TIMEOUT = 30.0
 RETRY_DELAY = 0.5
 HANDOFF_PATIENCE = 60.0  # seconds to keep retrying full decode nodes before giving up
 
@@ -53,7 +45,7 @@ class HandOff:
         node_id: str,
         engine: EngineCore,
         bus: Bus,
-        transport: Transport,
+        sender: KVSender,
         registry: NodeRegistry,
         metrics: NodeMetrics,
         cancelled: Container[str],
@@ -61,9 +53,9 @@ class HandOff:
         fail: Callable[[ReceivedJob, str], Awaitable[None]],
     ) -> None:
         self.node_id = node_id
-        self.engine = engine  # its KV layout and block count, for the transfer header
+        self.engine = engine  # its hash key: which decode nodes may take its KV
         self.bus = bus
-        self.transport = transport
+        self.sender = sender  # the KV connector's sending side
         self.registry = registry
         self.decode_nodes = CachedNodes(registry)  # one read serves a second's hand-offs
         self.metrics = metrics
@@ -113,7 +105,7 @@ class HandOff:
                     await job.term()
                     return
                 tried.add(node.node_id)
-                if await self._send_to(node, job, snap, frame):
+                if await self.sender.send(node, job.job, snap, frame):
                     await job.ack()
                     return
             await job.in_progress()  # still ours: do not let ack_wait redeliver it
@@ -138,76 +130,6 @@ class HandOff:
         ]
         nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))
         return nodes
-
-    async def _send_to(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceState, frame: memoryview
-    ) -> bool:
-        with TRACER.start_as_current_span(
-            "kv.transfer.send",
-            attributes={
-                "tandem.decode_node": node.node_id,
-                "tandem.transport": self.transport.name,
-                "tandem.bytes": len(frame),
-            },
-        ) as span:
-            started = time.perf_counter()
-            ok = await self._assign_and_send(node, job, snap, frame)
-            elapsed = time.perf_counter() - started
-            span.set_attribute("tandem.accepted", ok)
-            if ok:
-                span.set_attribute("tandem.gbps", len(frame) / max(elapsed, 1e-9) / 1e9)
-                self.metrics.transfer_bytes.labels("send").inc(len(frame))
-                self.metrics.transfer_seconds.labels("send").observe(elapsed)
-            else:
-                span.set_status(Status(StatusCode.ERROR, "decode node refused or transfer failed"))
-            return ok
-
-    async def _assign_and_send(
-        self, node: NodeInfo, job: ReceivedJob, snap: SequenceState, frame: memoryview
-    ) -> bool:
-        assert self.bus.nc is not None
-        rid = job.job.attempt_id
-        assignment = DecodeAssignment(
-            transfer_id=handoff_transfer_id(rid, job.job.handoff),
-            snapshot=to_wire(snap),
-            token_subject=job.job.token_subject,
-            prefill_node=self.node_id,
-            deadline=time.time() + TRANSFER_TIMEOUT,
-            transfer_secret=new_secret(),
-            handoff=job.job.handoff,
-            model=self.engine.served_name,
-        )
-        try:
-            reply = await self.bus.nc.request(
-                assign_subject(node.node_id),
-                encode(assignment),
-                timeout=ASSIGN_TIMEOUT,
-                headers=inject_headers(),
-            )
-        except Exception as exc:
-            log.warning("assign %s to %s failed: %s", rid, node.node_id, exc)
-            return False
-        answer = read_reply(reply.data)
-        if not answer.accepted:
-            log.info("%s refused %s: %s", node.node_id, rid, answer.reason)
-            return False
-        payload = frame
-        header = make_header(
-            rid,
-            assignment.transfer_id,
-            payload,
-            chunk_bytes=self.engine.layout.bytes_per_block,
-            num_blocks=self.engine.blocks_for(snap.num_computed),
-            traceparent=inject_headers().get("traceparent", ""),
-            secret=assignment.transfer_secret,
-        )
-        trace.get_current_span().set_attribute("tandem.blocks", header.num_blocks)
-        try:
-            await self.transport.send(node.data_address, header, payload, timeout=TRANSFER_TIMEOUT)
-        except TransferError as exc:
-            log.warning("KV transfer of %s to %s failed: %s", rid, node.node_id, exc)
-            return False
-        return True
 
     async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
         with TRACER.start_as_current_span("prefill.first_token"):

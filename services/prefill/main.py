@@ -54,35 +54,31 @@ async def serve(args: argparse.Namespace) -> None:
     # The engine (torch) and the worker load only when the node runs: the console script
     # that names this command also runs the router, which must not pay for them.
     from services.prefill.worker import PrefillWorker
-    from shared.kvclient.client import KVCacheClient
-    from shared.kvclient.warm import keep_warm
+    from shared.connector.planes import KVPlanes
     from shared.runtime.engine import start_engine
-    from shared.transport.pending import PendingTransfers
 
     # a prefill node's engine steps are its --step-tokens (engine_from_args reads this)
     args.max_batched_tokens = min(args.max_batched_tokens, args.step_tokens)
     rt = await NodeRuntime.open("prefill", args)
     assert rt.bus is not None and rt.transport is not None and rt.registry is not None
     engine, thread = await start_engine(args)
-    pending = PendingTransfers()  # a prefill node receives only the kvcache blocks it asked for
-    cache = None if args.no_kvcache else KVCacheClient(rt.bus, rt.transport, pending, rt.registry)
+    # a prefill node receives only the kvcache blocks it asked for
+    planes = KVPlanes.open(rt.bus, rt.transport, rt.registry, kvcache=not args.no_kvcache)
     worker = PrefillWorker(
         engine,
         rt.bus,
-        rt.transport,
+        planes,
         rt.registry,
         rt.node_id,
         max_batch=args.max_batch,
-        cache=cache,
         thread=thread,
         idle_threads=args.idle_threads,
     )
     warming: asyncio.Task[None] | None = None
     try:
-        await rt.transport.start(pending)
+        await planes.listen()
         await rt.live(worker.info, worker.metrics)
-        if cache is not None:  # prefix loads' first gets find it open
-            warming = asyncio.create_task(keep_warm(cache, rt.stop))
+        warming = planes.keep_warm(rt.stop)  # prefix loads' first gets find it open
         log.info("prefill node %s ready", rt.node_id)
         freeze_startup_objects()
         await worker.run(rt.stop)

@@ -31,21 +31,21 @@ from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
+from shared.connector.planes import KVPlanes
 from shared.connector.pool_events import PoolEvents
 from shared.connector.prefix_cache import PrefixCache
+from shared.connector.sender import KVSender
 from shared.engine.interface import EngineCore
 from shared.engine.prefill_steps import Prefilled, PrefillRequest, prefill_steps
 from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
-from shared.kvclient.client import KVCacheClient
 from shared.runtime.cancels import RecentCancels, read_cancel
 from shared.runtime.engine import torch_threads
 from shared.runtime.engine_thread import EngineThread
 from shared.runtime.options import PREFILL_MAX_BATCH
 from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
-from shared.transport.base import Transport
 
 log = logging.getLogger("tandem.prefill")
 TRACER = tracer("prefill")
@@ -58,18 +58,17 @@ class PrefillWorker:
         self,
         engine: EngineCore,
         bus: Bus,
-        transport: Transport,
+        planes: KVPlanes,
         registry: NodeRegistry,
         node_id: str,
         max_batch: int = PREFILL_MAX_BATCH,
-        cache: KVCacheClient | None = None,
         thread: EngineThread | None = None,
         idle_threads: int = 0,
     ) -> None:
         self.engine = engine
-        self.prefix = PrefixCache(engine, cache)
+        self.prefix = PrefixCache(engine, planes.cache)
         self.bus = bus
-        self.transport = transport
+        self.planes = planes
         self.registry = registry
         self.node_id = node_id
         self.max_batch = max_batch
@@ -108,7 +107,7 @@ class PrefillWorker:
             self.node_id,
             "prefill",
             load=self.queue_depth,
-            data_address=self.transport.address,
+            data_address=self.planes.address,
             free_kv_blocks=self.engine.pool.num_free,
             total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_key,
@@ -124,7 +123,7 @@ class PrefillWorker:
             self.node_id,
             self.engine,
             self.bus,
-            self.transport,
+            KVSender(self.node_id, self.engine, self.bus, self.planes.transport, self.metrics),
             self.registry,
             self.metrics,
             self.cancelled,

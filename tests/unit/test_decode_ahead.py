@@ -4,11 +4,13 @@ see every block and tail the step-by-step engine hands out, byte for byte."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 
-from shared.engine.ahead import DecodeAhead
+from services.decode.main import MAX_DECODE_AHEAD, decode_ahead
+from shared.engine.ahead import MAX_AHEAD, DecodeAhead
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
@@ -111,3 +113,8 @@ def test_out_of_range_is_refused(tiny_model: LoadedModel) -> None:
     for k in (0, 65):
         with pytest.raises(ValueError, match="between 1 and 64"):
             DecodeAhead(engine, k)
+    assert MAX_DECODE_AHEAD == MAX_AHEAD  # the option's bound is the engine's
+    assert decode_ahead("64") == 64
+    for bad in ("0", "65", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            decode_ahead(bad)

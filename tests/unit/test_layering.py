@@ -10,6 +10,8 @@ processes load.
 - Prefill and decode nodes reach the engine only through its interface
   (shared/engine/interface.py, its types, and `prefill_steps` over it); the one engine they
   run is built for them by shared/runtime/engine.py.
+- Prefill and decode nodes move KV only through the connector: they import neither the
+  data plane, nor the kvcache client, nor the hand-off and checkpoint messages.
 - The router and the kvcache node load neither torch nor transformers' model code.
 """
 
@@ -45,13 +47,18 @@ def imports(path: Path) -> set[str]:
     return {name for name in found if name.split(".")[0] in PACKAGES}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(names: bool = False) -> dict[str, set[str]]:
+    """Module → the project's modules it imports (`names`: and the names it imports from
+    them, as `module.name`)."""
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     modules = {module_name(p): p for p in files}
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         # `from a.b import c` names module a.b.c if it exists, else the object c of a.b
-        edges[name] = {m for m in imports(path) if m in modules and m != name}
+        found = imports(path)
+        edges[name] = {
+            m for m in found if (m in modules or (names and m.rpartition(".")[0] in modules))
+        } - {name}
     return edges
 
 
@@ -135,6 +142,41 @@ def test_the_seam_check_finds_a_reach_past_it() -> None:
     assert past_the_seam(edges) == [
         "services.decode.worker -> shared.engine.engine",
         "services.prefill.worker -> shared.model.loader",
+    ]
+
+
+KV_PLANES = (
+    "shared.transport",
+    "shared.kvclient",
+    "shared.bus.messages.DecodeAssignment",
+    "shared.bus.messages.SequenceSnapshot",
+    "shared.bus.messages.CheckpointRecord",
+)
+
+
+def kv_moves_outside_the_connector(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{name} -> {dep}"
+        for name, deps in edges.items()
+        if under(name, NODES)
+        for dep in deps
+        if under(dep, KV_PLANES)
+    )
+
+
+def test_nodes_move_kv_only_through_the_connector() -> None:
+    assert kv_moves_outside_the_connector(graph(names=True)) == []
+
+
+def test_the_kv_moves_check_finds_one() -> None:
+    edges = {
+        "services.decode.worker": {"shared.transport.base", "shared.connector.planes"},
+        "services.prefill.handoff": {"shared.bus.messages.DecodeAssignment"},
+        "shared.connector.sender": {"shared.bus.messages.DecodeAssignment"},
+    }
+    assert kv_moves_outside_the_connector(edges) == [
+        "services.decode.worker -> shared.transport.base",
+        "services.prefill.handoff -> shared.bus.messages.DecodeAssignment",
     ]
 
 

@@ -1,5 +1,5 @@
-"""A decode node's checkpoints: its running sequences' KV stored in the kvcache service as
-they grow, and records of how far each one is stored.
+"""The KV connector's saving side (a decode node): its running sequences' KV stored in the
+kvcache service as they grow, and records of how far each one is stored.
 
 After each step the engine hands over the blocks it filled (every `--checkpoint-every` of a
 sequence, and at its end) and the partial last blocks (tails) that grew; both go to their
@@ -21,7 +21,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from services.decode.streams import Streams
+from opentelemetry.trace import SpanContext
+
 from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord
@@ -104,13 +105,13 @@ class Checkpointing:
     def __init__(
         self,
         engine: EngineCore,
-        streams: Streams,
+        running_contexts: Callable[[], list[SpanContext]],
         uploader: BlockUploader | None,
         tails: TailUploader | None,
         records: CheckpointWriter | None,
     ) -> None:
         self.engine = engine
-        self.streams = streams  # the running ones' spans link the upload spans
+        self.running_contexts = running_contexts  # of the running streams' spans: links
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         # Blocks this node fills (generated tokens) go to the kvcache service, so the next
         # turn of a conversation finds its whole history cached.
@@ -183,7 +184,7 @@ class Checkpointing:
         uploader, linked to the requests running now (those that filled them); once stored,
         their sequences' checkpoint records follow."""
         assert self.uploader is not None
-        running = self.streams.running_contexts()
+        running = self.running_contexts()
         writer = self.records
         after = (lambda: writer.stored(points)) if writer is not None and points else None
         self.uploader.submit(hashes, blocks, running, on_stored=after)

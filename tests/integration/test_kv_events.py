@@ -4,8 +4,6 @@ not know, is not; and no node's entry outgrows what it can hold (issue 49: forge
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from shared.bus.client import Bus
@@ -13,6 +11,7 @@ from shared.bus.kv_events import KVIndex
 from shared.bus.messages import KVEvent
 from shared.bus.server import NatsServer
 from shared.bus.topology import TopologyConfig, ensure_topology, kv_events_subject
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -21,14 +20,6 @@ REGISTERED = {"decode-1": 4, "decode-2": 4}  # node → the KV blocks it adverti
 
 def h(i: int) -> bytes:
     return i.to_bytes(16, "big")
-
-
-async def until(condition: object, what: str) -> None:
-    for _ in range(200):
-        if condition():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not within 4 s: {what}")
 
 
 async def test_index_takes_registered_nodes_own_events_within_their_capacity(
@@ -50,8 +41,8 @@ async def test_index_takes_registered_nodes_own_events_within_their_capacity(
         await send("ghost", "ghost", "stored", [h(4)])  # a node never registered
         await send("decode-2", "decode-2", "stored", [h(i) for i in range(10, 16)])  # 6 > 4
         await send("decode-1", "decode-1", "evicted", [h(2)])
-        await until(lambda: index.events >= 4, "the events")
-        await until(lambda: index.by_node.get("decode-1") == {h(1)}, "decode-1's eviction")
+        await wait_until("the events", lambda: index.events >= 4)
+        await wait_until("decode-1's eviction", lambda: index.by_node.get("decode-1") == {h(1)})
         assert "ghost" not in index.by_node
         assert len(index.by_node["decode-2"]) == 4  # its advertised capacity
         assert index.refused == 1 + 2  # the ghost's block, decode-2's two beyond 4

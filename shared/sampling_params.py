@@ -20,6 +20,10 @@ MASK64 = (1 << 64) - 1  # seeds are unsigned 64-bit
 
 MAX_CACHE_SALT = 512  # with the router's key digest prefixed (65 characters)
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+# Seeds the router takes or makes (`new_seed`): 63 bits, so every language's signed 64-bit
+# integer holds one; the sampler mixes them into 64-bit keys (MASK64).
+SEED_LIMIT = 1 << 63
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -76,14 +80,17 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise bad("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad(
+                "temperature",
+                f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature}",
+            )
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise bad("top_k", f"top_k must be -1, 0 or positive, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed <= MASK64:
-            raise bad("seed", "seed must be an integer in [0, 2**64)")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise bad("seed", "seed must be a non-negative 63-bit integer")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -109,4 +116,4 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def new_seed() -> int:
     """A seed for a request that gave none: fixed once, so its resumption stays reproducible."""
-    return secrets.randbits(63)
+    return secrets.randbelow(SEED_LIMIT)

@@ -39,7 +39,7 @@ from services.router.routing import PrefixRouter
 from services.router.streams import StreamTimeout
 from services.router.validation import ParsedRequest
 from shared.errors import TandemError
-from shared.sampling_params import MASK64
+from shared.sampling_params import SEED_LIMIT
 from shared.telemetry.tracing import tracer
 
 TRACER = tracer("router")
@@ -49,7 +49,7 @@ def choice_request(parsed: ParsedRequest, index: int) -> ParsedRequest:
     """Choice `index`'s request: one sample, its own seed."""
     params = parsed.params
     if params.seed is not None:
-        params = msgspec.structs.replace(params, seed=(params.seed + index) & (MASK64 >> 1))
+        params = msgspec.structs.replace(params, seed=(params.seed + index) % SEED_LIMIT)
     return dataclasses.replace(parsed, params=params, n=1)
 
 

@@ -211,24 +211,12 @@ def _sampling(
     limits: Limits,
     vocab: int,
 ) -> SamplingParams:
-    temperature = number(body, "temperature", 1.0)
-    if not 0 <= temperature <= 2:
-        raise bad("'temperature' must be between 0 and 2", "temperature")
-    top_p = number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("'top_p' must be in (0, 1]", "top_p")
-    top_k = integer(body, "top_k", 0) or 0
-    if top_k < -1:
-        raise bad("'top_k' must be -1, 0 or positive", "top_k")
-    seed = integer(body, "seed", None)
-    if seed is not None and not 0 <= seed < 2**63:
-        raise bad("'seed' must be a non-negative 63-bit integer", "seed")
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
+        temperature=number(body, "temperature", 1.0),
+        top_p=number(body, "top_p", 1.0),
+        top_k=integer(body, "top_k", 0) or 0,
+        seed=integer(body, "seed", None),
         stop=_stop(body, limits),
         ignore_eos=boolean(body, "ignore_eos", False),
         cache_salt=cache_salt_option(body),
@@ -237,7 +225,7 @@ def _sampling(
         prompt_logprobs=prompt_logprobs_option(echo, prompt_tokens, k),
         **processing_options(body, vocab),
     )
-    params.validate()  # the ranges every node checks too
+    params.validate()  # the ranges, written once: every node checks the same
     return params
 
 

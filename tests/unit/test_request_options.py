@@ -137,3 +137,12 @@ def test_a_prompt_too_long_for_the_limit_is_refused_before_tokenising(
     with pytest.raises(InvalidRequestError) as err:  # tokenised, then refused by its count
         parse_request({"model": MODEL, "prompt": "a " * (most // 2)}, False, {MODEL: tok}, limits)
     assert "accepts at most 50" in err.value.message
+
+
+def test_sampling_ranges_are_the_ones_every_node_checks(tok: TokenizerInfo) -> None:
+    """The router refuses by SamplingParams.validate's ranges, the nodes' own (one place)."""
+    for param, value in (("temperature", 2.5), ("temperature", -1), ("top_p", 0), ("top_k", -2)):
+        refused(tok, param, **{param: value})
+    refused(tok, "seed", seed=2**63)
+    refused(tok, "seed", seed=-1)
+    assert parse(tok, temperature=2, seed=2**63 - 1).params.seed == 2**63 - 1

@@ -7,7 +7,7 @@ import torch
 
 from shared.engine.sampling import sample, sample_row, seeded_uniform
 from shared.errors import InvalidRequestError
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, new_seed
 
 pytestmark = pytest.mark.unit
 
@@ -78,6 +78,12 @@ def test_batch_sample_matches_rows_and_is_reproducible() -> None:
     assert out == [sample_row(logits[i], params[i], seeds[i], positions[i]) for i in range(5)]
 
 
+def test_the_edges_of_the_ranges_are_valid() -> None:
+    for kwargs in ({"temperature": 2.0}, {"temperature": 0.0}, {"seed": 2**63 - 1}, {"seed": 0}):
+        SamplingParams(**kwargs).validate()  # type: ignore[arg-type]
+    assert all(0 <= new_seed() < 2**63 for _ in range(100))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
@@ -89,6 +95,8 @@ def test_batch_sample_matches_rows_and_is_reproducible() -> None:
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"seed": -1}, "seed"),
+        ({"temperature": 2.01}, "temperature"),  # the router's bound is the nodes' too
+        ({"seed": 2**63}, "seed"),
         ({"stop": ("",)}, "stop"),
     ],
 )

@@ -182,12 +182,13 @@ async def submit(
         # Not that node if another has room: a late cancel of its attempt (it timed out)
         # must not meet the request there again.
         refused = plan.decode_node
+        parts.nodes.sent(refused.node_id, -1)  # the plan counted it: it runs elsewhere
         node = parts.nodes.pick_decode(plan.blocks, {refused.node_id}, model=plan.model)
         node = node or refused
         job = msgspec.structs.replace(job, decode_node=node.node_id)
     elif plan.prefix is not None and plan.prefix.prefill_node is not None:
         steered = plan.prefix.prefill_node.node_id  # its pool holds the prefix
-        parts.nodes.inflight[steered] = parts.nodes.inflight.get(steered, 0) + 1
+        parts.nodes.sent(steered)
         parts.metrics.steered.inc()
         span.set_attribute("tandem.prefill_node", steered)
         span.set_attribute("tandem.prefill_cached_tokens", plan.prefix.prefill_cached_tokens)

@@ -48,7 +48,7 @@ class Dispatch:
         to the decode node, which loads the checkpointed KV itself and recomputes only the
         tail, no prefill node or transfer in the way; through the prefill queue if it
         refuses. Returns the path taken."""
-        if await self.send_local(node, job, count=False):
+        if await self.send_local(node, job):
             return "local"
         other = self.nodes.pick_decode(blocks, {node.node_id}, model=job.model)
         if other is not None:  # not the node that refused or timed out (see send_local)
@@ -56,8 +56,9 @@ class Dispatch:
         await self.submit(job)
         return "remote"
 
-    async def send_local(self, node: NodeInfo, job: PrefillJob, count: bool = True) -> bool:
-        """Ask a decode node holding the prompt's prefix to prefill the rest itself."""
+    async def send_local(self, node: NodeInfo, job: PrefillJob) -> bool:
+        """Ask a decode node holding the prompt's prefix to prefill the rest itself (the
+        plan that chose it counted it as sent: not counted here again)."""
         assert self.bus.nc is not None
         # The node answers once the request is queued in its engine, after the step running
         # now. Colocated, that step may be a long prefill and there is no other path: wait.
@@ -83,8 +84,6 @@ class Dispatch:
         if not answer.accepted:
             log.info("%s refused local prefill: %s", node.node_id, answer.reason[:200])
             return False
-        if count:
-            self.nodes.inflight[node.node_id] = self.nodes.inflight.get(node.node_id, 0) + 1
         return True
 
     async def cancel_on(self, node_id: str, attempt: AttemptId, reason: str) -> None:

@@ -191,8 +191,13 @@ class NodeTable:
             blocks_needed, exclude, model
         )
         if choice is not None:
-            self.inflight[choice.node_id] = self.inflight.get(choice.node_id, 0) + 1
+            self.sent(choice.node_id)
         return choice
+
+    def sent(self, node_id: str, n: int = 1) -> None:
+        """`n` more requests sent to the node since its last heartbeat (-1: one it refused).
+        The one writer of `inflight` besides the heartbeats that reset it."""
+        self.inflight[node_id] = max(0, self.inflight.get(node_id, 0) + n)
 
     def _with_room(
         self, node_id: str, blocks_needed: int, exclude: set[str] | None, model: str

@@ -43,7 +43,7 @@ def plan(
     prefix = routing.plan(prompt_ids, blocks, cache_salt, model) if routing else None
     local_node = prefix.local_node if prefix is not None else None
     if local_node is not None:  # counted as sent, as pick_decode counts its choice
-        nodes.inflight[local_node.node_id] = nodes.inflight.get(local_node.node_id, 0) + 1
+        nodes.sent(local_node.node_id)
     decode_node = local_node or nodes.pick_decode(blocks, model=model)
     if prefix is not None:
         span.set_attribute("tandem.decode_cached_tokens", prefix.decode_cached_tokens)

@@ -112,27 +112,23 @@ class Router:
                 return self._refused(endpoint, admission_span, exc)
             span.set_attribute("tandem.prompt_tokens", len(parsed.prompt_ids))
             span.set_attribute("tandem.max_tokens", parsed.params.max_tokens)
-            parts.metrics.inflight.inc()
             try:
-                try:
-                    if parsed.n > 1:
-                        if resumable_requested(request):
-                            raise InvalidRequestError(
-                                "a response with n > 1 choices is not resumable", param="n"
-                            )
-                        return await serve_choices(
-                            parts, self.routing, request, parsed, endpoint, admission_span, span
+                if parsed.n > 1:
+                    if resumable_requested(request):
+                        raise InvalidRequestError(
+                            "a response with n > 1 choices is not resumable", param="n"
                         )
-                    served = await admission.start(
-                        parts, self.routing, request, parsed, endpoint, admission_span
+                    return await serve_choices(
+                        parts, self.routing, request, parsed, endpoint, admission_span, span
                     )
-                except TandemError as exc:
-                    span.set_status(Status(StatusCode.ERROR, exc.message))
-                    return self._refused(endpoint, admission_span, exc)
-                admission_span.end()
-                return await relay(parts, request, served, span)
-            finally:
-                parts.metrics.inflight.dec()
+                served = await admission.start(
+                    parts, self.routing, request, parsed, endpoint, admission_span
+                )
+            except TandemError as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                return self._refused(endpoint, admission_span, exc)
+            admission_span.end()
+            return await relay(parts, request, served, span)
 
     def _refused(self, endpoint: str, span: trace.Span, exc: TandemError) -> web.Response:
         status = str(exc.http_status)

@@ -54,7 +54,12 @@ class RouterMetrics:
             "Requests resumed on another node after theirs died or stalled",
             registry=r,
         )
-        self.inflight = Gauge("tandem_requests_in_flight", "Requests being served", registry=r)
+        self.inflight = Gauge(
+            "tandem_requests_in_flight",
+            "Sequences admitted and not yet ended (what --max-inflight bounds: a request's "
+            "choices each, /tokenize while it waits)",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "tandem_prompt_tokens_total", "Prompt tokens", ["model"], registry=r
         )

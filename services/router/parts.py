@@ -41,13 +41,17 @@ class RouterParts:
         journal: RequestJournal,
         tokenizers: Mapping[str, TokenizerInfo] | None = None,
     ) -> RouterParts:
+        inflight = InFlight(config.max_inflight)
+        metrics = RouterMetrics()
+        # the gauge reads admission's own count: one number, kept in one place
+        metrics.inflight.set_function(lambda: inflight.admitted)
         return cls(
             config=config,
             bus=bus,
             nodes=nodes,
             journal=journal,
-            metrics=RouterMetrics(),
+            metrics=metrics,
             dispatch=Dispatch(config, bus, nodes, journal),
-            inflight=InFlight(config.max_inflight),
+            inflight=inflight,
             tokenizers=tokenizers or {},
         )

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Container
 
 from opentelemetry import context as otel_context
 
+from services.prefill.handoff_rules import FIRST_DELAY, next_delay, offer_order, takes_kv_of
 from shared.bus.client import Bus
 from shared.bus.messages import NodeInfo
 from shared.bus.registry import CachedNodes, NodeRegistry
@@ -95,7 +96,7 @@ class HandOff:
             return
         tried: set[str] = set()
         deadline = min(time.time() + HANDOFF_PATIENCE, job.job.deadline or float("inf"))
-        delay = 0.05
+        delay = FIRST_DELAY
         # Decode nodes refuse while full; keep the computed KV and retry them (with backoff)
         # rather than recomputing later, until the request's deadline.
         fresh = False  # the first pass from the last registry read; retries read afresh
@@ -111,7 +112,7 @@ class HandOff:
             await job.in_progress()  # still ours: do not let ack_wait redeliver it
             fresh = True
             await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
+            delay = next_delay(delay)
         log.warning("no decode node took %s (tried %s)", job.job.attempt_id, sorted(tried))
         if job.num_delivered >= 3:
             await self.fail(job, "no decode node accepted the request")
@@ -120,16 +121,14 @@ class HandOff:
             await job.nak(delay=RETRY_DELAY)
 
     async def _decode_candidates(self, preferred: str, fresh: bool = False) -> list[NodeInfo]:
-        # only nodes that key their blocks as this one does: the same model and dtype
-        # (an older node, without a hash key, is taken on trust)
         key = self.engine.hash_key
-        nodes = [
-            n
-            for n in (await self.decode_nodes.nodes(preferred, fresh)).values()
-            if n.role == "decode" and not n.draining and n.hash_key in ("", key)
-        ]
-        nodes.sort(key=lambda n: (n.node_id != preferred, -n.free_kv_blocks))
-        return nodes
+        known = (await self.decode_nodes.nodes(preferred, fresh)).values()
+        return offer_order(
+            (n for n in known if takes_kv_of(n, key)),
+            preferred,
+            name=lambda n: n.node_id,
+            free_blocks=lambda n: n.free_kv_blocks,  # as its last heartbeat said
+        )
 
     async def _publish_first(self, job: ReceivedJob, out: StepOutput) -> None:
         with TRACER.start_as_current_span("prefill.first_token"):

@@ -17,11 +17,11 @@ round trip, instead of pulling it empty).
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from services.prefill.handoff_rules import FIRST_DELAY, next_delay, offer_order
 from shared.costs.model import CostModel
 from shared.engine.sequence import Sequence, SequenceStatus
 from tandem.bench.metrics import RequestRecord
@@ -29,7 +29,6 @@ from tandem.plan.simengine import SimEngine
 from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
 from tandem.plan.topology import Topology
 
-HANDOFF_FIRST_DELAY, HANDOFF_MAX_DELAY = 0.05, 1.0  # services/prefill/handoff.py's backoff
 FINISHED = SequenceStatus.FINISHED
 
 
@@ -98,7 +97,7 @@ class PrefillSide:
 
     def _hand_offs(self, node: PrefillNode, jobs: list[Job]) -> None:
         for job in jobs:
-            self._hand_off(node, job, HANDOFF_FIRST_DELAY)
+            self._hand_off(node, job, FIRST_DELAY)
 
     @staticmethod
     def _prefill(engine: SimEngine, seqs: list[Sequence]) -> Iterator[tuple[float, list[Sequence]]]:
@@ -121,10 +120,14 @@ class PrefillSide:
         self._handed_off(node)
 
     def _hand_off(self, node: PrefillNode, job: Job, delay: float) -> None:
-        """The preferred decode node if it has room, else any other; else retry later."""
-        preferred = self.decoders[job.decode_node]
-        others = (d for d in self.decoders.values() if d is not preferred)
-        for decoder in itertools.chain((preferred,), others):
+        """Offered as the node offers it (`offer_order`); none with room: again later."""
+        order = offer_order(
+            self.decoders.values(),
+            job.decode_node,
+            name=lambda d: d.node_id,
+            free_blocks=lambda d: d.engine.scheduler.pool.num_free,
+        )
+        for decoder in order:
             self._cut(decoder)
             if decoder.engine.add_prefilled(job.seq):
                 # its KV checked and written into the pool on the engine thread (add_snapshot),
@@ -136,7 +139,7 @@ class PrefillSide:
                 self._kick(decoder)
                 self.at(accepted, self._handed_off, node)
                 return
-        self.at(self.now + delay, self._hand_off, node, job, min(HANDOFF_MAX_DELAY, delay * 2))
+        self.at(self.now + delay, self._hand_off, node, job, next_delay(delay))
 
     def _handed_off(self, node: PrefillNode) -> None:
         node.holding -= 1

@@ -16,11 +16,12 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import msgspec
+import nats.errors
 from aiohttp import web
 from opentelemetry import trace
 
@@ -234,8 +235,8 @@ async def start(
         entry = journal_entry(parts, parsed, rid, job, shape.created, request_owner(request))
         # In the journal before any node sees it: if this router dies from here on, a
         # client can resume it through another router (or the janitor cancels it).
-        await parts.journal.put(entry)
-        job, route, steered = await submit(parts, where, job, span)
+        await stored("request", parts.journal.put(entry))
+        job, route, steered = await stored("job", submit(parts, where, job, span))
     except BaseException:  # not admitted: nothing of it may stay anywhere
         parts.inflight.release(rid)
         await stream.close()
@@ -260,6 +261,18 @@ async def start(
         blocks=where.blocks,
         start=start_t,
     )
+
+
+async def stored(what: str, write: Awaitable[T]) -> T:
+    """A write to the cluster's store. Its refusal (the journal or the job queue full: they
+    are bounded, shared/bus/topology.py; or NATS away) is a 503 the client may retry, and
+    the router serves on."""
+    try:
+        return await write
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise CapacityError(
+            f"the cluster could not store the {what} ({exc!r}); retry shortly", retry_after=2
+        ) from exc
 
 
 def log_route(

@@ -17,6 +17,8 @@ any one server may be lost with no job or journal entry lost); 1 for a single se
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 
@@ -25,12 +27,15 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, NotFoundError
+
+log = logging.getLogger("tandem.bus")
 
 PREFILL_STREAM = "TANDEM_PREFILL"
 PREFILL_SUBJECT = "tandem.prefill.jobs"
@@ -145,6 +150,14 @@ class TopologyConfig:
     # Servers of a NATS cluster holding each stream and bucket (`--nats-replicas`); a
     # single server refuses more than 1. Every service of a deployment must say the same.
     replicas: int = 1
+    # What each stream and bucket may hold, so that no writer (a flood, a compromised node)
+    # can fill the server's store (issue 49). A full job queue or journal refuses new
+    # writes (the router answers 503 and serves on); a full KV-event stream drops its
+    # oldest events (routing hints); a full registry refuses an entry as too many nodes.
+    prefill_max_bytes: int = 256 << 20
+    kv_events_max_bytes: int = 128 << 20
+    journal_max_bytes: int = 256 << 20
+    nodes_max_bytes: int = 16 << 20
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -154,6 +167,26 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.add_stream(config)
         return
     await js.update_stream(config)
+
+
+async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> None:
+    """Create a KV bucket, or bring an existing one to `config`'s size limit (a bucket made
+    before it had one refuses to be created again with it)."""
+    try:
+        await js.create_key_value(config)
+    except BadRequestError:
+        stream = f"KV_{config.bucket}"
+        try:
+            info = await js.stream_info(stream)
+            if info.config.max_bytes != config.max_bytes:
+                await js.update_stream(dataclasses.replace(info.config, max_bytes=config.max_bytes))
+        except Exception as exc:  # a role without the right: the bucket works, unbounded
+            log.warning(
+                "bucket %s is not limited to %d bytes (%r): update it with an admin identity",
+                config.bucket,
+                config.max_bytes,
+                exc,
+            )
 
 
 async def ensure_job_consumer(
@@ -193,6 +226,8 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
             storage=StorageType.FILE,
             duplicate_window=cfg.duplicate_window,
             max_msgs=100_000,
+            max_bytes=cfg.prefill_max_bytes,
+            discard=DiscardPolicy.NEW,  # full: refuse the next job, never drop a queued one
             num_replicas=cfg.replicas,
         ),
     )
@@ -206,24 +241,29 @@ async def ensure_topology(js: JetStreamContext, cfg: TopologyConfig | None = Non
             storage=StorageType.FILE,
             max_age=cfg.kv_events_max_age,
             max_msgs=1_000_000,
+            max_bytes=cfg.kv_events_max_bytes,
             num_replicas=cfg.replicas,
         ),
     )
-    await js.create_key_value(
+    await _ensure_bucket(
+        js,
         KeyValueConfig(
             bucket=NODES_BUCKET,
             history=1,
             storage=StorageType.MEMORY,
             limit_marker_ttl=cfg.node_ttl,
             replicas=cfg.replicas,
-        )
+            max_bytes=cfg.nodes_max_bytes,
+        ),
     )
-    await js.create_key_value(
+    await _ensure_bucket(
+        js,
         KeyValueConfig(
             bucket=JOURNAL_BUCKET,
             history=1,
             storage=StorageType.FILE,
             ttl=cfg.journal_ttl,
             replicas=cfg.replicas,
-        )
+            max_bytes=cfg.journal_max_bytes,
+        ),
     )

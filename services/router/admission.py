@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import msgspec
@@ -32,6 +31,7 @@ from services.router.placement import Plan, plan, track_backlog
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter
 from services.router.streams import RequestStream
+from services.router.tokenizing import FairThread
 from services.router.validation import Limits, ParsedRequest, parse_request
 from shared.bus.ids import RequestId, attempt_id, new_request_id
 from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob
@@ -84,18 +84,16 @@ def choices_asked(body: Any, limits: Limits) -> int:
     return int(n) if valid else 1
 
 
-# Tokenisation and chat templating of a prompt up to the body limit take up to ~0.1-1 s:
-# on the event loop they would stall every stream. One thread does them, one request at a
-# time (a tokenizer object is not safe to share between threads in every version), and the
-# requests waiting for it count as in flight (`InFlight.admit` is taken once the body is
-# read, before it is parsed), so --max-inflight bounds the queue.
 T = TypeVar("T")
-_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+# The one tokenising thread, its turns shared fairly between API keys (tokenizing.py); the
+# calls waiting for it count as in flight (`InFlight.admit` is taken once the body is read,
+# before it is parsed), so --max-inflight bounds its queue.
+TOKENIZING = FairThread()
 
 
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on the tokenising thread (see above)."""
-    return await asyncio.get_running_loop().run_in_executor(_PARSER, fn, *args)
+async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the tokenising thread, in the turn of `request`'s API key."""
+    return await TOKENIZING.run(request_owner(request), fn, *args)
 
 
 def salted_by_key(params: SamplingParams, owner: str) -> SamplingParams:
@@ -116,7 +114,7 @@ async def admit(
 ) -> ParsedRequest:
     """The request of JSON `body`, validated, if this router takes it now (the caller holds
     its in-flight count). `tokenizers`: the served models' (its `model` picks one)."""
-    parsed = await off_loop(parse_request, body, chat, tokenizers, parts.config.limits)
+    parsed = await off_loop(request, parse_request, body, chat, tokenizers, parts.config.limits)
     if parts.config.isolate_cache_by_key:
         params = salted_by_key(parsed.params, request_owner(request))
         parsed = dataclasses.replace(parsed, params=params)

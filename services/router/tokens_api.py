@@ -58,15 +58,16 @@ class TokensApi:
             raise NotFoundError(f"model '{model}' not found", param="model", code="model_not_found")
         return body, tok
 
-    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the tokenising thread, counted in flight (429 when full)."""
+    async def _on_thread(self, request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenising thread in the turn of the request's key, counted
+        in flight (429 when full)."""
         self.inflight.check_room()
         with self.inflight.admit():
-            return await off_loop(fn, *args)
+            return await off_loop(request, fn, *args)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body, tok = await self._body(request)
-        tokens = await self._on_thread(tokenize_body, body, tok)
+        tokens = await self._on_thread(request, tokenize_body, body, tok)
         return web.json_response(
             {"count": len(tokens), "max_model_len": tok.max_model_len, "tokens": tokens}
         )
@@ -80,7 +81,7 @@ class TokensApi:
             raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
         if any(not 0 <= t < tok.vocab_size for t in tokens):
             raise InvalidRequestError("'tokens' holds ids outside the vocabulary", param="tokens")
-        return web.json_response({"prompt": await self._on_thread(tok.decode, tokens)})
+        return web.json_response({"prompt": await self._on_thread(request, tok.decode, tokens)})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})

@@ -21,7 +21,7 @@ def api(inflight: InFlight) -> TokensApi:
 async def test_a_full_router_refuses_tokenising_at_once() -> None:
     inflight = InFlight(max_inflight=2)
     with inflight.admit(2), pytest.raises(RateLimitError):
-        await api(inflight)._on_thread(lambda: "never run")
+        await api(inflight)._on_thread({}, lambda: "never run")  # type: ignore[arg-type]
 
 
 async def test_a_call_counts_in_flight_while_it_waits_for_the_thread() -> None:
@@ -33,5 +33,5 @@ async def test_a_call_counts_in_flight_while_it_waits_for_the_thread() -> None:
         assert threading.current_thread().name.startswith("tokenize")
         return "done"
 
-    assert await api(inflight)._on_thread(work) == "done"
+    assert await api(inflight)._on_thread({}, work) == "done"  # type: ignore[arg-type]
     assert seen == [1] and inflight.admitted == 0

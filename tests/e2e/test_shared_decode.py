@@ -124,7 +124,11 @@ def test_a_load_of_both_models_adds_a_decode_process_hosting_both_and_removes_it
         loop_task = asyncio.create_task(controller.run(stop))
         runs = [(MODEL, 48), (TINY, 300)] * 6
         try:
-            async with aiohttp.ClientSession() as session:
+            # The waves are up to minutes apart: the client lets an idle connection go well
+            # before the router's --idle-timeout (10 s) closes it, or a reused one can be
+            # closed under the next request (ServerDisconnectedError, seen once in CI).
+            connector = aiohttp.TCPConnector(keepalive_timeout=5)
+            async with aiohttp.ClientSession(connector=connector) as session:
 
                 def wave(first: int) -> list[asyncio.Task[str]]:
                     return [

@@ -28,7 +28,6 @@ from shared.connector.sender import KVSender
 from shared.engine.interface import EngineCore
 from shared.engine.types import SequenceState, StepOutput
 from shared.telemetry.logs import bind
-from shared.telemetry.metrics import NodeMetrics
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.prefill")
@@ -48,7 +47,6 @@ class HandOff:
         bus: Bus,
         sender: KVSender,
         registry: NodeRegistry,
-        metrics: NodeMetrics,
         cancelled: Container[str],
         stopping: asyncio.Event,
         fail: Callable[[ReceivedJob, str], Awaitable[None]],
@@ -59,7 +57,6 @@ class HandOff:
         self.sender = sender  # the KV connector's sending side
         self.registry = registry
         self.decode_nodes = CachedNodes(registry)  # one read serves a second's hand-offs
-        self.metrics = metrics
         self.cancelled = cancelled  # request ids the worker heard cancelled
         self.stopping = stopping  # the node's stop: no more retries
         self.fail = fail  # tells the router the request failed

@@ -125,7 +125,6 @@ class PrefillWorker:
             self.bus,
             KVSender(self.node_id, self.engine, self.bus, self.planes.transport, self.metrics),
             self.registry,
-            self.metrics,
             self.cancelled,
             stop,
             self._fail,

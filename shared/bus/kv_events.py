@@ -135,6 +135,9 @@ class KVIndex:
             self.refused += len(event.block_hashes)
             return
         held = self.by_node.setdefault(event.node_id, set())
+        if len(held) + len(event.block_hashes) <= cap:  # the usual case: room for them all
+            held.update(event.block_hashes)
+            return
         room = max(0, cap - len(held))
         new = [h for h in event.block_hashes if h not in held]
         if len(new) > room:

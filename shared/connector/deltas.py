@@ -15,8 +15,9 @@ def wire_logprobs(lps: list[types.TokenLogprob] | None) -> list[TokenLogprob] | 
 
 
 def delta_from_output(out: types.StepOutput, node_id: str, handoff: int) -> TokenDelta:
-    """`seq` is the index of the token the delta brings, so any node numbers alike;
-    `handoff` is the request's handoff this node runs (the router fences by it)."""
+    """`seq` is the index of the delta's last token (it may bring several), so any node
+    numbers alike; `handoff` is the request's handoff this node runs (the router fences
+    by it)."""
     return TokenDelta(
         attempt_id=AttemptId(out.request_id),  # a node's engine names sequences by it
         seq=out.num_output_tokens - 1,

@@ -141,8 +141,8 @@ class Engine:
     def running_tokens(self) -> dict[str, int]:
         try:
             running = list(self.requests.values())
-        except RuntimeError:  # the engine thread changed the table mid-copy: try once more
-            running = list(self.requests.values())
+        except RuntimeError:  # the engine thread changed the table mid-copy: a scrape lost
+            return {}
         return {s.request_id: s.num_tokens for s in running if s.status is SequenceStatus.RUNNING}
 
     # ---- admission -------------------------------------------------------------------------

@@ -171,5 +171,5 @@ class EngineCore(Protocol):
 
     def running_tokens(self) -> dict[str, int]:
         """Each running sequence's token count (prompt and output), readable from any
-        thread (a racing step may make it one step stale)."""
+        thread (a racing step may make it a step stale, or empty that once)."""
         ...

@@ -60,18 +60,18 @@ async def test_a_client_resumes_a_dead_routers_stream(
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     got: list[str] = []
     last, rid, several = -1, "", False
-    async with aiohttp.ClientSession() as s:
-        async with s.post(stack.url + "/v1/completions", json=body, headers=RESUMABLE) as resp:
-            async for event_id, data in events(resp):
-                assert event_id is not None and event_id > last
-                several |= event_id > last + 1  # an event of several tokens
-                rid, last = data["id"], event_id
-                got.append(text(data))
-                if event_id >= 20:
-                    break
-            # killed while the connection is still open: a client seen to leave first
-            # would have its request cancelled (and its journal entry gone) by the router
-            await asyncio.to_thread(stack.kill, "router")
+    url = stack.url + "/v1/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=RESUMABLE) as resp:
+        async for event_id, data in events(resp):
+            assert event_id is not None and event_id > last
+            several |= event_id > last + 1  # an event of several tokens
+            rid, last = data["id"], event_id
+            got.append(text(data))
+            if event_id >= 20:
+                break
+        # killed while the connection is still open: a client seen to leave first would
+        # have its request cancelled (and its journal entry gone) by the router
+        await asyncio.to_thread(stack.kill, "router")
     assert several
     stack.restart("router")
     await asyncio.to_thread(wait_ready, stack)

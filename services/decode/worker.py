@@ -303,6 +303,7 @@ class DecodeWorker:
             total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_key,
             block_size=self.engine.block_size,
+            engine=self.engine.kind,
             draining=self.draining,
             model=self.engine.served_name,
             host_running=self.host_running(),

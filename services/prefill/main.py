@@ -57,6 +57,13 @@ async def serve(args: argparse.Namespace) -> None:
     from shared.connector.planes import KVPlanes
     from shared.runtime.engine import start_engine
 
+    if args.engine != "native":
+        # its KV would have to reach a decode node: vLLM's engine has no Tandem KV
+        # connector yet (docs/engines.md)
+        raise SystemExit(
+            f"a prefill node runs the native engine only (not --engine {args.engine}) until "
+            "the KV connector hands vLLM's KV off; serve vLLM colocated: tandem up --engine vllm"
+        )
     # a prefill node's engine steps are its --step-tokens (engine_from_args reads this)
     args.max_batched_tokens = min(args.max_batched_tokens, args.step_tokens)
     rt = await NodeRuntime.open("prefill", args)

@@ -112,6 +112,7 @@ class PrefillWorker:
             total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_key,
             block_size=self.engine.block_size,
+            engine=self.engine.kind,
             model=self.engine.served_name,
         )
 

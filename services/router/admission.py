@@ -122,6 +122,12 @@ async def admit(
         raise CapacityError(
             f"no prefill or decode node of model {parsed.model!r} is available", retry_after=2
         )
+    if parsed.params.guide and not parts.nodes.takes_grammars(parsed.model):
+        raise InvalidRequestError(
+            f"response_format is not supported for model {parsed.model!r}: its nodes run "
+            "vLLM's engine, which follows no Tandem grammar yet",
+            param="response_format",
+        )
     return parsed
 
 

@@ -189,6 +189,9 @@ class NodeInfo(Message, frozen=True, tag="node_info", kw_only=True):
     # The process's first node id, the same for every node of a process hosting several
     # models ("" alone): a router counts what it sent to any of them as that process's load.
     host: str = ""
+    # The engine its model runs on: "native" or "vllm" ("": native, an older node). A
+    # router refuses what no node of the model's engines serves (vLLM: grammars, yet).
+    engine: str = ""
 
 
 class KVEvent(Message, frozen=True, tag="kv_event", kw_only=True):

@@ -197,6 +197,10 @@ class DecodeAhead:
         return self._tails
 
     @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    @property
     def served_name(self) -> str:
         return self.inner.served_name
 

@@ -119,6 +119,8 @@ class Engine:
 
     # ---- what it is (shared/engine/interface.py) --------------------------------------------
 
+    kind = "native"
+
     @property
     def served_name(self) -> str:
         return self.model.served_name

@@ -97,6 +97,11 @@ class EngineCore(Protocol):
     # ---- what it is ------------------------------------------------------------------------
 
     @property
+    def kind(self) -> str:
+        """Which engine: "native" (shared/engine/engine.py) or "vllm" (shared/engine/vllm/)."""
+        ...
+
+    @property
     def served_name(self) -> str: ...
 
     @property

@@ -5,7 +5,9 @@ and its engine. Only those nodes import this module; it is the one that loads to
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,6 +56,8 @@ def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -
     from shared.model.loader import load_model
 
     configure_threads(args.threads)
+    if getattr(args, "engine", "native") == "vllm":
+        return vllm_engine_from_args(args, budget)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     engine = Engine(
         model,
@@ -70,6 +74,36 @@ def engine_from_args(args: argparse.Namespace, budget: KVBudget | None = None) -
     )
     ahead = getattr(args, "decode_ahead", 1)
     return DecodeAhead(engine, ahead) if ahead > 1 else engine
+
+
+def vllm_engine_from_args(args: argparse.Namespace, budget: KVBudget | None) -> EngineCore:
+    """vLLM's engine on the node's model (shared/engine/vllm/), as far as it serves today:
+    one model a process, colocated (no KV hand-off in or out), one token a step."""
+    if budget is not None:
+        raise SystemExit("--engine vllm: one model a node (vLLM's engine owns its KV memory)")
+    if getattr(args, "decode_ahead", 1) > 1:
+        raise SystemExit("--engine vllm: --decode-ahead is the native engine's")
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            f"--engine vllm: vLLM is not installed in {sys.prefix}: run the node with the "
+            "python of the environment `make vllm` builds (.venv-vllm/bin/python)"
+        )
+    from shared.engine.vllm.engine import VllmConfig, VllmEngine
+    from shared.model.convert import converted_dir
+    from shared.model.source import resolve_model
+
+    source = resolve_model(args.model)
+    return VllmEngine(
+        VllmConfig(
+            model_dir=str(converted_dir(source)),
+            served_name=source.served_name,
+            dtype=args.dtype,
+            kv_cache_bytes=args.kv_cache_mb << 20,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+    )
 
 
 async def start_engine(args: argparse.Namespace) -> tuple[EngineCore, EngineThread]:

@@ -321,7 +321,24 @@ def thread_count(text: str) -> int:
     return whole_number(text, 0, 1024)
 
 
+ENGINES = ("native", "vllm")
+
+
+def add_engine_choice(p: argparse.ArgumentParser) -> None:
+    """--engine: the model nodes' engine (a node's, and `tandem up`'s for its nodes)."""
+    add_option(
+        p,
+        "--engine",
+        choices=ENGINES,
+        default="native",
+        help="the engine that runs the model: Tandem's own (native) or vLLM's, in-process "
+        "(vllm: from the environment `make vllm` builds; colocated decode nodes only for "
+        "now, docs/engines.md)",
+    )
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    add_engine_choice(p)
     add_option(p, "--kv-cache-mb", type=int, default=1024, help="KV cache size per node")
     add_option(
         p,

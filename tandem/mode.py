@@ -31,11 +31,11 @@ def mode_problem(args: argparse.Namespace) -> str | None:
 
 def vllm_problem(args: argparse.Namespace) -> str | None:
     """What `--engine vllm` cannot serve yet: prefill nodes (no KV hand-off into vLLM's
-    engine without its KV connector) and several models (docs/engines.md)."""
+    engine without its KV connector) and several models in one process (docs/engines.md)."""
     if args.split or args.conditional or args.prefill:
         return "--engine vllm serves colocated only for now: not with prefill nodes"
-    if not _single_model(args):
-        return "--engine vllm serves one model a stack for now"
+    if args.shared_decode and not _single_model(args):
+        return "--engine vllm runs one model a process: not with --shared-decode"
     return None
 
 

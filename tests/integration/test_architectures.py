@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,59 +19,11 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.errors import ModelLoadError
 from shared.model.loader import load_model
 from shared.sampling_params import SamplingParams
+from tests.tiny_models import FAMILIES, save_tiny
 
 pytestmark = pytest.mark.integration
 
-COMMON: dict[str, Any] = {
-    "vocab_size": 49152,  # SmolLM2's tokenizer
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
-    "tie_word_embeddings": False,
-}
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama3-rope": (
-        "LlamaConfig",
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-            "rope_theta": 500000.0,
-        },
-    ),
-    "mistral": ("MistralConfig", {"sliding_window": 512}),
-    "qwen2": ("Qwen2Config", {}),  # q/k/v with bias
-    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k norms per head
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),  # fused qkv and gate/up projections
-}
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-
-def save_tiny(kind: str, extra: dict[str, Any], out: Path, tokenizer_dir: Path) -> Path:
-    config = getattr(transformers, kind)(**{**COMMON, **extra})
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    # Larger-than-default weights, and a scaled head, give peaked logits whose greedy
-    # choices are far apart: an identity test then tests the arithmetic, not rounding.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
-    return out
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

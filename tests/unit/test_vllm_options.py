@@ -31,10 +31,11 @@ def test_up_refuses_prefill_nodes_on_vllm(flags: list[str]) -> None:
     assert problem is not None and "colocated only" in problem
 
 
-def test_up_refuses_several_models_on_vllm(tmp_path: Path) -> None:
-    args = up_args("--engine", "vllm", "--model", "a=smollm2-135m-instruct", "--model",
-                   "b=smollm2-135m-instruct")  # fmt: skip
-    assert "one model" in (mode_problem(args) or "")
+def test_up_refuses_several_models_in_one_vllm_process() -> None:
+    models = ["--model", "a=smollm2-135m-instruct", "--model", "b=smollm2-135m-instruct"]
+    assert mode_problem(up_args("--engine", "vllm", *models)) is None  # a process each
+    problem = mode_problem(up_args("--engine", "vllm", "--shared-decode", *models))
+    assert problem is not None and "one model a process" in problem
 
 
 def test_up_on_vllm_is_colocated_and_its_decode_nodes_run_vllm(tmp_path: Path) -> None:

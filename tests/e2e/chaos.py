@@ -42,6 +42,7 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     logprobs: int | None = None  # ask for them (completions' `logprobs`)
+    seed: int | None = None  # sampled (temperature 0.9, top-k 40) with this seed; else greedy
 
 
 @dataclass
@@ -112,6 +113,8 @@ async def stream_one(
     }
     if request.logprobs is not None:
         body["logprobs"] = request.logprobs
+    if request.seed is not None:
+        body.update(temperature=0.9, top_k=40, seed=request.seed)
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:

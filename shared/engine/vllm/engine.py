@@ -188,7 +188,13 @@ class VllmEngine:
         vparams = to_vllm(params, len(before))
         if before:
             vparams.prompt_logprobs = None  # the client had them with the first token
-        self.llm.add_request(request_id, {"prompt_token_ids": [*prompt_ids, *before]}, vparams)
+        prompt = {"prompt_token_ids": [*prompt_ids, *before]}
+        try:
+            self.llm.add_request(request_id, prompt, vparams)
+        except (ValueError, TypeError) as exc:  # vLLM's own checks, past ours
+            raise InvalidRequestError(
+                f"vLLM refused the request: {exc}", request_id=request_id
+            ) from exc
         self.requests[request_id] = Tracked(len(prompt_ids), len(before), params)
         return request_id
 

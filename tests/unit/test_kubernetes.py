@@ -222,3 +222,69 @@ def test_nats_config_passes_nats_server_with_the_statefulsets_environment() -> N
     env.pop("NATS_DECODE_PASSWORD")
     bad = subprocess.run([nats_server_binary(), "-t", "-c", conf], env=env, capture_output=True)
     assert bad.returncode != 0 and b"NATS_DECODE_PASSWORD" in bad.stderr + bad.stdout
+
+
+COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def admits(policy: dict[str, Any], old: dict[str, Any], new: dict[str, Any], user: str) -> bool:
+    """What the API server decides for an UPDATE of pod `old` to `new` by `user`, from the
+    policy's own CEL expressions (evaluated by cel-python: the same language)."""
+    import celpy
+
+    env = celpy.Environment()
+    request = {"namespace": "tandem", "userInfo": {"username": user}}
+    activation = {
+        "object": celpy.json_to_cel(new),
+        "oldObject": celpy.json_to_cel(old),
+        "request": celpy.json_to_cel(request),
+    }
+
+    def holds(expression: str) -> bool:
+        return bool(env.program(env.compile(expression)).evaluate(activation))
+
+    if not all(holds(c["expression"]) for c in policy["spec"]["matchConditions"]):
+        return True  # not the autoscaler's request: the policy does not apply
+    return all(holds(v["expression"]) for v in policy["spec"]["validations"])
+
+
+def test_the_autoscaler_may_patch_only_the_deletion_cost_of_the_pods_it_scales() -> None:
+    """issue 49: its Role may patch every pod of the namespace (RBAC cannot name an
+    annotation or a label); the admission policy beside it narrows that to what
+    tandem/autoscale/kubernetes_backend.py does."""
+    objects = render(KUBE / "base")
+    policy = named(objects, "ValidatingAdmissionPolicy", "tandem-autoscaler-pod-patches")
+    binding = named(objects, "ValidatingAdmissionPolicyBinding", "tandem-autoscaler-pod-patches")
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    me = "system:serviceaccount:tandem:tandem-autoscaler"
+
+    def pod(workload: str) -> dict[str, Any]:
+        template = named(objects, "Deployment", workload)["spec"]["template"]
+        return {"metadata": dict(template["metadata"]), "spec": template["spec"]}
+
+    def changed(old: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+        return {"metadata": {**old["metadata"], **metadata}, "spec": old["spec"]}
+
+    for role in ("prefill", "decode"):
+        old = pod(role)
+        marked = changed(old, annotations={**old["metadata"].get("annotations", {}), COST: "-1000"})
+        assert admits(policy, old, marked, me), role  # what the backend sends
+        assert admits(policy, marked, old, me), role  # and taking it back
+        relabelled = changed(
+            marked, labels={**old["metadata"]["labels"], "app.kubernetes.io/name": "x"}
+        )
+        assert not admits(policy, old, relabelled, me)
+        extra = changed(old, annotations={**old["metadata"].get("annotations", {}), "x": "y"})
+        assert not admits(policy, old, extra, me)
+        if old["metadata"].get("annotations"):  # dropping another annotation changes it too
+            assert not admits(policy, old, changed(old, annotations={COST: "1"}), me)
+        respecced = {"metadata": old["metadata"], "spec": {**old["spec"], "hostNetwork": True}}
+        assert not admits(policy, old, respecced, me)
+    router = pod("router")
+    marked = changed(router, annotations={COST: "-1000"})
+    assert not admits(policy, router, marked, me)  # not a pod it scales
+    assert admits(policy, router, marked, "system:serviceaccount:tandem:someone-else")

@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from services.kvcache.peers import Peers
 from services.kvcache.store import BlockStore
 from services.kvcache.tails import TAIL_TTL, TailStore
 from services.kvcache.worker import KVCacheWorker
@@ -61,7 +62,9 @@ async def serve(args: argparse.Namespace) -> None:
     store = BlockStore(args.capacity_mb << 20, args.disk_mb << 20, disk_dir)
     tail_mb = args.tail_mb or max(64, args.capacity_mb // 8)
     tails = TailStore(tail_mb << 20, args.tail_ttl)
-    worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id, tails)
+    assert rt.registry is not None
+    peers = Peers(rt.registry.nodes)  # it sends blocks only to registered nodes
+    worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id, tails, peers)
     try:
         await rt.transport.start(worker)
         await worker.subscribe()

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 
+from services.kvcache.peers import NOT_A_PEER
 from shared.bus.client import Bus
 from shared.bus.messages import KVWarm, accepted, decode, refused
 from shared.errors import WireFormatError
@@ -38,9 +40,17 @@ PAYLOAD = memoryview(b"\x00")
 class WarmSender:
     """Answers `tandem.kvcache.<node>.warm` requests (KVWarm)."""
 
-    def __init__(self, bus: Bus, transport: Transport) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        transport: Transport,
+        may_send_to: Callable[[str, str], Awaitable[bool]] | None = None,
+    ) -> None:
+        """`may_send_to(address, subject)`: whether it may send there (the worker's check
+        against the registry); None: anywhere."""
         self.bus = bus
         self.transport = transport
+        self.may_send_to = may_send_to
         self.sent = 0
         self.failed = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -55,6 +65,11 @@ class WarmSender:
         except WireFormatError as exc:
             self.bus.count_drop(msg.subject, str(exc))
             await msg.respond(refused(str(exc)))
+            return
+        if self.may_send_to is not None and not await self.may_send_to(
+            warm.reply_address, msg.subject
+        ):
+            await msg.respond(refused(NOT_A_PEER))
             return
         if len(self._tasks) >= MAX_WARMING:
             self.bus.count_drop(msg.subject, "too many warm transfers at once")

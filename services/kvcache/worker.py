@@ -20,6 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.kvcache.peers import NOT_A_PEER, Peers
 from services.kvcache.pins import CheckpointPins
 from services.kvcache.prefault import keep_faulted_in
 from services.kvcache.store import DISK, MEMORY, BlockSizeError, BlockStore
@@ -82,8 +83,12 @@ class KVCacheWorker:
         transport: Transport,
         node_id: str,
         tails: TailStore | None = None,
+        peers: Peers | None = None,
     ) -> None:
+        """`peers`: the addresses it may send to (peers.py); None sends wherever asked
+        (a worker built alone, in tests)."""
         self.store = store
+        self.peers = peers
         self.tails = tails if tails is not None else TailStore(64 << 20)
         self.bus = bus
         self.transport = transport
@@ -96,7 +101,7 @@ class KVCacheWorker:
         self._sends: set[asyncio.Task[None]] = set()
         self._sending_bytes = 0  # payload copies held by the sends in `_sends`
         self.pins = CheckpointPins(store)
-        self.warm = WarmSender(bus, transport)
+        self.warm = WarmSender(bus, transport, self.may_send_to)
         self.metrics = _metrics(store, self.tails, lambda: self.lookups)
         self._prefault: asyncio.Task[None] | None = None
 
@@ -163,6 +168,14 @@ class KVCacheWorker:
             return None
         return request
 
+    async def may_send_to(self, address: str, subject: str) -> bool:
+        """Whether a get's reply address is a registered node's data plane (else the
+        request is counted as dropped: a node identity aiming this node's sends)."""
+        if self.peers is None or await self.peers.allows(address):
+            return True
+        self.bus.count_drop(subject, NOT_A_PEER)  # logged there
+        return False
+
     async def _expect_put(self, msg: Msg, put: KVPut | KVPutTails, reply: bytes) -> None:
         """Accept the announced transfer (until PUT_TIMEOUT) and say so, if there is room."""
         self._expire_puts()
@@ -198,6 +211,9 @@ class KVCacheWorker:
     async def _on_get(self, msg: Msg, span: trace.Span) -> None:
         get = await self._read(msg, KVGet, lambda why: encode(KVGetReply(error=why)), _check_get)
         if get is None:
+            return
+        if not await self.may_send_to(get.reply_address, msg.subject):
+            await msg.respond(encode(KVGetReply(error=NOT_A_PEER)))
             return
         self.lookups += 1
         first = get.block_hashes[0] if get.block_hashes else b""
@@ -257,6 +273,9 @@ class KVCacheWorker:
     async def on_get_tail(self, msg: Msg) -> None:
         get = await self._read(msg, KVGetTail, lambda why: encode(KVTailReply(error=why)))
         if get is None:
+            return
+        if not await self.may_send_to(get.reply_address, msg.subject):
+            await msg.respond(encode(KVTailReply(error=NOT_A_PEER)))
             return
         found = self.tails.get(get.attempt_id)
         if found is None:

@@ -25,6 +25,7 @@ from shared.transport.base import Transport
 from shared.transport.factory import make_transport
 
 log = logging.getLogger("tandem.node")
+FIRST_BEAT_TIMEOUT = 5.0  # seconds the first registry write may take before the node goes on
 
 
 def host_part(hostname: str) -> str:
@@ -139,6 +140,13 @@ class NodeRuntime:
             await msg.respond(health().encode())
 
         await self.bus.nc.subscribe(ping_subject(self.role, self.node_id), cb=pong)
+        # The first entry is written before the node goes on (its first kvcache requests
+        # name its data plane, which a kvcache node serves only once it is registered);
+        # the loop then keeps it (and retries if this one failed).
+        try:
+            await asyncio.wait_for(self.registry.heartbeat(info()), FIRST_BEAT_TIMEOUT)
+        except Exception as exc:  # NATS slow or away: the loop below keeps trying
+            log.warning("first heartbeat not written: %r", exc)
         self._beats = asyncio.create_task(self.registry.run_heartbeats(info))
         host = getattr(self.args, "metrics_host", "127.0.0.1")
         port = metrics.serve(self.args.metrics_port, host)

@@ -39,6 +39,7 @@ from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack, wait_for_every_node
 from tests.e2e.streaming import MODEL, complete
 from tests.e2e.test_api import reference, text_of
+from tests.kv_peer import register_peer
 
 TINY = "tiny-random"  # a 2-layer random Llama: other layers, heads and KV layout
 
@@ -90,12 +91,14 @@ async def stored_prefix(
     bus = await Bus(stack.nats_url, "e2e-kv-check", stack.auth).connect()
     transport, pending = make_transport("tcp"), PendingTransfers()
     await transport.start(pending)
+    peer = await register_peer(bus, transport, "e2e-kv-check")  # kvcache sends to nodes only
     try:
         client = KVCacheClient(bus, transport, pending, await NodeRegistry(bus).start())
         blocks = await client.load_prefix(hashes, layout.bytes_per_block)
         assert all(len(b) == layout.bytes_per_block for b in blocks)
         return blocks
     finally:
+        await peer.remove("decode", "e2e-kv-check")
         await transport.close()
         await bus.close()
 

@@ -98,12 +98,15 @@ def test_every_request_is_one_trace_with_phase_spans(stack: Stack, otlp: OtlpRec
         assert stream["tandem.completion_tokens"] == resp.usage.completion_tokens
         # The blocks its decode node filled were checkpointed, linked to the request.
         assert checkpoints_of(otlp, request.trace_id), "no kv.checkpoint span links here"
-        # Children account for >= 95% of time to first token: no opaque gap.
+        # Children account for the time to first token but 5% of it (or 10 ms, on a short
+        # one: a 2-core host's scheduler alone leaves gaps of a few ms between spans):
+        # no opaque phase.
         first = request.events["first_token"]
         parts = [(s.start, s.end) for s in spans if s is not request and s.name != "router.stream"]
         ttft = first - request.start
         assert ttft > 0
-        assert covered(parts, request.start, first) >= 0.95 * ttft, (
+        slack = max(0.05 * ttft, 10_000_000)  # ns
+        assert covered(parts, request.start, first) >= ttft - slack, (
             sorted(
                 (s.name, (s.start - request.start) / 1e6, (s.end - request.start) / 1e6)
                 for s in spans

@@ -14,7 +14,18 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
-from shared.bus.messages import KVPutTails, KVPutTailsReply, KVTail, KVUnpin, decode, encode
+from shared.bus.messages import (
+    KVGetTail,
+    KVPutTails,
+    KVPutTailsReply,
+    KVTail,
+    KVTailReply,
+    KVUnpin,
+    KVWarm,
+    decode,
+    encode,
+    read_reply,
+)
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer, free_port
 from shared.bus.topology import ensure_topology, kvcache_subject
@@ -25,6 +36,7 @@ from shared.kvclient.client import UNPIN_MEMORY, KVCacheClient, KVCacheError
 from shared.transport.base import Transport
 from shared.transport.factory import make_transport
 from shared.transport.pending import PendingTransfers
+from tests.kv_peer import register_peer
 from tests.otlp_receiver import OtlpReceiver
 from tests.polling import wait_until
 
@@ -76,6 +88,7 @@ async def client_side(url: str, kind: str) -> tuple[Bus, Transport, PendingTrans
     transport = make_transport(kind)
     pending = PendingTransfers()
     await transport.start(pending)
+    await register_peer(bus, transport)
     return bus, transport, pending
 
 
@@ -177,6 +190,7 @@ async def test_blocks_shard_over_two_nodes_and_survive_losing_one(nats_server: N
     transport = make_transport("tcp")
     pending = PendingTransfers()
     await transport.start(pending)
+    await register_peer(bus, transport)
     try:
         registry = await NodeRegistry(bus).start()
         client = KVCacheClient(bus, transport, pending, registry)
@@ -225,6 +239,7 @@ async def test_request_tails_grow_by_pieces_expire_and_bad_input_is_refused(
     transport = make_transport("ucx")
     pending = PendingTransfers()
     await transport.start(pending)
+    await register_peer(bus, transport)
     row, max_rows = 4096, 15
     try:
         registry = await NodeRegistry(bus).start()
@@ -350,6 +365,7 @@ async def test_purge_drops_the_blocks_one_node_stored(nats_server: NatsServer) -
             pending = PendingTransfers()
             transport = make_transport("tcp")
             await transport.start(pending)
+            await register_peer(bus, transport)
             buses.append(bus)
             transports.append(transport)
             clients[name] = KVCacheClient(bus, transport, pending, await NodeRegistry(bus).start())
@@ -421,3 +437,40 @@ async def test_unpins_reach_a_kvcache_node_a_registry_read_left_out(
     finally:
         await transport.close()
         await bus.close()
+
+
+async def test_blocks_go_only_to_a_registered_nodes_data_plane(nats_server: NatsServer) -> None:
+    """issue 49: a get, a tail get or a warm names where the kvcache node sends; one naming
+    an address no prefill or decode node registered is refused, and no connection is even
+    opened to it (a node identity cannot aim a kvcache node's sends at any host)."""
+    proc = start_node(nats_server.url, "tcp", "--capacity-mb", "1", "--heartbeat-ttl", "2")
+    bus, transport, pending = await client_side(nats_server.url, "tcp")  # registered
+    stranger, stranger_pending = make_transport("tcp"), PendingTransfers()
+    await stranger.start(stranger_pending)
+    try:
+        address = await data_address(bus, "kv-1")
+        client = KVCacheClient(bus, transport, pending)
+        blocks = [os.urandom(BLOCK) for _ in range(2)]
+        await client.put("kv-1", address, [h(0), h(1)], b"".join(blocks))
+        assert await client.get("kv-1", [h(0), h(1)], 2 * BLOCK) == blocks
+        aimed = KVCacheClient(bus, stranger, stranger_pending)
+        with pytest.raises(KVCacheError, match="no registered node"):
+            await aimed.get("kv-1", [h(0), h(1)], 2 * BLOCK)
+        assert bus.nc is not None
+        tail_get = KVGetTail(attempt_id=AttemptId("a-1"), transfer_id="t-1",
+                             reply_address=stranger.address, transfer_secret="s" * 32)  # fmt: skip
+        raw = await bus.nc.request(kvcache_subject("kv-1", "get_tail"), encode(tail_get), 5)
+        assert "no registered node" in decode(raw.data, KVTailReply).error
+        warm = KVWarm(transfer_id="w-1", reply_address=stranger.address, transfer_secret="s" * 32)
+        raw = await bus.nc.request(kvcache_subject("kv-1", "warm"), encode(warm), 5)
+        reply = read_reply(raw.data)
+        assert not reply.accepted and "no registered node" in reply.reason
+        await asyncio.sleep(0.5)  # a send, had one started, would have connected by now
+        assert len(stranger.connections) == 0  # type: ignore[attr-defined]
+        # the registered client is served as before
+        assert await client.get("kv-1", [h(0), h(1)], 2 * BLOCK) == blocks
+    finally:
+        await stranger.close()
+        await transport.close()
+        await bus.close()
+        stop(proc)

@@ -288,3 +288,25 @@ def test_the_autoscaler_may_patch_only_the_deletion_cost_of_the_pods_it_scales()
     marked = changed(router, annotations={COST: "-1000"})
     assert not admits(policy, router, marked, me)  # not a pod it scales
     assert admits(policy, router, marked, "system:serviceaccount:tandem:someone-else")
+
+
+def test_kvcache_pods_send_only_to_the_data_plane_nats_traces_and_dns() -> None:
+    """issue 49: a get names where a kvcache pod sends; its pods' egress is closed but for
+    the data-plane port of the pods that move KV, NATS, the traces collector and DNS."""
+    objects = render(KUBE / "base")
+    policy = named(objects, "NetworkPolicy", "kvcache-egress")
+    kvcache = named(objects, "StatefulSet", "kvcache")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= kvcache.items()
+    data_port = int(named(objects, "ConfigMap", "tandem-data-plane")["data"]["TANDEM_DATA_PORT"])
+    allowed: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["egress"]:
+        assert rule["to"], rule  # never "anywhere"
+        for port in rule["ports"]:
+            allowed.setdefault(port["port"], []).extend(rule["to"])
+    assert set(allowed) == {data_port, 4222, 4317, 4318, 53}
+    for role in ("prefill", "decode"):  # the data-plane rule reaches the pods that move KV
+        labels = named(objects, "Deployment", role)["spec"]["template"]["metadata"]["labels"]
+        assert any(
+            t["podSelector"]["matchLabels"].items() <= labels.items() for t in allowed[data_port]
+        ), role

@@ -139,3 +139,32 @@ async def test_a_decode_node_killed_resumes_on_its_standby_which_loaded_the_cont
         if victim:
             stack.restart(victim)
     await asyncio.to_thread(wait_for_every_node, stack, 300)
+
+
+async def test_a_decode_node_lost_with_the_kvcache_node_holding_its_checkpoints(
+    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]]
+) -> None:
+    """A fault case of issue 49: decode-1 and kvcache-1 SIGKILLed together mid-stream. The
+    checkpoints and tails went with the kvcache node, so decode-1's streams resume on
+    decode-2 by recomputing their context (or from a standby's prefetched KV), and every
+    stream still ends exactly as uninterrupted; the stack serves on without a kvcache node."""
+    requests, pieces = chaos_reference
+    requests = [Request(r.prompt_ids, 64) for r in requests[STREAMS : STREAMS + 6]]
+    expected = ["".join(p[:64]) for p in pieces[STREAMS : STREAMS + 6]]
+    streams = [Stream() for _ in requests]
+    before = failovers(stack)
+
+    async def kill() -> None:
+        while min(s.events for s in streams) < 20:  # past a checkpoint's 16 tokens
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(stack.kill, "kvcache-1")
+        await asyncio.to_thread(stack.kill, "decode-1")
+
+    try:
+        await asyncio.gather(run_streams(stack.url, requests, streams), kill())
+        assert [s.text for s in streams] == expected  # no gap, no repeat
+        assert failovers(stack) > before  # decode-1 had some of them
+    finally:
+        stack.restart("kvcache-1")
+        stack.restart("decode-1")
+        await asyncio.to_thread(wait_for_every_node, stack, 300)

@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -139,6 +140,14 @@ class JobConsumer:
         try:
             msgs = await self.sub.fetch(batch=batch, timeout=timeout)
         except TimeoutError:  # nats' own TimeoutError, or asyncio's from inside fetch
+            return []
+        except (nats.js.errors.ServiceUnavailableError, nats.js.errors.NotFoundError):
+            # The consumer is gone: a NATS that came back without its store (the node's
+            # reconnect made the stream again, not this consumer). Made again here, so
+            # jobs flow on instead of waiting out their first-token timeout; if the
+            # stream is not back yet, this raises and the caller asks again shortly.
+            await self.stop()
+            await self.start()
             return []
         jobs: list[ReceivedJob] = []
         for msg in msgs:

@@ -31,6 +31,8 @@ class SlabArena:
         self.num_slabs = num_slabs
         self.path = path
         size = max(1, slab_bytes * num_slabs)  # mmap refuses length 0
+        self._fd: int | None = None
+        self.out_of_space = 0  # slabs refused because the file system had no room
         if path is None:
             self._map = mmap.mmap(-1, size)
         else:
@@ -39,8 +41,10 @@ class SlabArena:
             try:
                 os.ftruncate(fd, size)  # sparse: disk is used only as slabs are written
                 self._map = mmap.mmap(fd, size)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            self._fd = fd  # kept: each slab's blocks are reserved as it is handed out
         self._view = memoryview(self._map)
         # A stack: the most recently freed slab is reused first (its pages are warm). Slabs
         # never used come off it in index order, so those below `fresh` have all been used.
@@ -57,10 +61,22 @@ class SlabArena:
         return (self.num_slabs - len(self._free)) * self.slab_bytes
 
     def alloc(self) -> int | None:
-        """A free slab's index, or None when the arena is full."""
+        """A free slab's index, or None when the arena is full (or, for a file, when the
+        file system has no room for the slab's blocks).
+
+        A file's slab has its disk blocks reserved first: writing through the map into a
+        hole the file system cannot fill raises SIGBUS, which would kill the node; a
+        refused reservation is just a full disk tier (the store evicts or drops)."""
         if not self._free:
             return None
         slab = self._free.pop()
+        if self._fd is not None:
+            try:
+                os.posix_fallocate(self._fd, slab * self.slab_bytes, self.slab_bytes)
+            except OSError:  # ENOSPC (or a quota): no room on the disk for it now
+                self._free.append(slab)
+                self.out_of_space += 1
+                return None
         self.fresh = max(self.fresh, slab + 1)
         return slab
 

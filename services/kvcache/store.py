@@ -353,7 +353,8 @@ class BlockStore:
             if entry.size != size:  # its slab will not take this block: its pages go back
                 arena_of.release(slab_of)
         slab = arena.alloc()
-        assert slab is not None  # within the tier's limit: so within this class's arena
+        if slab is None:  # within the tier's limit, so only a disk out of space says no
+            return None
         self.used[tier] += size
         return slab
 

@@ -430,6 +430,11 @@ def _metrics(store: BlockStore, tails: TailStore, lookups: Callable[[], int]) ->
         lambda: st.promoted,
     )
     m.gauge("tandem_kvcache_rejected_blocks", "Blocks not stored (all pinned)", lambda: st.rejected)
+    m.gauge(
+        "tandem_kvcache_disk_out_of_space",
+        "Disk slabs refused: the file system had no room (the tier acted as full)",
+        lambda: sum(disk.out_of_space for _, disk in store.classes.values()),
+    )
     m.gauge("tandem_kvcache_tails", "Requests' partial blocks held", lambda: len(tails))
     m.gauge("tandem_kvcache_tail_bytes", "Bytes of partial blocks", lambda: tails.used_bytes)
     m.gauge("tandem_kvcache_tails_served", "Partial blocks sent", lambda: tails.served)

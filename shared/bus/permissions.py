@@ -62,10 +62,14 @@ def _kv_reader(bucket: str) -> list[str]:
 
 
 # Making sure of the streams, the shared consumer and the buckets (each service, at start).
+# Create, not update: a node identity that could update a stream could change what it
+# holds (add `tandem.tokens.*` to a stream it consumes, and read every tenant's output) or
+# drop its limits (issue 49). A stream made by an earlier version is brought up to date by
+# an admin identity (shared/bus/topology.py says when).
 _STREAM_OPS = [
     f"{API}.STREAM.{op}.{stream}"
     for stream in (PREFILL_STREAM, KV_EVENTS_STREAM)
-    for op in ("INFO", "CREATE", "UPDATE")
+    for op in ("INFO", "CREATE")
 ]
 _TOPOLOGY = [
     f"{API}.INFO",

@@ -160,13 +160,36 @@ class TopologyConfig:
     nodes_max_bytes: int = 16 << 20
 
 
+# What ensure_topology sets on a stream (the server fills in the rest)
+_STREAM_FIELDS = (
+    "subjects", "retention", "storage", "duplicate_window", "max_msgs", "max_bytes",
+    "max_age", "discard", "num_replicas",
+)  # fmt: skip
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or update one that differs from `config` (an earlier version's).
+    Node identities may create streams but not update them (shared/bus/permissions.py):
+    for them a differing stream is left as it is, with a warning; an admin identity (the
+    launcher's, an operator's `tandem`-command run with the admin's credentials) updates it."""
     try:
-        await js.stream_info(config.name or "")
+        info = await js.stream_info(config.name or "")
     except NotFoundError:
         await js.add_stream(config)
         return
-    await js.update_stream(config)
+    differs = [  # (None or 0: left to the server's default, e.g. the duplicate window)
+        f for f in _STREAM_FIELDS
+        if getattr(config, f) not in (None, 0) and getattr(info.config, f) != getattr(config, f)
+    ]  # fmt: skip
+    if not differs:
+        return
+    try:
+        await js.update_stream(config)
+    except Exception as exc:  # a node identity: not allowed to
+        log.warning(
+            "stream %s differs from this version's in %s (%r): update it with an admin identity",
+            config.name, ", ".join(differs), exc,
+        )  # fmt: skip
 
 
 async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> None:

@@ -23,7 +23,7 @@ from shared.bus.journal import RequestJournal
 from shared.bus.messages import CheckpointRecord, TokenDelta, decode, encode
 from shared.bus.registry import NodeRegistry, node_info
 from shared.bus.server import NatsServer
-from shared.bus.topology import ping_subject
+from shared.bus.topology import PREFILL_STREAM, ping_subject
 from shared.runtime.node import connect_bus
 
 pytestmark = pytest.mark.integration
@@ -177,6 +177,15 @@ async def test_each_role_is_refused_what_it_must_not_do(raw: dict[str, Raw]) -> 
     dec.errors.clear()
     await dec.nc.subscribe(ping_subject("kvcache", "kvcache-1"))
     assert "tandem.node.kvcache.kvcache-1.ping" in await dec.refused()
+    # no node identity changes a stream: a prefill node adding `tandem.tokens.>` to the job
+    # stream it consumes would read every tenant's output (issue 49)
+    for role in ("prefill", "decode", "kvcache", "router"):
+        conn = raw[role]
+        assert conn.nc is not None
+        conn.errors.clear()
+        update = f"$JS.API.STREAM.UPDATE.{PREFILL_STREAM}"
+        await conn.nc.publish(update, b'{"name": "TANDEM_PREFILL", "subjects": ["tandem.>"]}')
+        assert update.lower() in await conn.refused(), role
 
 
 async def test_a_registry_entry_under_another_roles_key_is_not_taken(

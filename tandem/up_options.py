@@ -21,6 +21,7 @@ from shared.runtime.options import (
     target_seconds,
     thread_count,
 )
+from shared.transport.kinds import ONE_HOST_TRANSPORT, TRANSPORTS
 from tandem.autoscale.options import add_policy_options
 
 
@@ -108,7 +109,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--api-keys", default=None, help="comma-separated bearer keys for the API")
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_open_api_option(p)
-    add_option(p, "--transport", default="ucx", choices=["ucx", "tcp"])
+    add_option(p, "--transport", default=ONE_HOST_TRANSPORT, choices=TRANSPORTS)
     add_option(p, "--kv-cache-mb", type=int, default=1024)
     add_chunking_options(p, deployment=True)  # the model nodes' (and the router's choice)
     add_option(p, "--heartbeat-ttl", type=float, default=6.0)

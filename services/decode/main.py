@@ -20,6 +20,7 @@ from typing import Any
 from shared.runtime import faults
 from shared.runtime.node import NodeRuntime
 from shared.runtime.options import (
+    DEFAULT_MODEL,
     add_engine_node_parser,
     add_option,
     model_entries,
@@ -115,9 +116,6 @@ def checkpoint_rate(given: float) -> float:
     if not given >= 0:
         raise SystemExit("--checkpoint-rate must be >= 0")
     return given
-
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 async def serve(args: argparse.Namespace) -> None:

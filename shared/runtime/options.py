@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from shared.model.catalog import ModelEntry, ModelsFileError, read_models_file
+from shared.model.source import DEFAULT_MODEL as DEFAULT_MODEL  # the nodes read it here
+from shared.transport.kinds import NODE_TRANSPORT, TRANSPORTS
 
 
 def env_name(flag: str) -> str:
@@ -57,7 +59,7 @@ def add_model_options(parser: argparse.ArgumentParser, several: bool = False) ->
         add_option(
             parser,
             "--model",
-            default="smollm2-135m-instruct",
+            default=DEFAULT_MODEL,
             help="served name, Hugging Face directory or .gguf file, or NAME=SOURCE",
         )
     add_option(parser, "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -188,7 +190,7 @@ def add_node_options(
 
 
 def add_data_plane_options(p: argparse.ArgumentParser) -> None:
-    add_option(p, "--transport", default="tcp", choices=["ucx", "tcp"], help="KV data plane")
+    add_option(p, "--transport", default=NODE_TRANSPORT, choices=TRANSPORTS, help="KV data plane")
     add_option(
         p,
         "--data-host",

@@ -6,9 +6,8 @@ import socket
 
 from shared.errors import TandemError
 from shared.transport.base import Transport
+from shared.transport.kinds import TRANSPORTS
 from shared.transport.tcp import TcpTransport
-
-TRANSPORTS = ("ucx", "tcp")
 
 
 def resolve_host(host: str) -> str:

@@ -11,7 +11,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.source import DEFAULT_MODEL
 from shared.runtime.options import add_option
+from shared.transport.kinds import ONE_HOST_TRANSPORT, TRANSPORTS
 from tandem.bench.sweep import parse_rates
 from tandem.bench.workload import parse_lengths
 
@@ -55,7 +57,7 @@ COMPARE = Defaults("tandem-bench-compare.json", 16, "0.05,0.1,0.15", 80.0, 10.0,
 
 
 def add_common_options(p: argparse.ArgumentParser, d: Defaults) -> None:
-    add_option(p, "--model", default="smollm2-135m-instruct", help="model name sent to the API")
+    add_option(p, "--model", default=DEFAULT_MODEL, help="model name sent to the API")
     add_option(p, "--tokenizer", default=None, help="tokenizer for the prompts (default: --model)")
     add_option(p, "--api-key", default=None, help="bearer key for the API")
     add_option(
@@ -142,7 +144,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="which stacks to run, in order: colocated (chunked prefill), colocated-unchunked, "
         "disaggregated (a fixed 1:1 split), conditional (per-request choice)",
     )
-    add_option(c, "--transport", default="ucx", choices=["ucx", "tcp"])
+    add_option(c, "--transport", default=ONE_HOST_TRANSPORT, choices=TRANSPORTS)
     add_option(
         c, "--profile", default=None, help="costs for the conditional side (tandem plan profile)"
     )

@@ -46,11 +46,12 @@ from shared.costs.profile import (
 )
 from shared.errors import TandemError
 from shared.runtime.options import add_model_options, add_option
+from shared.transport.kinds import TRANSPORTS as DATA_PLANES
 
 if TYPE_CHECKING:  # torch and the engine load only when a profile is measured
     from shared.engine.engine import Engine
 
-TRANSPORTS = ("tcp", "ucx")  # both data planes, each between two processes
+TRANSPORTS = tuple(sorted(DATA_PLANES))  # both data planes, each between two processes
 PEER_TIMEOUT = 60.0  # seconds for the receiver process to listen (ucxx imports slowly)
 
 

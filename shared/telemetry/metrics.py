@@ -67,9 +67,6 @@ class NodeMetrics:
             "Prompt tokens served from the prefix cache",
             registry=r,
         )
-        self.failovers = Counter(
-            "tandem_failovers", "Requests resumed after a node failure", registry=r
-        )
         self.resume_recomputed = Histogram(
             "tandem_resume_recomputed_tokens",
             "Per resumed request: context tokens recomputed (not loaded from a checkpoint)",

@@ -35,8 +35,7 @@ def apply() -> None:
     _fix_blocking_progress()
     _fix_progress_watchdog()
     _fix_handshake_buffers()
-    _fix_close_race()
-    _notify_after_progress()
+    _wrap_blocking_mode()
 
 
 def _fix_blocking_progress() -> None:
@@ -53,7 +52,7 @@ def _fix_blocking_progress() -> None:
     def _fd_reader_callback(self: Any) -> None:
         self.worker.progress()
         if getattr(self, "closing", False):
-            return  # the loop is closing: a new task would outlive it (_fix_close_race)
+            return  # the loop is closing: a new task would outlive it (_guard_close)
         if self.arm_task is None or self.arm_task.done():
             self.arm_task = self.event_loop.create_task(self._arm_worker())
 
@@ -89,7 +88,7 @@ def _fix_progress_watchdog() -> None:
     BlockingMode._progress_with_timeout = _progress_with_timeout  # type: ignore[method-assign]
 
 
-def _fix_close_race() -> None:
+def _guard_close(mode: Any, worker: Any, event_loop: Any) -> None:
     """Start no arm task once blocking progress's event loop begins to close.
 
     ucxx wraps `loop.close` to cancel the arm and watchdog tasks, running the loop until
@@ -99,25 +98,17 @@ def _fix_close_race() -> None:
     teardown in CI). Closing now first stops reading the event fd and marks the mode
     closing, so the callback no longer re-arms.
     """
-    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+    mode.closing = False
+    close = event_loop.close  # ucxx's wrapper, which cancels the tasks
+    epoll_fd = worker.epoll_file_descriptor
 
-    original = BlockingMode.__init__
+    def _close(*args: Any, **kwargs: Any) -> None:
+        if not event_loop.is_closed():
+            mode.closing = True
+            event_loop.remove_reader(epoll_fd)
+        close(*args, **kwargs)
 
-    def __init__(self: Any, worker: Any, event_loop: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, worker, event_loop, *args, **kwargs)
-        self.closing = False
-        close = event_loop.close  # ucxx's wrapper, which cancels the tasks
-        epoll_fd = worker.epoll_file_descriptor
-
-        def _close(*args: Any, **kwargs: Any) -> None:
-            if not event_loop.is_closed():
-                self.closing = True
-                event_loop.remove_reader(epoll_fd)
-            close(*args, **kwargs)
-
-        event_loop.close = _close
-
-    BlockingMode.__init__ = __init__  # type: ignore[method-assign]
+    event_loop.close = _close
 
 
 # Handshake requests that ended early (a timeout, a cancelled caller), with the buffers
@@ -205,7 +196,9 @@ class _ProgressNotifier:
         return getattr(self._worker, name)
 
 
-def _notify_after_progress() -> None:
+def _wrap_blocking_mode() -> None:
+    """Blocking mode's constructor, wrapped once for both of its changes: the loop's close
+    guarded (`_guard_close`), and its worker one that runs `after_progress`."""
     from ucxx._lib_async.continuous_ucx_progress import BlockingMode
 
     original = BlockingMode.__init__
@@ -213,6 +206,7 @@ def _notify_after_progress() -> None:
     def __init__(self: Any, worker: Any, event_loop: Any, *args: Any, **kwargs: Any) -> None:
         global notifying
         original(self, worker, event_loop, *args, **kwargs)
+        _guard_close(self, worker, event_loop)
         self.worker = _ProgressNotifier(self.worker)  # its tasks have not run yet
         notifying = True
 

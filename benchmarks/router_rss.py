@@ -16,17 +16,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not installed
+
 from shared.bus.server import NatsServer, free_port
+from tests.rss import rss_mib
 
 ROOT = Path(__file__).resolve().parents[1]
 IDLE = 5.0  # seconds of idling before RSS is read
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def wait_http(url: str, timeout: float = 60.0) -> None:
@@ -67,7 +63,7 @@ def main() -> None:
         try:
             wait_http(f"http://127.0.0.1:{port}/healthz")
             time.sleep(IDLE)
-            rows = [("router", rss_mb(router.pid)), ("kvcache", rss_mb(kvcache.pid))]
+            rows = [("router", rss_mib(router.pid)), ("kvcache", rss_mib(kvcache.pid))]
         finally:
             for proc in (router, kvcache):
                 proc.terminate()

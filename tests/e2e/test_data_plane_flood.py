@@ -24,17 +24,13 @@ from tandem.launcher import Stack
 from tests.e2e.streaming import complete
 from tests.e2e.test_api import reference, text_of
 from tests.e2e.test_failover import failovers
+from tests.rss import rss_mib
 
 pytestmark = pytest.mark.e2e
 
 IDLE = 2000
 BOGUS = 50
 MiB = 1 << 20
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 async def data_ports(stack: Stack) -> dict[str, str]:

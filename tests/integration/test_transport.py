@@ -30,6 +30,7 @@ from shared.transport.frames import (
     make_header,
     new_secret,
 )
+from tests.rss import rss_mib
 
 pytestmark = pytest.mark.integration
 
@@ -268,11 +269,6 @@ async def test_only_announced_transfers_with_their_secret_and_size_get_in(
         assert got == {"transfer_id": "kv-1", "digest": xxhash.xxh3_128_hexdigest(payload)}
     finally:
         await peer.close()
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 async def peak_rss_growth(pid: int, work: Any) -> tuple[float, Any]:

@@ -13,19 +13,11 @@ from services.kvcache.prefault import keep_faulted_in, prefault_step
 from services.kvcache.slabs import SlabArena
 from services.kvcache.store import MEMORY, BlockStore
 from shared.buffers import PAGE
+from tests.rss import status_kib
 
 pytestmark = pytest.mark.unit
 
 MB = 1 << 20
-
-
-def rss_shmem() -> int:
-    """This process's resident shared memory (an anonymous shared map is counted there)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssShmem in /proc/self/status")
 
 
 def populate_refused() -> str:
@@ -54,9 +46,11 @@ def test_prefault_makes_the_next_slabs_resident_and_changes_no_stored_byte() -> 
     used = arena.alloc()
     assert used == 0
     arena.view(used)[:] = b"\x05" * MB
-    before = rss_shmem()
+    before = status_kib("RssShmem") * 1024
     assert arena.prefault(32 * MB) == 32 * MB
-    assert rss_shmem() - before >= 30 * MB  # resident now, before any put wrote them
+    assert (
+        status_kib("RssShmem") * 1024 - before >= 30 * MB
+    )  # resident now, before any put wrote them
     assert arena.ahead_bytes() == 32 * MB
     assert bytes(arena.view(used)) == b"\x05" * MB
     assert bytes(arena.view(1)) == bytes(MB)  # faulted in, still empty

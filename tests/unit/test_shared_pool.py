@@ -18,6 +18,7 @@ from shared.kv.paged_cache import KVLayout, PagedKVCache
 from shared.kv.shared_pool import KVBudget, SharedBlockPool
 from shared.model.loader import LoadedModel, load_model
 from shared.sampling_params import SamplingParams
+from tests.rss import status_kib
 
 pytestmark = pytest.mark.unit
 
@@ -110,26 +111,19 @@ def test_a_released_block_reads_as_zeros_and_the_others_keep_their_values() -> N
         PagedKVCache(layout, 8, torch.device("meta"), lazy=True)
 
 
-def rss_anon() -> int:
-    """This process's resident anonymous memory, bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("RssAnon:"))
-    return int(line.split()[1]) * 1024
-
-
 def test_memory_is_resident_only_while_blocks_hold_it() -> None:
     """The point of a lazy cache: 96 MB of blocks cost nothing until written, and their
     pages go back to the system when released."""
     layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)
     n = 96 * (1 << 20) // layout.bytes_per_block
-    before = rss_anon()
+    before = status_kib("RssAnon") * 1024
     cache = PagedKVCache(layout, n, torch.device("cpu"), lazy=True)
-    assert rss_anon() - before < 16 << 20
+    assert status_kib("RssAnon") * 1024 - before < 16 << 20
     cache.kv.fill_(1.0)
-    assert rss_anon() - before > 80 << 20
+    assert status_kib("RssAnon") * 1024 - before > 80 << 20
     for block_id in range(n):
         cache.release_block(block_id)
-    assert rss_anon() - before < 16 << 20
+    assert status_kib("RssAnon") * 1024 - before < 16 << 20
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -63,7 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
     tail_mb = args.tail_mb or max(64, args.capacity_mb // 8)
     tails = TailStore(tail_mb << 20, args.tail_ttl)
     assert rt.registry is not None
-    peers = Peers(rt.registry.nodes)  # it sends blocks only to registered nodes
+    peers = Peers(rt.registry)  # it sends blocks only to registered nodes
     worker = KVCacheWorker(store, rt.bus, rt.transport, rt.node_id, tails, peers)
     try:
         await rt.transport.start(worker)

@@ -181,11 +181,15 @@ class CachedNodes:
     on a 2-core host with five entries, more on a larger cluster). Read afresh when stale,
     when asked for a node it does not list (one that joined since), or when told to
     (`fresh`: after every listed node failed). An empty read (the registry unreadable)
-    keeps the last view."""
+    keeps the last view. `min_interval`: at most one read that often, whatever asks (a
+    caller whose misses a stranger can cause: the kvcache node's peers)."""
 
-    def __init__(self, registry: NodeRegistry, refresh: float = 1.0) -> None:
+    def __init__(
+        self, registry: NodeRegistry, refresh: float = 1.0, min_interval: float = 0.0
+    ) -> None:
         self.registry = registry
         self.refresh = refresh
+        self.min_interval = min_interval
         self.view: dict[str, NodeInfo] = {}
         self.reads = 0  # registry reads made
         self._read_at = -float("inf")
@@ -193,7 +197,8 @@ class CachedNodes:
     async def nodes(self, wanted: str = "", fresh: bool = False) -> dict[str, NodeInfo]:
         now = time.monotonic()
         stale = now - self._read_at > self.refresh
-        if fresh or stale or (wanted and wanted not in self.view):
+        due = now - self._read_at >= self.min_interval
+        if due and (fresh or stale or (wanted and wanted not in self.view)):
             found = await self.registry.nodes()
             self.reads += 1
             self._read_at = now

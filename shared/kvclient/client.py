@@ -38,7 +38,7 @@ from shared.bus.messages import (
     encode,
     read_reply,
 )
-from shared.bus.registry import NodeRegistry
+from shared.bus.registry import CachedNodes, NodeRegistry
 from shared.bus.topology import kvcache_subject
 from shared.bus.tracing import inject_headers
 from shared.errors import TandemError
@@ -79,9 +79,10 @@ class KVCacheClient:
         self.transport = transport
         self.pending = pending
         self.registry = registry
+        # the registry view, read again once a second (or when told to: `nodes(fresh=True)`)
+        self.view = CachedNodes(registry, refresh=NODES_REFRESH) if registry is not None else None
         self.failures = 0
         self._nodes: list[NodeInfo] = []
-        self._nodes_at = 0.0
         self._down_until: dict[str, float] = {}
         self._seen: dict[str, float] = {}  # kvcache node → when it was last listed
 
@@ -176,19 +177,19 @@ class KVCacheClient:
 
     # ---- sharded over every live kvcache node ----------------------------------------------
 
-    async def nodes(self) -> list[NodeInfo]:
-        """Live kvcache nodes (registry view reused for a second), skipping failed ones."""
+    async def nodes(self, fresh: bool = False) -> list[NodeInfo]:
+        """Live kvcache nodes (the registry view reused for a second; `fresh`: read now),
+        skipping failed ones."""
         now = time.monotonic()
-        if self.registry is not None and now - self._nodes_at > NODES_REFRESH:
+        if self.view is not None:
             try:
-                found = await asyncio.wait_for(self.registry.nodes(), REQUEST_TIMEOUT)
+                found = await asyncio.wait_for(self.view.nodes(fresh=fresh), REQUEST_TIMEOUT)
                 self._nodes = sorted(
                     (n for n in found.values() if n.role == "kvcache"), key=lambda n: n.node_id
                 )
                 self._seen.update((n.node_id, now) for n in self._nodes)
             except Exception as exc:  # no registry now: keep the last view
                 log.warning("kvcache node list unavailable: %s", exc)
-            self._nodes_at = now
         return [n for n in self._nodes if self._down_until.get(n.node_id, 0.0) <= now]
 
     def _mark_down(self, node: NodeInfo, what: str, exc: BaseException) -> None:

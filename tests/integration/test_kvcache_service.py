@@ -59,10 +59,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 async def wait_for_nodes(client: KVCacheClient, names: set[str]) -> None:
     for _ in range(200):
-        if {n.node_id for n in await client.nodes()} == names:
+        if {n.node_id for n in await client.nodes(fresh=True)} == names:  # read again now
             return
         await asyncio.sleep(0.1)
-        client._nodes_at = 0.0  # re-read the registry now
     raise AssertionError(f"kvcache nodes {names} did not register in 20 s")
 
 

@@ -34,7 +34,7 @@ async def test_only_prefill_and_decode_data_planes_and_strangers_cost_one_read_a
     registry.add("p1", "prefill", "tcp://10.0.0.2:7000")
     registry.add("kv", "kvcache", "tcp://10.0.0.3:7000")
     registry.add("r1", "router", "tcp://10.0.0.4:7000")
-    peers = Peers(registry.nodes, min_interval=3600)
+    peers = Peers(registry, min_interval=3600)  # type: ignore[arg-type]
     assert await peers.allows("tcp://10.0.0.1:7000")
     assert await peers.allows("tcp://10.0.0.2:7000")
     assert not await peers.allows("tcp://10.0.0.3:7000")  # a kvcache node asks no blocks
@@ -47,7 +47,7 @@ async def test_only_prefill_and_decode_data_planes_and_strangers_cost_one_read_a
 async def test_a_node_registered_since_is_found_and_an_unreadable_registry_keeps_the_view() -> None:
     registry = Registry()
     registry.add("d1", "decode", "tcp://10.0.0.1:7000")
-    peers = Peers(registry.nodes, min_interval=0, max_age=0)  # every call reads
+    peers = Peers(registry, min_interval=0, max_age=0)  # type: ignore[arg-type]  # every call reads
     assert await peers.allows("tcp://10.0.0.1:7000")
     assert not await peers.allows("tcp://10.0.0.5:7000")
     registry.add("d2", "decode", "tcp://10.0.0.5:7000")  # it registers

@@ -38,10 +38,12 @@ class NodeMetrics:
             registry=r,
         )
         self.tokens = Counter(f"tandem_{role}_tokens", "Tokens computed", registry=r)
+        # Exported where it can move: only a decode node steps prompt chunks beside running
+        # decodes (elsewhere the counter exists, unregistered, and stays 0).
         self.chunked_steps = Counter(
             f"tandem_{role}_chunked_prefill_steps",
             "Steps that computed prompt chunks beside running decodes (chunked prefill)",
-            registry=r,
+            registry=r if role == "decode" else None,
         )
         self.transfer_bytes = Counter(
             "tandem_kv_transfer_bytes",

@@ -26,9 +26,13 @@
    decode node aborts the sequence and frees its blocks. A stalled stream ends with an error
    after `stall_timeout`; a request that never starts ends after `first_token_timeout`.
 6. **failover** — when the node streaming a request leaves the registry (or the stream
-   stalls), the router resubmits the job with the tokens it delivered (`output_ids`, a new
-   Nats-Msg-Id): a prefill node loads their KV from kvcache (decode nodes store every block
-   they fill), recomputes the rest, samples the next token exactly as the lost node would
-   have, and hands off to another decode node; the stream continues at the next seq and
-   drops duplicates. At most 3 failovers per request (`services/router/failover.py`).
+   stalls, or a probe finds it dead), the router resubmits the job with the tokens it
+   delivered (`output_ids`, a new attempt) straight to the decode node it picks
+   (`Dispatch.resubmit`): that node loads their KV from kvcache (decode nodes store every
+   block they fill, and their partial last block), recomputes only the rest, samples the
+   next token exactly as the lost node would have, and streams on. Only if it refuses or
+   does not answer does the job go through the prefill queue (to another decode node), where
+   a prefill node does the same and hands the sequence over. The stream continues at the
+   next seq and drops duplicates. At most 3 failovers per request
+   (`services/router/failover.py`).
 """

@@ -18,8 +18,10 @@ What an allow list cannot narrow (docs/security.md says so too): every model nod
 publish on `tandem.tokens.*` (any request's stream) and write the registry entry of any
 node of its own role (entries are keyed `<role>.<node id>`); per-node subjects
 (`tandem.decode.*.assign`) are
-open to every node of the role; and every role except the autoscaler may create and
-update the streams, since each service makes sure of them at start.
+open to every node of the role; and every role except the autoscaler may create the
+streams while they do not exist (each service makes sure of them at start), but not
+change them. Subjects are written with topology.py's helpers, a node id or request id
+given as `*` (ANY), so a subject renamed there is renamed here.
 """
 
 from __future__ import annotations
@@ -30,14 +32,25 @@ from dataclasses import dataclass
 from shared.bus.topology import (
     JOURNAL_BUCKET,
     KV_EVENTS_STREAM,
-    KV_EVENTS_SUBJECT,
     NODES_BUCKET,
     PREFILL_CONSUMER,
     PREFILL_MODEL_SUBJECTS,
     PREFILL_NODE_SUBJECTS,
     PREFILL_STREAM,
     PREFILL_SUBJECT,
+    assign_subject,
+    cancel_subject,
+    kv_events_subject,
+    kvcache_subject,
+    local_prefill_subject,
+    ping_subject,
+    prefetch_subject,
+    token_subject,
 )
+
+ANY = "*"  # one subject token: any node id or request id
+TOKENS = token_subject(ANY)
+KV_EVENTS = kv_events_subject(ANY)
 
 ROLES = ("router", "prefill", "decode", "kvcache", "autoscaler")
 ADMIN = "admin"  # operators and tests: no restriction
@@ -98,10 +111,10 @@ def permissions(role: str) -> Permissions:
         return Permissions(
             [
                 *_node("router"),
-                "tandem.cancel",
-                "tandem.decode.*.prefill",
-                "tandem.decode.*.prefetch",
-                "tandem.node.*.*.ping",
+                cancel_subject(),
+                local_prefill_subject(ANY),
+                prefetch_subject(ANY),
+                ping_subject(ANY, ANY),
                 PREFILL_SUBJECT,
                 PREFILL_MODEL_SUBJECTS,
                 PREFILL_NODE_SUBJECTS,
@@ -112,53 +125,55 @@ def permissions(role: str) -> Permissions:
                 f"{API}.CONSUMER.CREATE.{KV_EVENTS_STREAM}",
                 f"$JS.FC.{KV_EVENTS_STREAM}.>",
             ],
-            [inbox, "tandem.tokens.*"],
+            [inbox, TOKENS],
             responds=False,
         )
     if role == "prefill":
         return Permissions(
             [
                 *_node("prefill"),
-                "tandem.tokens.*",
-                "tandem.decode.*.assign",
-                "tandem.kvcache.*.get",
-                "tandem.kvcache.*.put",
-                "tandem.kvcache.*.warm",
-                f"{KV_EVENTS_SUBJECT}.*",
+                TOKENS,
+                assign_subject(ANY),
+                kvcache_subject(ANY, "get"),
+                kvcache_subject(ANY, "put"),
+                kvcache_subject(ANY, "warm"),
+                KV_EVENTS,
                 f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.*",
                 f"{API}.CONSUMER.CREATE.{PREFILL_STREAM}.*.>",
                 f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.*",
                 f"{API}.CONSUMER.MSG.NEXT.{PREFILL_STREAM}.*",
                 f"$JS.ACK.{PREFILL_STREAM}.>",
             ],
-            [inbox, "tandem.cancel", "tandem.node.prefill.*.ping"],
+            [inbox, cancel_subject(), ping_subject("prefill", ANY)],
             responds=True,
         )
     if role == "decode":
         return Permissions(
             [
                 *_node("decode"),
-                "tandem.tokens.*",
+                TOKENS,
                 *(
-                    f"tandem.kvcache.*.{op}"
+                    kvcache_subject(ANY, op)
                     for op in ("get", "put", "put_tails", "get_tail", "pin", "unpin", "warm")
                 ),
-                f"{KV_EVENTS_SUBJECT}.*",
+                KV_EVENTS,
                 f"{API}.STREAM.INFO.KV_{JOURNAL_BUCKET}",
                 f"$KV.{JOURNAL_BUCKET}.ckpt.>",  # checkpoint records, no request's entry
             ],
             [
                 inbox,
-                "tandem.cancel",
-                "tandem.node.decode.*.ping",
-                *(f"tandem.decode.*.{op}" for op in ("assign", "prefill", "prefetch")),
+                cancel_subject(),
+                ping_subject("decode", ANY),
+                assign_subject(ANY),
+                local_prefill_subject(ANY),
+                prefetch_subject(ANY),
             ],
             responds=True,
         )
     if role == "kvcache":
         return Permissions(
-            [*_node("kvcache"), f"{KV_EVENTS_SUBJECT}.*"],
-            [inbox, "tandem.node.kvcache.*.ping", "tandem.kvcache.*.*"],
+            [*_node("kvcache"), KV_EVENTS],
+            [inbox, ping_subject("kvcache", ANY), kvcache_subject(ANY, ANY)],
             responds=True,
         )
     if role == "autoscaler":

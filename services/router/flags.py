@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from services.router.config import RouterConfig
+from services.router.validation import Limits
 from shared.runtime.options import (
     add_chunking_options,
     add_open_api_option,
@@ -12,16 +14,25 @@ from shared.runtime.options import (
     target_seconds,
 )
 
+# One table of defaults: the settings' own (config.py, validation.py), read by `--help`.
+CONFIG, LIMITS = RouterConfig(), Limits()
+
 
 def add_limit_options(p: argparse.ArgumentParser) -> None:
     """What one request and all of them together may ask; API keys."""
-    add_option(p, "--max-inflight", type=int, default=256, help="admitted requests; then 429")
-    add_option(p, "--max-body-bytes", type=int, default=1 << 20)
+    add_option(
+        p,
+        "--max-inflight",
+        type=int,
+        default=CONFIG.max_inflight,
+        help="admitted requests; then 429",
+    )
+    add_option(p, "--max-body-bytes", type=int, default=CONFIG.max_body_bytes)
     add_option(
         p,
         "--body-timeout",
         type=float,
-        default=10.0,
+        default=CONFIG.body_timeout,
         help="seconds a request's body may take to arrive once its headers did (then 408); "
         "a request counts against --max-inflight only once its body is in",
     )
@@ -33,10 +44,16 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         help="seconds a connection may stay without a whole request's headers: from when it "
         "opens, and from each response on (a slow or silent client holds no socket longer)",
     )
-    add_option(p, "--max-tokens-limit", type=int, default=4096)
+    add_option(p, "--max-tokens-limit", type=int, default=LIMITS.max_tokens)
     add_option(p, "--max-prompt-tokens", type=int, default=None, help="default: model context")
-    add_option(p, "--max-stop", type=int, default=4, help="stop strings per request")
-    add_option(p, "--max-stop-len", type=int, default=256, help="characters per stop string")
+    add_option(p, "--max-stop", type=int, default=LIMITS.max_stop, help="stop strings per request")
+    add_option(
+        p,
+        "--max-stop-len",
+        type=int,
+        default=LIMITS.max_stop_len,
+        help="characters per stop string",
+    )
     add_option(p, "--api-keys", default=None, help="comma-separated bearer keys (none: open API)")
     add_option(p, "--api-keys-file", default=None, help="file of bearer keys, one per line")
     add_option(p, "--max-inflight-per-key", type=int, default=64, help="then 429 for that key")
@@ -67,8 +84,8 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
 def add_failure_options(p: argparse.ArgumentParser) -> None:
     """Deadlines, liveness probes, the registry entry and the resume lease."""
-    add_option(p, "--first-token-timeout", type=float, default=120.0)
-    add_option(p, "--stall-timeout", type=float, default=30.0)
+    add_option(p, "--first-token-timeout", type=float, default=CONFIG.first_token_timeout)
+    add_option(p, "--stall-timeout", type=float, default=CONFIG.stall_timeout)
     add_option(
         p,
         "--probe-after",
@@ -77,7 +94,11 @@ def add_failure_options(p: argparse.ArgumentParser) -> None:
         help="ping the node a stream waits on after this long without a token (0: never)",
     )
     add_option(
-        p, "--request-timeout", type=float, default=600.0, help="deadline of a whole request"
+        p,
+        "--request-timeout",
+        type=float,
+        default=CONFIG.request_timeout,
+        help="deadline of a whole request",
     )
     add_option(
         p,
@@ -110,7 +131,7 @@ def add_routing_options(p: argparse.ArgumentParser) -> None:
         p,
         "--standby-after",
         type=int,
-        default=16,
+        default=CONFIG.standby_after,
         help="delivered tokens after which another decode node loads a stream's stored KV, "
         "so that a failover there loads only what was stored since (0: no standby)",
     )

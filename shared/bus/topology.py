@@ -170,8 +170,8 @@ _STREAM_FIELDS = (
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or update one that differs from `config` (an earlier version's).
     Node identities may create streams but not update them (shared/bus/permissions.py):
-    for them a differing stream is left as it is, with a warning; an admin identity (the
-    launcher's, an operator's `tandem`-command run with the admin's credentials) updates it."""
+    for them a differing stream is left as it is, with a warning; a Tandem service started
+    once with the admin's NATS credentials updates it (docs/security.md)."""
     try:
         info = await js.stream_info(config.name or "")
     except NotFoundError:

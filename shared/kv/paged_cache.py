@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,21 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def of_config(cls, config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
+        """The KV shape of a Hugging Face model config (a multimodal one's text model):
+        head_dim given or hidden_size / heads; KV heads given or one per query head."""
+        text = getattr(config, "text_config", None) or config
+        heads = int(text.num_attention_heads)
+        head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
+        return cls(
+            num_layers=int(text.num_hidden_layers),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            block_size=block_size,
+            dtype=dtype,
+        )
 
     @property
     def bytes_per_block(self) -> int:

@@ -55,15 +55,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def kv_layout(model: LoadedModel, block_size: int) -> KVLayout:
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return KVLayout(
-        num_layers=int(cfg.num_hidden_layers),
-        num_kv_heads=int(cfg.num_key_value_heads),
-        head_dim=int(head_dim),
-        block_size=block_size,
-        dtype=model.dtype,
-    )
+    return KVLayout.of_config(model.config, block_size, model.dtype)
 
 
 class ModelRunner:

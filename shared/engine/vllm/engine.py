@@ -28,18 +28,18 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from shared.engine.limits import RequestLimits
 from shared.engine.types import EngineStats, SequenceState, StepOutput, TokenLogprob
 from shared.engine.vllm.kv import NoBlockMoves, NoTailMoves, VllmPool
 from shared.engine.vllm.params import to_vllm, token_logprobs, unsupported
 from shared.errors import InvalidRequestError, WireFormatError
+from shared.kv.paged_cache import KVLayout
 from shared.kv.tail import TailBlock
 from shared.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from shared.kv.paged_cache import KVLayout
 
 log = logging.getLogger("tandem.engine.vllm")
 BLOCK_SIZE = 128  # tokens a KV block: vLLM's CPU default, named so the context fits its pool
@@ -109,7 +109,9 @@ class VllmEngine:
         self._block_size = int(self.llm.vllm_config.cache_config.block_size)
         self._vocab = int(model_config.get_vocab_size())
         self._pool = VllmPool(self._scheduler.kv_cache_manager.block_pool)
-        self._layout = layout_of(model_config.hf_config, self._block_size, config.dtype)
+        self._layout = KVLayout.of_config(
+            model_config.hf_config, self._block_size, getattr(torch, config.dtype)
+        )
         self.limits = RequestLimits(
             self._max_model_len, self._vocab, self._block_size, self._pool.num_blocks
         )
@@ -297,7 +299,9 @@ def context_that_fits(config: VllmConfig) -> int:
     from shared.model.architectures import max_context
 
     hf_config = AutoConfig.from_pretrained(config.model_dir)
-    per_block = layout_of(hf_config, BLOCK_SIZE, config.dtype).bytes_per_block
+    per_block = KVLayout.of_config(
+        hf_config, BLOCK_SIZE, getattr(torch, config.dtype)
+    ).bytes_per_block
     fits = (config.kv_cache_bytes // per_block - 2) * BLOCK_SIZE  # vLLM keeps a null block
     context = max_context(hf_config)
     if fits < context:
@@ -306,21 +310,3 @@ def context_that_fits(config: VllmConfig) -> int:
             config.kv_cache_bytes >> 20, fits, context, max(fits, BLOCK_SIZE),
         )  # fmt: skip
     return max(BLOCK_SIZE, min(context, fits))
-
-
-def layout_of(hf_config: Any, block_size: int, dtype: str) -> KVLayout:
-    """The model's KV shape, as Tandem's planes would count its blocks."""
-    import torch
-
-    from shared.kv.paged_cache import KVLayout
-
-    text = getattr(hf_config, "text_config", None) or hf_config
-    heads = int(text.num_attention_heads)
-    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
-    return KVLayout(
-        num_layers=int(text.num_hidden_layers),
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(head_dim),
-        block_size=block_size,
-        dtype=getattr(torch, dtype),
-    )

@@ -107,7 +107,7 @@ async def test_spike_scales_decode_up_and_back_down_without_failures(
             # window has seen them long enough to act).
             for _ in range(STREAMS - sum(not t.done() for t in first)):
                 first.append(asyncio.create_task(one(len(first))))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)  # refilled at once: the load must not dip below HIGH
         # A second wave once the new node serves: the router spreads it over both.
         second = [asyncio.create_task(one(len(first) + i)) for i in range(STREAMS)]
         results = await asyncio.gather(*first, *second)

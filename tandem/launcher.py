@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import secrets
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -78,6 +80,7 @@ class Stack:
         self.affinity: dict[str, set[int]] = {}  # child name → the CPUs it may run on
         self.engine_cpus: dict[str, set[int]] = {}  # decode node → its engine thread's CPUs
         self.shared_cpus: set[int] | None = None  # everything else's, when isolated
+        self.core_share: Path | None = None  # the nodes' lent-cores bytes (core_share.py)
         self.out = sys.stdout
         self.lock = threading.Lock()
         # --prometheus-targets: the file_sd file kept listing the running processes
@@ -191,10 +194,12 @@ class Stack:
                     ],
                 )
             )
+        lending = self._lending([n for n, _ in prefills], [n for n, _ in decodes], cpus)
         for role, nodes in (("prefill", prefills), ("decode", decodes)):
             for name, model in nodes:
                 pinned = self.engine_cpus.get(name)
                 engine = ["--engine-cpus", ",".join(map(str, sorted(pinned)))] if pinned else []
+                engine += lending.get(name, [])
                 if role == "prefill":
                     engine += ["--idle-threads", str(self._idle_threads(len(cpus)))]
                 if getattr(a, "engine", "native") != "native":
@@ -260,6 +265,36 @@ class Stack:
         if a.prefill_idle_threads is not None:
             return int(a.prefill_idle_threads)
         return 0 if a.isolate_decode or a.pin_cores else cores
+
+    def _lending(
+        self, prefills: list[str], decodes: list[str], cpus: list[int]
+    ) -> dict[str, list[str]]:
+        """Each node's `--core-share` options: where one decode node shares the host's
+        cores with prefill nodes (nothing pinned, no autoscaler adding nodes, the native
+        engine), it steps on every core while they are idle (shared/runtime/core_share.py);
+        nothing otherwise, or with --no-core-lending."""
+        a = self.args
+        if (
+            a.no_core_lending
+            or a.pin_cores
+            or a.isolate_decode
+            or getattr(a, "autoscale", False)
+            or getattr(a, "engine", "native") != "native"
+            or len(decodes) != 1
+            or not prefills
+            or len(cpus) < 2
+        ):
+            return {}
+        # The nodes create it (plan() may run without a start), with a name no one can
+        # guess, following no symlink, readable by this user only; its bytes choose
+        # thread counts, nothing else.
+        shm = Path("/dev/shm")  # noqa: S108
+        where = shm if shm.is_dir() else Path(tempfile.gettempdir())
+        self.core_share = where / f"tandem-cores-{os.getpid()}-{secrets.token_hex(6)}"
+        share = ["--core-share", str(self.core_share)]
+        out = {name: [*share, "--core-share-slot", str(i)] for i, name in enumerate(prefills)}
+        out[decodes[0]] = [*share, "--lend-threads", str(len(cpus))]
+        return out
 
     def _isolate(self, decodes: list[str], cpus: list[int]) -> set[int]:
         """--isolate-decode: the last len(decodes) CPUs, one per decode node's engine
@@ -468,6 +503,9 @@ class Stack:
         if self.nats is not None:
             self.nats.cleanup()
             self.nats = None
+        if self.core_share is not None:
+            self.core_share.unlink(missing_ok=True)
+            self.core_share = None
 
 
 def served_models(args: argparse.Namespace) -> list[ModelEntry]:

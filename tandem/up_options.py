@@ -84,6 +84,13 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     )
     add_option(
         p,
+        "--no-core-lending",
+        action="store_true",
+        help="keep each node on its share of the cores; by default one decode node beside "
+        "prefill nodes on shared cores steps on every core while they are idle",
+    )
+    add_option(
+        p,
         "--prefill-idle-threads",
         type=thread_count,
         default=None,

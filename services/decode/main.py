@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextvars
 import logging
+import os
 from typing import Any
 
 from shared.runtime import faults
@@ -24,6 +25,7 @@ from shared.runtime.options import (
     add_engine_node_parser,
     add_option,
     model_entries,
+    thread_count,
     whole_number,
 )
 from shared.runtime.service import freeze_startup_objects, run_service
@@ -76,6 +78,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p,
+        "--core-share",
+        default=None,
+        help="a file of bytes shared with the prefill nodes on this host's cores: step on "
+        "--lend-threads threads while none of them computes (tandem up sets it; "
+        "shared/runtime/core_share.py)",
+    )
+    add_option(
+        p,
+        "--lend-threads",
+        type=thread_count,
+        default=0,
+        help="torch threads of a step while the --core-share prefill nodes are idle "
+        "(0: the process's cores)",
+    )
+    add_option(
+        p,
         "--lease",
         type=float,
         default=5.0,
@@ -122,6 +140,7 @@ async def serve(args: argparse.Namespace) -> None:
     # The engine (torch) and the worker load only when the node runs: the console script
     # that names this command also runs the router, which must not pay for them.
     from shared.kv.shared_pool import KVBudget
+    from shared.runtime.core_share import LentCores
     from shared.runtime.engine import engine_from_args
     from shared.runtime.engine_thread import EngineThread
 
@@ -161,6 +180,11 @@ async def serve(args: argparse.Namespace) -> None:
             )
             workers.append(worker)
             warming += [warm] if warm is not None else []
+        if args.core_share:  # every model's steps, on the one engine thread
+            lend = args.lend_threads or len(os.sched_getaffinity(0))
+            lent = LentCores(args.core_share, min(args.threads or lend, lend), lend)
+            for worker in workers:
+                worker.lent = lent
         if len(workers) > 1:  # each node's heartbeat tells what its process runs in all
             for worker in workers:
                 worker.siblings = [w.engine for w in workers]

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
@@ -50,6 +50,9 @@ from shared.engine.types import StepOutput
 from shared.runtime.cancels import read_cancel
 from shared.runtime.engine_thread import EngineThread
 from shared.telemetry.metrics import NodeMetrics
+
+if TYPE_CHECKING:
+    from shared.runtime.core_share import LentCores
 
 log = logging.getLogger("tandem.decode")
 T = TypeVar("T")
@@ -87,6 +90,7 @@ class DecodeWorker:
         self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()  # built inside the service coroutine
         self.steps = 0
+        self.lent: LentCores | None = None  # the host's lent cores (core_share.py), if any
         self.arrivals = ArrivalWindow()  # an idle node admits a wave whole (gather.py)
         self.metrics = NodeMetrics("decode")
         self.streams = Streams(node_id, engine.served_name)
@@ -127,6 +131,11 @@ class DecodeWorker:
             "tandem_standby_prefetched_blocks",
             "KV blocks loaded ahead of a failover, as another stream's standby",
             lambda: self.standby.prefetched_blocks,
+        )
+        m.gauge(
+            "tandem_decode_lent_steps",
+            "Steps run on the cores lent by idle prefill nodes beside this one (core_share.py)",
+            lambda: self.lent.lent_steps if self.lent is not None else 0,
         )
         self.checkpoints.add_metrics(m)
 
@@ -262,7 +271,14 @@ class DecodeWorker:
 
     def _step(self) -> list[StepOutput]:
         """On the engine thread: one step, then copy out the blocks it filled (before reuse)."""
-        outs = self.engine.step()
+        if self.lent is None:
+            outs = self.engine.step()
+        else:
+            self.lent.before_step()
+            try:
+                outs = self.engine.step()
+            finally:
+                self.lent.after_step()
         evicted, named = self.pool_events.take()
         if evicted or named:
             self.loop.call_soon_threadsafe(self.pool_events.publish, evicted, named)

@@ -14,6 +14,7 @@ from shared.runtime.options import (
     add_option,
     positive,
     thread_count,
+    whole_number,
 )
 from shared.runtime.service import freeze_startup_objects, run_service
 
@@ -47,6 +48,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "nothing else (0: --threads): on a host whose cores this node shares with the "
         "decode node, the decode node is idle then and its core free",
     )
+    add_option(
+        p,
+        "--core-share",
+        default=None,
+        help="a file of bytes shared with the decode node on this host's cores, which steps "
+        "on this node's cores while it is idle (tandem up sets it; "
+        "shared/runtime/core_share.py)",
+    )
+    add_option(
+        p,
+        "--core-share-slot",
+        type=lambda text: whole_number(text, 0, 62),
+        default=0,
+        help="this node's byte in --core-share (each prefill node on the host its own)",
+    )
     p.set_defaults(func=run)
 
 
@@ -55,6 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
     # that names this command also runs the router, which must not pay for them.
     from services.prefill.worker import PrefillWorker
     from shared.connector.planes import KVPlanes
+    from shared.runtime.core_share import CoreClaim
     from shared.runtime.engine import start_engine
 
     if args.engine != "native":
@@ -80,6 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         thread=thread,
         idle_threads=args.idle_threads,
+        claim=CoreClaim(args.core_share, args.core_share_slot) if args.core_share else None,
     )
     warming: asyncio.Task[None] | None = None
     try:

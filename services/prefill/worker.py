@@ -41,6 +41,7 @@ from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError, TandemError
 from shared.kv.block_hash import BlockHash
 from shared.runtime.cancels import RecentCancels, read_cancel
+from shared.runtime.core_share import CoreClaim
 from shared.runtime.engine import torch_threads
 from shared.runtime.engine_thread import EngineThread
 from shared.runtime.options import PREFILL_MAX_BATCH
@@ -64,6 +65,7 @@ class PrefillWorker:
         max_batch: int = PREFILL_MAX_BATCH,
         thread: EngineThread | None = None,
         idle_threads: int = 0,
+        claim: CoreClaim | None = None,
     ) -> None:
         self.engine = engine
         self.prefix = PrefixCache(engine, planes.cache)
@@ -74,6 +76,7 @@ class PrefillWorker:
         self.max_batch = max_batch
         self.thread = thread or EngineThread()  # the engine was built on it (why: engine_thread)
         self.idle_threads = idle_threads  # for a batch of jobs sent `alone` (0: as ever)
+        self.claim = claim  # the cores a decode node borrows while this node idles, if any
         self.cancelled = RecentCancels()
         self.queue_depth = 0
         self.metrics = NodeMetrics("prefill")
@@ -206,6 +209,8 @@ class PrefillWorker:
         done: list[Prefilled] = []
         handing: list[asyncio.Future[list[None]]] = []  # each step's hand-offs, under way
         used = 0
+        if self.claim is not None:  # the decode node beside this one gives back our core
+            await self.claim.acquire()
         try:
             while left:
                 try:
@@ -239,6 +244,8 @@ class PrefillWorker:
             # on the engine thread: whatever is left of the batch (nothing, unless this
             # loop failed between steps) is cancelled there, before the next batch starts
             await self.thread.call(steps.close)
+            if self.claim is not None:
+                self.claim.release()
         if done:
             self.batches.labels(str(used)).inc()
             self._count(jobs, by_id, done, fetched)
@@ -388,3 +395,5 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.thread.close()
+        if self.claim is not None:
+            self.claim.close()

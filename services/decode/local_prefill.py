@@ -26,7 +26,7 @@ from shared.bus.tracing import extract_context
 from shared.connector.prefix_cache import PrefixCache
 from shared.engine.interface import EngineCore
 from shared.engine.types import StepOutput
-from shared.errors import TandemError, WireFormatError
+from shared.errors import InvalidRequestError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
 from shared.kv.tail import TailBlock
 from shared.telemetry.logs import bind
@@ -142,8 +142,11 @@ class LocalPrefill:
                 return
             self.admitting[job.attempt_id] = False
             self.reserved_blocks += prompt_blocks  # others admitted meanwhile see it taken
+            invalid = False
             try:
                 refusal = await self._admit(job, context, reply_by)
+            except InvalidRequestError as exc:  # not for this node's engine, whatever its load
+                refusal, invalid = exc.message, True
             finally:
                 cancelled = self.admitting.pop(job.attempt_id)
                 self.reserved_blocks -= prompt_blocks
@@ -152,7 +155,7 @@ class LocalPrefill:
                 refusal = "cancelled"
             if refusal is not None:
                 span.set_status(Status(StatusCode.ERROR, refusal))
-                await msg.respond(refused(refusal))
+                await msg.respond(refused(refusal, invalid))
                 return
             if job.output_ids:
                 self.resuming[job.attempt_id] = len(context)
@@ -188,6 +191,8 @@ class LocalPrefill:
 
         try:
             refusal: str | None = await self.node.on_engine(admit)
+        except InvalidRequestError:
+            raise  # the caller tells the router it is the request, not the node
         except TandemError as exc:
             return exc.message
         return refusal

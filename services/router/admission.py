@@ -122,12 +122,6 @@ async def admit(
         raise CapacityError(
             f"no prefill or decode node of model {parsed.model!r} is available", retry_after=2
         )
-    if parsed.params.guide and not parts.nodes.takes_grammars(parsed.model):
-        raise InvalidRequestError(
-            f"response_format is not supported for model {parsed.model!r}: its nodes run "
-            "vLLM's engine, which follows no Tandem grammar yet",
-            param="response_format",
-        )
     return parsed
 
 
@@ -178,8 +172,12 @@ async def submit(
     parts: RouterParts, plan: Plan, job: PrefillJob, span: trace.Span
 ) -> tuple[PrefillJob, str, str]:
     """Send the first attempt on its path; returns (the job as sent, route, steered-to)."""
-    if plan.local and await parts.dispatch.send_local(plan.decode_node, job):
-        return job, "local", ""
+    if plan.local:
+        answer = await parts.dispatch.ask_local(plan.decode_node, job)
+        if answer.accepted:
+            return job, "local", ""
+        if answer.invalid:  # the request, not the node: a retry would be refused too
+            raise InvalidRequestError(answer.reason)
     if parts.config.colocated:  # no prefill node to fall back on
         raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
     steered = ""

@@ -19,10 +19,16 @@ from services.router.nodes import NodeTable
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId, RequestId
 from shared.bus.journal import RequestJournal
-from shared.bus.messages import Cancel, NodeInfo, PrefillJob, encode, read_reply
+from shared.bus.messages import Cancel, NodeInfo, PrefillJob, Reply, encode, read_reply
 from shared.bus.topology import REPLY_BY_HEADER, cancel_subject, local_prefill_subject
 from shared.bus.tracing import inject_headers
 from shared.bus.workqueue import submit_job
+
+
+class ResumeRefused(Exception):
+    """A resumed request that no path takes: its decode node refused it for what it is
+    (`Reply.invalid`), or refused it where no prefill queue is there to fall back on."""
+
 
 log = logging.getLogger("tandem.router")
 
@@ -48,8 +54,11 @@ class Dispatch:
         to the decode node, which loads the checkpointed KV itself and recomputes only the
         tail, no prefill node or transfer in the way; through the prefill queue if it
         refuses. Returns the path taken."""
-        if await self.send_local(node, job):
+        answer = await self.ask_local(node, job)
+        if answer.accepted:
             return "local"
+        if answer.invalid or self.config.colocated:  # no prefill queue to fall back on
+            raise ResumeRefused(answer.reason or "no decode node took it")
         other = self.nodes.pick_decode(blocks, {node.node_id}, model=job.model)
         if other is not None:  # not the node that refused or timed out (see send_local)
             job = msgspec.structs.replace(job, decode_node=other.node_id)
@@ -58,7 +67,12 @@ class Dispatch:
 
     async def send_local(self, node: NodeInfo, job: PrefillJob) -> bool:
         """Ask a decode node holding the prompt's prefix to prefill the rest itself (the
-        plan that chose it counted it as sent: not counted here again)."""
+        plan that chose it counted it as sent: not counted here again); whether it took it."""
+        return (await self.ask_local(node, job)).accepted
+
+    async def ask_local(self, node: NodeInfo, job: PrefillJob) -> Reply:
+        """`send_local`, with the node's answer: taken, or why not (`invalid`: the request
+        itself, not the node's state)."""
         assert self.bus.nc is not None
         # The node answers once the request is queued in its engine, after the step running
         # now. Colocated, that step may be a long prefill and there is no other path: wait.
@@ -79,12 +93,11 @@ class Dispatch:
             log.warning("local prefill on %s failed: %s", node.node_id, exc)
             # Past reply_by it admits nothing; one admitted just before is dropped by this.
             await self.cancel_on(node.node_id, job.attempt_id, "local prefill timed out")
-            return False
+            return Reply(accepted=False, reason=f"local prefill on {node.node_id} failed")
         answer = read_reply(reply.data)
         if not answer.accepted:
             log.info("%s refused local prefill: %s", node.node_id, answer.reason[:200])
-            return False
-        return True
+        return answer
 
     async def cancel_on(self, node_id: str, attempt: AttemptId, reason: str) -> None:
         """Only `node_id` drops the request (a path or node it left; the others go on)."""

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import msgspec
 from opentelemetry import trace
 
-from services.router.dispatch import Dispatch
+from services.router.dispatch import Dispatch, ResumeRefused
 from services.router.metrics import RouterMetrics
-from services.router.streams import RequestStream
+from services.router.streams import RequestStream, StreamTimeout
 from shared.bus.messages import Prefetch, PrefillJob
 from shared.bus.topology import prefetch_subject
 
@@ -188,6 +188,8 @@ class Failover:
         self.stream.handoff = job.handoff  # from now on the old handoff's errors are stale
         try:
             path = await self.dispatch.resubmit(node, job, self.blocks)
+        except ResumeRefused as exc:  # the client hears why, at once, not after a timeout
+            raise StreamTimeout(f"{reason}, and it cannot resume there: {exc}") from None
         except Exception as exc:
             log.warning("failover of %s not submitted: %s", self.job.attempt_id, exc)
             return None

@@ -178,11 +178,6 @@ class NodeTable:
         prefill = self.colocated or bool(self.by_role("prefill", model))
         return prefill and bool(self.by_role("decode", model))
 
-    def takes_grammars(self, model: str = "") -> bool:
-        """Whether a decode node of `model` follows `response_format` grammars (the native
-        engine does; vLLM's, under Tandem, not yet)."""
-        return any(n.engine in ("", "native") for n in self.by_role("decode", model))
-
     def pick_decode(
         self,
         blocks_needed: int,

@@ -127,14 +127,17 @@ class Reply(Message, frozen=True, tag="reply"):
 
     accepted: bool = False
     reason: str = ""
+    # The request itself cannot be served there, whatever the load (an invalid parameter
+    # for that node's engine): another try of the same would meet the same refusal.
+    invalid: bool = False
 
 
 def accepted() -> bytes:
     return encode(Reply(accepted=True))
 
 
-def refused(reason: str) -> bytes:
-    return encode(Reply(accepted=False, reason=reason))
+def refused(reason: str, invalid: bool = False) -> bytes:
+    return encode(Reply(accepted=False, reason=reason, invalid=invalid))
 
 
 def read_reply(data: bytes) -> Reply:

@@ -9,17 +9,19 @@ vllm` builds (tandem/vllm_env.py), colocated.
   uninterrupted text: no token lost, none repeated. Four seeded streams beside them keep
   what docs/engines.md claims for them: every token once, and the uninterrupted run's
   tokens up to the kill (not after a resume: vLLM's generator restarts from the seed).
-- What vLLM's engine does not take yet is refused with a clear error: a `response_format`
-  grammar (400 from the router, which knows its nodes' engines), a prefill node on vLLM
-  (the node exits saying why).
+- A `response_format` JSON schema is followed (vLLM's structured outputs, guidance backend).
+- What vLLM's engine does not take yet is refused with a clear error: a prefill node on
+  vLLM (the node exits saying why).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -101,18 +103,87 @@ async def test_greedy_streams_on_vllm_match_generate_and_survive_a_decode_node_k
         stack.restart("decode-1")
 
 
-async def test_a_grammar_is_refused_with_a_clear_error(vllm_stack: tuple[Stack, Path]) -> None:
+async def test_a_response_format_is_followed_on_vllm(vllm_stack: tuple[Stack, Path]) -> None:
+    """vLLM's structured outputs follow the request's JSON schema: the text parses and
+    holds to it (without one, this model answers the prompt in prose)."""
     stack, _ = vllm_stack
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 4,
-            "response_format": {"type": "json_object"}}  # fmt: skip
+    await asyncio.to_thread(wait_for_every_node, stack, 120)  # decode-1 restarted above
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                       "confidence": {"type": "integer"}},
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    body = {"model": MODEL, "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "user", "content": "Is the sky blue?"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "reply", "schema": schema}}}  # fmt: skip
     async with (
         aiohttp.ClientSession() as s,
-        s.post(stack.url + "/v1/completions", json=body) as resp,
+        s.post(stack.url + "/v1/chat/completions", json=body) as resp,
     ):
-        assert resp.status == 400, await resp.text()
-        error = (await resp.json())["error"]
-    assert error["param"] == "response_format"
-    assert "vLLM" in error["message"]
+        assert resp.status == 200, await resp.text()
+        choice = (await resp.json())["choices"][0]
+    reply = json.loads(choice["message"]["content"])
+    assert set(reply) == {"answer", "confidence"}, reply
+    assert reply["answer"] in ("yes", "no") and isinstance(reply["confidence"], int), reply
+    assert choice["finish_reason"] == "stop"
+
+
+async def guided_stream(session: aiohttp.ClientSession, url: str, seen: dict[str, Any]) -> None:
+    """A completion held to a schema with a long string, streamed: its text pieces and,
+    if the stream ends with one, its error (in `seen`)."""
+    story = {"type": "string", "minLength": 160, "maxLength": 240}
+    schema = {"type": "object", "properties": {"story": story}, "required": ["story"],
+              "additionalProperties": False}  # fmt: skip
+    form = {"type": "json_schema", "json_schema": {"schema": schema}}
+    body = {"model": MODEL, "prompt": "Tell a story about a lighthouse.", "max_tokens": 200,
+            "temperature": 0, "stream": True, "response_format": form}  # fmt: skip
+    seen.update(texts=[], error=None)
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode()
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                seen["error"] = data["error"]["message"]
+                return
+            seen["id"] = data["id"]
+            seen["texts"] += [c["text"] for c in data["choices"]]
+
+
+async def test_a_guided_stream_whose_node_dies_ends_with_an_error_not_a_broken_schema(
+    vllm_stack: tuple[Stack, Path],
+) -> None:
+    """vLLM cannot carry a grammar past tokens it did not sample, so such a stream is not
+    resumed: the client gets an error saying so, never text off its schema; streams on
+    the other node finish, valid."""
+    stack, _ = vllm_stack
+    await asyncio.to_thread(wait_for_every_node, stack, 120)
+    seen: list[dict[str, Any]] = [{} for _ in range(4)]
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def kill() -> None:
+            while min(len(s.get("texts", [])) for s in seen) < 4:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(stack.kill, "decode-1")
+
+        try:
+            await asyncio.gather(*(guided_stream(session, stack.url, s) for s in seen), kill())
+        finally:
+            stack.restart("decode-1")
+    ended = [s for s in seen if s["error"] is not None]
+    assert ended, "no stream was on decode-1?"
+    for s in ended:  # at once, saying why (not after the first-token timeout)
+        assert "its decode node was lost, and it cannot resume there" in s["error"], s
+        assert "grammar would start over" in s["error"], s
+    for s in seen:
+        if s["error"] is None:
+            assert len(json.loads("".join(s["texts"]))["story"]) >= 160, s
 
 
 def test_a_prefill_node_on_vllm_exits_saying_why() -> None:

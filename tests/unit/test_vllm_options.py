@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.router.nodes import NodeTable
-from shared.bus.messages import NodeInfo
+from shared.engine.vllm.params import schema_of, unsupported
+from shared.grammar import grammar_for
+from shared.sampling_params import SamplingParams
 from tandem.cli import build_parser
 from tandem.launcher import Stack, prefill_nodes
 from tandem.mode import choose_mode, mode_problem
@@ -71,15 +72,15 @@ def test_the_vllm_environment_takes_tandems_runtime_but_vllms_own_pins() -> None
     assert not names & {"torch", "transformers", "llguidance"}
 
 
-def node(node_id: str, engine: str) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role="decode", model="m", engine=engine, total_kv_blocks=8)
-
-
-def test_grammars_are_refused_only_where_no_node_follows_them() -> None:
-    t = NodeTable(registry=None, colocated=True)  # type: ignore[arg-type]
-    t.nodes = {"d1": node("d1", "vllm")}
-    assert not t.takes_grammars("m")
-    t.nodes = {"d1": node("d1", "vllm"), "d2": node("d2", "native")}
-    assert t.takes_grammars("m")
-    t.nodes = {"d0": node("d0", "")}  # a node of before engines: the native one
-    assert t.takes_grammars("m")
+def test_a_response_format_goes_to_vllm_as_its_schema_and_does_not_resume() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    guide = grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
+    assert schema_of(guide) == schema
+    params = SamplingParams(max_tokens=8, guide=guide)
+    assert unsupported(params) is None
+    why = unsupported(params, already=3)
+    assert why is not None and "cannot resume" in why
+    assert unsupported(SamplingParams(max_tokens=8), already=3) is None  # unguided: resumes
+    for odd in ("not json", "[]", '{"grammars": []}', '{"grammars": [{"lark_grammar": "x"}]}'):
+        assert schema_of(odd) is None
+        assert "no JSON schema" in (unsupported(SamplingParams(max_tokens=8, guide=odd)) or "")

@@ -7,16 +7,18 @@ token ids and text) become Tandem's `StepOutput`s, so the node's streams, spans,
 and the router's journal work unchanged.
 
 What it does and does not do yet (issue 51):
-- Requests: every sampling parameter Tandem takes, but `response_format` (Tandem's grammars
-  are llguidance's own; vLLM takes its structured-output specs) is refused with a clear
-  error. vLLM detokenizes and applies stop strings itself.
+- Requests: every sampling parameter Tandem takes. A `response_format` goes to vLLM's
+  structured outputs as the JSON schema Tandem's grammar was built from, on vLLM's
+  guidance backend (llguidance, as the native engine); a guided request does not resume
+  (below). vLLM detokenizes and applies stop strings itself.
 - Resume (`output_ids`): the tokens generated before join the prompt and the budgets shrink
   by them, so the context is recomputed. A greedy stream resumes exactly. A seeded one
   does not: vLLM's sampler draws from a per-request generator seeded at the request's
   start and advanced by every step's draw, and a resumed request starts a new one, so its
   later tokens are a valid sample of the same distribution but not the uninterrupted
   run's. Presence and frequency penalties count only the tokens generated after the
-  resume (vLLM counts them over output, and the old output is now prompt).
+  resume (vLLM counts them over output, and the old output is now prompt). A guided
+  request is refused on resume with a clear error: its grammar would start over.
 - KV moves: none (kv.py says why): no hand-off from a prefill node (`add_snapshot`,
   `export` refuse), no checkpoints, no prefix loads across nodes. Its `hash_key` differs
   from every native engine's, so no native node hands it KV.
@@ -86,6 +88,7 @@ class VllmEngine:
     def __init__(self, config: VllmConfig) -> None:
         quiet_in_process()
         from vllm import EngineArgs, LLMEngine
+        from vllm.config import StructuredOutputsConfig
 
         self.config = config
         args = EngineArgs(
@@ -100,6 +103,8 @@ class VllmEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             kv_cache_memory_bytes=config.kv_cache_bytes,
             disable_log_stats=True,
+            # response_format: llguidance, the library Tandem's own grammars come from
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
         )
         self.llm = LLMEngine.from_engine_args(args)
         self._core: Any = self.llm.engine_core.engine_core  # type: ignore[attr-defined]
@@ -169,7 +174,7 @@ class VllmEngine:
         output_ids: list[int] | None = None,
     ) -> None:
         self.limits.check(request_id, prompt_ids, params, output_ids, known=self.requests)
-        why = unsupported(params)
+        why = unsupported(params, len(output_ids or []))
         if why is not None:
             raise InvalidRequestError(why, request_id=request_id, param="response_format")
 

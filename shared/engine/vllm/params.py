@@ -5,6 +5,7 @@ Only this module and engine.py import vLLM; both are imported only by a node sta
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from shared.engine.types import TokenLogprob
@@ -14,13 +15,38 @@ if TYPE_CHECKING:
     import vllm
 
 
-def unsupported(params: SamplingParams) -> str | None:
+def schema_of(guide: str) -> Any | None:
+    """The JSON schema a `response_format` grammar was built from (shared/grammar.py makes
+    every one as llguidance's `{"grammars": [{"json_schema": ...}]}`), or None for a grammar
+    of another shape."""
+    try:
+        grammar = json.loads(guide)
+    except ValueError:
+        return None
+    parts = grammar.get("grammars") if isinstance(grammar, dict) else None
+    if not isinstance(parts, list) or len(parts) != 1 or not isinstance(parts[0], dict):
+        return None
+    if set(parts[0]) != {"json_schema"}:
+        return None
+    return parts[0]["json_schema"]
+
+
+def unsupported(params: SamplingParams, already: int = 0) -> str | None:
     """Why vLLM's engine under Tandem refuses these parameters, or None.
 
-    `response_format` grammars are llguidance grammars Tandem compiles itself; vLLM takes
-    its own structured-output specs, and nothing maps one to the other yet."""
-    if params.guide:
-        return "response_format is not supported by --engine vllm nodes yet"
+    A `response_format` goes to vLLM as the JSON schema it came from (its guidance
+    backend builds the same llguidance grammar). A guided request cannot resume after
+    `already` tokens: the tokens would join the prompt and vLLM would start the grammar
+    over, and its API has no way to advance a request's grammar past them."""
+    if not params.guide:
+        return None
+    if schema_of(params.guide) is None:
+        return "this response_format grammar has no JSON schema vLLM's engine could follow"
+    if already:
+        return (
+            "a response_format request cannot resume on an --engine vllm node (its grammar "
+            "would start over after the tokens already sent)"
+        )
     return None
 
 
@@ -29,7 +55,7 @@ def to_vllm(params: SamplingParams, already: int = 0) -> vllm.SamplingParams:
     one: its output so far joins the prompt, and the budgets shrink by it). Deltas out, so
     each step returns only its new tokens and text."""
     from vllm import SamplingParams as VllmParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     kwargs: dict[str, Any] = {
         "max_tokens": max(1, params.max_tokens - already),
@@ -49,6 +75,8 @@ def to_vllm(params: SamplingParams, already: int = 0) -> vllm.SamplingParams:
         "prompt_logprobs": params.prompt_logprobs,
         "output_kind": RequestOutputKind.DELTA,
     }
+    if params.guide:
+        kwargs["structured_outputs"] = StructuredOutputsParams(json=schema_of(params.guide))
     return VllmParams(**kwargs)
 
 

@@ -42,7 +42,7 @@ def vllm_problem(args: argparse.Namespace) -> str | None:
 def choose_mode(args: argparse.Namespace) -> str:
     """Settle the mode (setting `args`) and say which it is and why, in one line."""
     if getattr(args, "engine", "native") == "vllm":
-        args.prefill, args.colocated = 0, True
+        # the launcher starts no prefill node for vLLM's engine (launcher.prefill_nodes)
         return "[up] mode: colocated (--engine vllm serves colocated only for now)"
     forced = (
         "colocated" if args.prefill == 0 else next((f for f in FLAGS if getattr(args, f)), None)
@@ -90,6 +90,15 @@ def _setting(args: argparse.Namespace) -> Setting:
     decode = next(c for c in Stack(args).plan() if c.name.startswith("decode"))
     threads = int(decode.argv[decode.argv.index("--threads") + 1])
     return Setting(model.source, model.dtype or args.dtype, args.device, threads, args.transport)
+
+
+def prepare_slo_scaling(args: argparse.Namespace) -> None:
+    """`tandem up --autoscale --policy slo`: the profile the planner sizes with (the one
+    given, else the stack's --profile, else this machine's startup profile) and what the
+    nodes run with, on `args` for the autoscaler."""
+    if not args.scale_profile:
+        args.scale_profile = args.profile or str(ensure_profile(_setting(args), _say))
+    args.scale_node_options = _node_options(args) + (["--conditional"] if args.conditional else [])
 
 
 def _node_options(args: argparse.Namespace) -> list[str]:

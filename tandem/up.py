@@ -13,8 +13,9 @@ import threading
 
 from shared.procs import move_process
 from shared.runtime.options import open_api_problem
+from tandem.autoscale.options import slo_problem
 from tandem.launcher import Stack, exit_code, prefill_nodes, served_models
-from tandem.mode import choose_mode, mode_problem
+from tandem.mode import choose_mode, mode_problem, prepare_slo_scaling
 from tandem.up_options import add_up_options, keys_given
 
 
@@ -36,12 +37,18 @@ def run(args: argparse.Namespace) -> int:
               "--autoscale", file=sys.stderr)  # fmt: skip
         return 2
     served_models(args)  # a bad models file stops here, before anything starts
-    problem = open_api_problem(args.host, keys_given(args), args.allow_open) or mode_problem(args)
+    problem = (
+        open_api_problem(args.host, keys_given(args), args.allow_open)
+        or mode_problem(args)
+        or (slo_problem(args, need_profile=False) if args.autoscale else None)
+    )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         print(choose_mode(args), flush=True)
+        if args.autoscale and args.policy == "slo":
+            prepare_slo_scaling(args)
     except KeyboardInterrupt:  # Ctrl-C while the startup profile is measured: nothing ran
         print("[up] stopped before starting", file=sys.stderr)
         return 130

@@ -37,11 +37,23 @@ from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import PREFILL_STREAM, prefill_consumer
-from tandem.autoscale.options import policy_from_args
-from tandem.autoscale.types import ROLES, Backend, Decision, NodeSample, Observation
+from tandem.autoscale.policies import policy_from_args
+from tandem.autoscale.types import (
+    ROLES,
+    Backend,
+    Decision,
+    NodeSample,
+    Observation,
+    RouterCounts,
+)
 
 log = logging.getLogger("tandem.autoscale")
 TTFT = "tandem_time_to_first_token_seconds"
+COUNTS = {
+    TTFT + "_count": "requests",
+    "tandem_prompt_tokens_total": "prompt_tokens",
+    "tandem_output_tokens_total": "output_tokens",
+}
 
 
 class Deciding(Protocol):
@@ -60,6 +72,16 @@ def ttft_buckets(metrics_text: str, model: str | None = None) -> dict[float, flo
                 le = float(s.labels["le"])
                 out[le] = out.get(le, 0.0) + s.value
     return out
+
+
+def router_counts(metrics_text: str, model: str | None = None) -> RouterCounts:
+    """The router's cumulative request and token counts: one model's, or summed."""
+    out = dict.fromkeys(COUNTS.values(), 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name in COUNTS and model in (None, s.labels.get("model")):
+                out[COUNTS[s.name]] += s.value
+    return RouterCounts(**out)
 
 
 def p90_between(before: dict[float, float], now: dict[float, float]) -> float | None:
@@ -119,6 +141,7 @@ class Controller:
     by_process: bool = False  # a decode process hosting several models is one node
     _registry: NodeRegistry | None = None
     _buckets: dict[float, float] = field(default_factory=dict)
+    _infeasible: bool = False  # the SLO policy's last word on it (logged when it changes)
 
     async def sample(self) -> Observation:
         if self._registry is None:
@@ -142,11 +165,13 @@ class Controller:
             models = {self.model}
         else:
             models = {n.model for n in entries if n.role == "prefill"} | {""}
+        ttft, counts = await self._router()
         return Observation(
             time=time.monotonic(),
             nodes=nodes,
             prefill_queue=await self._queue_depth(models),
-            ttft_p90=await self._ttft_p90(),
+            ttft_p90=ttft,
+            router=counts,
         )
 
     async def _queue_depth(self, models: set[str]) -> int:
@@ -162,25 +187,43 @@ class Controller:
             depth += int(info.num_pending or 0)
         return depth
 
-    async def _ttft_p90(self) -> float | None:
+    async def _router(self) -> tuple[float | None, RouterCounts | None]:
+        """The router's TTFT p90 since the last tick and its counts (None, None: no URL,
+        or it could not be read this tick)."""
         if not self.router_url:
-            return None
+            return None, None
         url = self.router_url.rstrip("/") + "/metrics"
 
         def fetch() -> str:
             with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - operator's URL
                 return str(resp.read().decode())
 
-        now = ttft_buckets(await asyncio.to_thread(fetch), self.model)
+        try:
+            text = await asyncio.to_thread(fetch)
+        except OSError as exc:
+            log.warning("router metrics unreadable this tick: %s", exc)
+            return None, None
+        now = ttft_buckets(text, self.model)
         before, self._buckets = self._buckets, now
-        return p90_between(before, now) if before else None
+        return (p90_between(before, now) if before else None), router_counts(text, self.model)
 
     async def tick(self) -> list[Decision]:
         obs = await self.sample()
         self.history.append(obs)
         current = {role: self.backend.count(role) for role in self.roles}
-        decisions = self.policy.observe(obs, current)
+        # off the loop: the SLO policy may simulate a new load first (slo.py)
+        decisions = await asyncio.to_thread(self.policy.observe, obs, current)
         pool = "" if self.model is None else f" of {self.model}"
+        infeasible = bool(getattr(self.policy, "infeasible", False))
+        if infeasible != self._infeasible:
+            self._infeasible = infeasible
+            if infeasible:
+                log.warning(
+                    "autoscale%s: the SLO cannot be met even at the maximum (%s): holding it",
+                    pool, getattr(self.policy, "why", ""),
+                )  # fmt: skip
+            else:
+                log.info("autoscale%s: the SLO can be met again within the bounds", pool)
         for d in decisions:
             log.info("autoscale %s%s %+d: %s", d.role, pool, d.delta, d.reason)
             if d.delta > 0:
@@ -227,7 +270,7 @@ async def run_controller(
             Controller(
                 bus,
                 backend,
-                policy_from_args(args),
+                policy_from_args(args, getattr(args, "scale_node_options", None)),
                 router_url,
                 interval=args.scale_interval,
                 model=model,
@@ -240,7 +283,7 @@ async def run_controller(
                 Controller(
                     bus,
                     shared_decode,
-                    policy_from_args(args),
+                    policy_from_args(args, getattr(args, "scale_node_options", None)),
                     router_url,
                     interval=args.scale_interval,
                     roles=("decode",),

@@ -1,12 +1,16 @@
-"""The autoscaler's policy options, shared by `tandem autoscale` and `tandem up --autoscale`."""
+"""The autoscaler's policy options, shared by `tandem autoscale` and `tandem up --autoscale`
+(policies.py builds the policy they ask for: this module stays light, since `tandem up`'s
+options import it and the SLO policy imports the planner)."""
 
 from __future__ import annotations
 
 import argparse
 
-from shared.runtime.options import add_option
-from tandem.autoscale.policy import Policy, PolicyConfig
-from tandem.autoscale.types import RoleBounds
+from shared.runtime.options import add_option, target_seconds
+from tandem.autoscale.policy import PolicyConfig
+from tandem.autoscale.types import SloConfig
+
+POLICIES = ("threshold", "slo")
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:
@@ -32,26 +36,70 @@ def add_policy_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--up-window", type=float, default=d.up_window)
     add_option(p, "--down-window", type=float, default=d.down_window)
     add_option(p, "--scale-cooldown", type=float, default=d.cooldown)
+    add_slo_options(p)
 
 
-def policy_from_args(args: argparse.Namespace) -> Policy:
-    try:
-        config = PolicyConfig(
-            decode_running_high=args.decode_running_high,
-            decode_running_low=args.decode_running_low,
-            kv_used_high=args.kv_used_high,
-            kv_used_low=args.kv_used_low,
-            queue_high=args.queue_high,
-            ttft_high=args.ttft_high,
-            ttft_low=args.ttft_low,
-            up_window=args.up_window,
-            down_window=args.down_window,
-            cooldown=args.scale_cooldown,
-            bounds={
-                "decode": RoleBounds(args.decode_min, args.decode_max),
-                "prefill": RoleBounds(args.prefill_min, args.prefill_max),
-            },
-        )
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from exc
-    return Policy(config)
+def add_slo_options(p: argparse.ArgumentParser) -> None:
+    """`--policy slo` and what it plans with (tandem/autoscale/slo.py)."""
+    c = SloConfig()
+    add_option(
+        p,
+        "--policy",
+        choices=POLICIES,
+        default="threshold",
+        help="threshold: the load thresholds above; slo: the planner sizes prefill and "
+        "decode nodes for the observed load to meet --slo-ttft and --slo-tpot",
+    )
+    add_option(p, "--slo-ttft", type=target_seconds, default=0.0, help="--policy slo: seconds")
+    add_option(
+        p, "--slo-tpot", type=target_seconds, default=0.0, help="--policy slo: seconds a token"
+    )
+    add_option(
+        p,
+        "--slo-attainment",
+        type=float,
+        default=0.99,
+        help="--policy slo: share of requests meeting both",
+    )
+    add_option(
+        p,
+        "--scale-profile",
+        default=None,
+        help="--policy slo: the profile the planner sizes with (tandem plan profile; "
+        "tandem up: its --profile, else its startup profile)",
+    )
+    add_option(
+        p,
+        "--headroom",
+        type=float,
+        default=c.headroom,
+        help="--policy slo: plan for the forecast load times 1 + this",
+    )
+    add_option(
+        p,
+        "--slo-window",
+        type=float,
+        default=c.window,
+        help="--policy slo: seconds of arrivals the load is measured over",
+    )
+    add_option(
+        p,
+        "--slo-horizon",
+        type=float,
+        default=c.horizon,
+        help="--policy slo: seconds ahead the load is forecast (about a node's start)",
+    )
+
+
+def slo_problem(args: argparse.Namespace, need_profile: bool = True) -> str | None:
+    """What `--policy slo` lacks, if anything (`need_profile`: its profile too; `tandem up`
+    finds one itself)."""
+    if getattr(args, "policy", "threshold") != "slo":
+        return None
+    if not args.slo_ttft or not args.slo_tpot:
+        return "--policy slo needs --slo-ttft and --slo-tpot"
+    if not 0 < args.slo_attainment <= 1:
+        return f"--slo-attainment must be in (0, 1], got {args.slo_attainment}"
+    if need_profile and not args.scale_profile:
+        return "--policy slo needs a profile: --scale-profile FILE (tandem plan profile)"
+    return None

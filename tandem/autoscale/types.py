@@ -7,6 +7,7 @@ router's TTFT) into an `Observation` every tick; the `Policy` turns a series of 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,11 +32,22 @@ class NodeSample:
 
 
 @dataclass(frozen=True)
+class RouterCounts:
+    """The router's cumulative counts (its /metrics) for the pool: requests given a first
+    token, and the prompt and output tokens of the requests it admitted."""
+
+    requests: float
+    prompt_tokens: float
+    output_tokens: float
+
+
+@dataclass(frozen=True)
 class Observation:
     time: float  # seconds (monotonic)
     nodes: list[NodeSample] = field(default_factory=list)
     prefill_queue: int = 0  # jobs waiting in the prefill work queue
     ttft_p90: float | None = None  # seconds, over the last interval; None: no requests
+    router: RouterCounts | None = None  # None: no router URL, or it could not be read
 
     def serving(self, role: str) -> list[NodeSample]:
         """Nodes of a role that take work (draining ones are on their way out)."""
@@ -70,3 +82,34 @@ class Backend(Protocol):
     def scale_down(self, role: str, node_ids: list[str]) -> None:
         """Ask these nodes to stop gracefully (SIGTERM: drain, then exit). Returns at once."""
         ...
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft: float  # seconds
+    tpot: float  # seconds a token after the first
+    attainment: float = 0.99  # share of requests meeting both
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """Timings in seconds of `Observation.time`."""
+
+    window: float = 60.0  # arrivals are counted over this long
+    min_span: float = 10.0  # no decision before the window holds this much
+    horizon: float = 30.0  # the forecast looks this far ahead (a node's start)
+    headroom: float = 0.2  # plan for the forecast times 1 + this
+    up_window: float = 2.0  # a larger size must hold this long
+    down_window: float = 60.0  # a smaller size must hold this long
+    down_after_up: float = 60.0  # per role: no scale-down this soon after a scale-up
+    startup_grace: float = 120.0  # nodes still loading this long after a scale-up: missing
+    bounds: Mapping[str, RoleBounds] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "min_span", "horizon", "up_window", "down_window"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds")
+        if self.min_span > self.window:
+            raise ValueError(f"min_span {self.min_span} exceeds the window {self.window}")
+        if not 0 <= self.headroom <= 10:
+            raise ValueError(f"headroom must be between 0 and 10, got {self.headroom}")

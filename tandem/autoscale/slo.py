@@ -1,0 +1,288 @@
+"""The SLO policy (`--policy slo`): size each role from the planner's model of the load the
+router sees, instead of reacting to thresholds once the SLO is already missed.
+
+Each tick:
+1. **The load.** The router's counters (requests given a first token, prompt and output
+   tokens) over a sliding `window` give the arrival rate and the mean prompt and output
+   lengths. The forecast `horizon` seconds ahead (about a node's start) is the rate of the
+   window's second half plus the trend between its halves, never below that rate: a ramp
+   is met before it arrives, a drop is believed only once it is seen.
+2. **The size.** `Sizer` asks the planner's simulator (tandem/plan/simulate.py: the
+   router's and the nodes' rules with this machine's profile) for the smallest prefill +
+   decode counts within the bounds whose simulated SLO attainment at the forecast times
+   (1 + `headroom`) meets the target; among equals, the best attainment. Results are
+   cached per load, rounded to a few percent, so a steady load costs no simulation.
+3. **The moves**, in replica space, without oscillating:
+   - up to the size as soon as it has been above the count for `up_window` (nodes still
+     loading count as there: capacity on its way is not asked for twice);
+   - down one node at a time, only after the size has stayed below the count for
+     `down_window`, not within `down_after_up` of a scale-up, and so only when the model
+     says the smaller deployment meets the SLO with the headroom;
+   - no decision before the window holds `min_span` seconds of the router's counts (a
+     cold controller has no rate), nor from ticks while the router could not be read.
+4. **Infeasible**: when even the maximum misses the SLO at the forecast, the size is the
+   maximum, `infeasible` says so (the controller logs each change of it and exports it as
+   a metric), and the policy holds there instead of thrashing.
+
+The pure parts (forecast, moves) take time only from `Observation.time`, so a recorded
+series replays exactly; the simulator is seeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tandem.autoscale.policy import choose_victims
+from tandem.autoscale.types import ROLES, Decision, Observation, RoleBounds, Slo, SloConfig
+
+STEP = 0.05  # loads within ~5% share a cached size
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the deployment must serve: arrivals a second and their mean lengths."""
+
+    rate: float
+    prompt_tokens: int
+    output_tokens: int
+
+    def key(self) -> tuple[int, int, int]:
+        """Rounded to steps of STEP (relative), so nearby loads share one simulation."""
+
+        def step(x: float) -> int:
+            return round(math.log(max(x, 1e-3)) / math.log1p(STEP))
+
+        return step(self.rate), step(self.prompt_tokens), step(self.output_tokens)
+
+
+@dataclass
+class Size:
+    """The deployment a load needs, and whether it meets the SLO at all."""
+
+    prefill: int
+    decode: int
+    attainment: float
+    feasible: bool
+
+    def of(self, role: str) -> int:
+        return self.prefill if role == "prefill" else self.decode
+
+
+class Sizer:
+    """The smallest prefill + decode counts that meet an SLO at a load, by simulation with
+    a profile (the planner's model; `tandem plan search` asks the same question of a
+    fixed workload)."""
+
+    def __init__(
+        self,
+        profile: str,
+        slo: Slo,
+        bounds: Mapping[str, RoleBounds],
+        node_options: Sequence[str] = (),
+        requests: int = 60,
+    ) -> None:
+        from tandem.plan import simulate
+
+        self.profile = profile
+        self.slo = slo
+        self.bounds = {role: bounds.get(role, RoleBounds()) for role in ROLES}
+        self.node_options = list(node_options)
+        self.requests = requests
+        self._parser = argparse.ArgumentParser(prog="tandem plan")  # simulate's own options
+        simulate.add_parser(self._parser.add_subparsers(dest="command"))
+        self._attainment: dict[tuple[tuple[int, int, int], int, int], float] = {}
+        self._sizes: dict[tuple[int, int, int], Size] = {}
+        self.simulations = 0  # how many were run (a cached load runs none)
+
+    def attainment(self, load: Load, prefill: int, decode: int) -> float:
+        """Simulated share of requests meeting the SLO on `prefill` + `decode` nodes."""
+        key = (load.key(), prefill, decode)
+        if key not in self._attainment:
+            self._attainment[key] = self._simulate(load, prefill, decode)
+        return self._attainment[key]
+
+    def _simulate(self, load: Load, prefill: int, decode: int) -> float:
+        from tandem.bench.metrics import run_metrics
+        from tandem.bench.serve import slo_of
+        from tandem.plan import simulate
+
+        # Two minutes of arrivals, within bounds: a load near a deployment's capacity
+        # builds its queue slowly, and a short run would call it served.
+        n = max(self.requests, min(8 * self.requests, math.ceil(load.rate * 120)))
+        argv = [
+            "simulate", "--profile", self.profile, "--quiet",
+            "--prefill", str(prefill), "--decode", str(decode),
+            "--prompt-len", str(max(1, load.prompt_tokens)),
+            "--output-len", str(max(1, load.output_tokens)),
+            "--num-requests", str(n), "--request-rate", f"{max(load.rate, 1e-3):.6g}",
+            "--slo-ttft", f"{self.slo.ttft:g}", "--slo-tpot", f"{self.slo.tpot:g}",
+            "--slo-attainment", f"{self.slo.attainment:g}",
+            *self.node_options,
+        ]  # fmt: skip
+        args = self._parser.parse_args(argv)
+        deployment = simulate.Deployment.of(args)
+        (_, arrivals), *_ = simulate.workload_points(args)
+        self.simulations += 1
+        records = deployment.run(arrivals, None, args.timeout)
+        return float(run_metrics(records, slo_of(args)).slo_attainment)
+
+    def size(self, load: Load) -> Size:
+        """The fewest nodes meeting the SLO at `load` (ties: the best attainment); the
+        maximum, marked infeasible, when none does."""
+        key = load.key()
+        if key in self._sizes:
+            return self._sizes[key]
+        p, d = self.bounds["prefill"], self.bounds["decode"]
+        found: Size | None = None
+        for total in range(p.min + d.min, p.max + d.max + 1):
+            meeting = []
+            for prefill in range(max(p.min, total - d.max), min(p.max, total - d.min) + 1):
+                got = self.attainment(load, prefill, total - prefill)
+                if got >= self.slo.attainment:
+                    meeting.append(Size(prefill, total - prefill, got, True))
+            if meeting:
+                found = max(meeting, key=lambda s: s.attainment)
+                break
+        if found is None:
+            found = Size(p.max, d.max, self.attainment(load, p.max, d.max), False)
+        self._sizes[key] = found
+        return found
+
+
+@dataclass(frozen=True)
+class _Count:
+    time: float
+    requests: float
+    prompt_tokens: float
+    output_tokens: float
+
+
+class SloPolicy:
+    """Stateful over calls; feed it every observation in time order (as `Policy`)."""
+
+    def __init__(self, sizer: Sizer, config: SloConfig | None = None) -> None:
+        self.sizer = sizer
+        self.config = config or SloConfig()
+        self._counts: deque[_Count] = deque()
+        self._since: dict[tuple[str, str], float] = {}  # (role, "up"|"down") -> start
+        self._last_up: dict[str, float] = {}
+        self._pending_since: dict[str, float] = {}
+        self.load: Load | None = None  # the last load planned for (forecast x headroom)
+        self.size: Size | None = None  # and the size it needs
+        self.infeasible = False
+        self.why = ""  # what the last size rests on, for the infeasible log line
+
+    # ---- the load ------------------------------------------------------------------------
+
+    def _record(self, obs: Observation) -> None:
+        if obs.router is None:
+            return  # not read this tick: no gap filled with a guess
+        c = obs.router
+        if self._counts and c.requests < self._counts[-1].requests:
+            self._counts.clear()  # the router restarted: its counters began again
+        self._counts.append(_Count(obs.time, c.requests, c.prompt_tokens, c.output_tokens))
+        while self._counts and obs.time - self._counts[0].time > self.config.window:
+            self._counts.popleft()
+
+    def forecast(self) -> Load | None:
+        """The load to plan for, or None while the window is too short to tell."""
+        counts, cfg = self._counts, self.config
+        if len(counts) < 3 or counts[-1].time - counts[0].time < cfg.min_span:
+            return None
+        first, last = counts[0], counts[-1]
+        middle = min(counts, key=lambda c: abs(c.time - (first.time + last.time) / 2))
+        early = _rate(first, middle)
+        late = _rate(middle, last)
+        half = (last.time - first.time) / 2
+        trend = (late - early) / half if half > 0 else 0.0
+        rate = max(late, late + trend * cfg.horizon) * (1 + cfg.headroom)
+        done = last.requests - first.requests
+        if done <= 0:
+            return Load(0.0, 1, 1)
+        return Load(
+            rate,
+            round((last.prompt_tokens - first.prompt_tokens) / done),
+            round((last.output_tokens - first.output_tokens) / done),
+        )
+
+    # ---- the moves -----------------------------------------------------------------------
+
+    def observe(self, obs: Observation, current: Mapping[str, int]) -> list[Decision]:
+        self._record(obs)
+        load = self.forecast()
+        if load is None:
+            return []
+        size = self.sizer.size(load) if load.rate > 0 else self._smallest()
+        self.load, self.size = load, size
+        self.infeasible = not size.feasible
+        self.why = f"{load_text(load)}: simulated SLO met {size.attainment:.0%} at the maximum"
+        decisions = []
+        for role in ROLES:
+            if role not in current:
+                continue
+            decision = self._decide(role, obs, current[role], size)
+            if decision is not None:
+                if decision.delta > 0:
+                    self._last_up[role] = obs.time
+                self._since.pop((role, "up"), None)
+                self._since.pop((role, "down"), None)
+                decisions.append(decision)
+        return decisions
+
+    def _smallest(self) -> Size:
+        b = self.sizer.bounds
+        return Size(b["prefill"].min, b["decode"].min, 1.0, True)
+
+    def _decide(self, role: str, obs: Observation, count: int, size: Size) -> Decision | None:
+        cfg, now = self.config, obs.time
+        bounds = self.sizer.bounds[role]
+        want = min(max(size.of(role), bounds.min), bounds.max)
+        why = (
+            f"{role}: the planner sizes {load_text(self.load)} at {size.prefill}P+{size.decode}D "
+            f"(simulated SLO met {size.attainment:.0%}"
+            + ("" if size.feasible else "; infeasible even at the maximum: holding it")
+            + ")"
+        )
+        serving = obs.serving(role)
+        if len(serving) >= count:
+            self._pending_since.pop(role, None)
+        if want > count:
+            self._since.pop((role, "down"), None)
+            started = self._since.setdefault((role, "up"), now)
+            loading = self._capacity_on_its_way(role, now, count, len(serving))
+            if now - started >= cfg.up_window and not loading:
+                return Decision(role, want - count, why)
+            return None
+        self._since.pop((role, "up"), None)
+        if want < count:
+            started = self._since.setdefault((role, "down"), now)
+            recent_up = now - self._last_up.get(role, -math.inf) < cfg.down_after_up
+            if now - started >= cfg.down_window and not recent_up and serving:
+                victims = choose_victims(serving, 1)
+                return Decision(role, -1, why, tuple(v.node_id for v in victims))
+            return None
+        self._since.pop((role, "down"), None)
+        return None
+
+    def _capacity_on_its_way(self, role: str, now: float, count: int, serving: int) -> bool:
+        """Started nodes not serving yet, within the grace after the scale-up that asked."""
+        if serving >= count:
+            return False
+        since = self._pending_since.setdefault(role, now)
+        return now - since < self.config.startup_grace
+
+
+def _rate(a: _Count, b: _Count) -> float:
+    return (b.requests - a.requests) / (b.time - a.time) if b.time > a.time else 0.0
+
+
+def load_text(load: Load | None) -> str:
+    if load is None:
+        return "no load yet"
+    return (
+        f"{load.rate:.3g} req/s of {load.prompt_tokens} prompt + {load.output_tokens} output tokens"
+    )

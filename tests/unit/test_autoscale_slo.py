@@ -1,0 +1,174 @@
+"""The SLO policy (tandem/autoscale/slo.py) with the planner's real simulator on a profile
+whose answers are known in closed form (tests/unit/test_plan_simulate.py's: a prompt token
+costs 1 ms of one prefill node, a decode step 50 ms at any batch): how many prefill nodes a
+load of 500-token prompts needs, the forecast of a ramp and of a drop, moves in replica
+space without oscillating, the infeasible case, and the router's counts as the controller
+reads them from a real router's metrics."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client import generate_latest
+
+from services.router.metrics import RouterMetrics
+from tandem.autoscale.controller import router_counts
+from tandem.autoscale.options import add_policy_options, slo_problem
+from tandem.autoscale.policies import policy_from_args
+from tandem.autoscale.slo import Load, Sizer, SloPolicy
+from tandem.autoscale.types import (
+    Decision,
+    NodeSample,
+    Observation,
+    RoleBounds,
+    RouterCounts,
+    Slo,
+    SloConfig,
+)
+from tests.unit.test_plan_simulate import profile
+
+pytestmark = pytest.mark.unit
+
+PROMPT, OUTPUT = 500, 32  # a prompt takes one prefill node 0.5 s: 2 req/s a node at most
+SLO = Slo(ttft=4.0, tpot=0.2, attainment=0.99)
+BOUNDS = {"prefill": RoleBounds(1, 4), "decode": RoleBounds(1, 2)}
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("slo") / "profile.json"
+    path.write_bytes(msgspec.json.encode(profile()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sizer(profile_path: str) -> Sizer:
+    return Sizer(profile_path, SLO, BOUNDS)
+
+
+def load(rate: float) -> Load:
+    return Load(rate, PROMPT, OUTPUT)
+
+
+def test_the_planner_sizes_prefill_nodes_by_the_load(sizer: Sizer) -> None:
+    light, heavy = sizer.size(load(0.5)), sizer.size(load(5.0))
+    assert (light.prefill, light.decode, light.feasible) == (1, 1, True)
+    assert heavy.feasible and heavy.prefill >= 3  # 2.5 s of prefill a second
+    assert sizer.attainment(load(5.0), 1, 1) < SLO.attainment  # one node falls behind
+    too_much = sizer.size(load(12.0))  # 6 s of prefill a second: more than 4 nodes have
+    assert not too_much.feasible and (too_much.prefill, too_much.decode) == (4, 2)
+    runs = sizer.simulations
+    assert sizer.size(load(5.05)) is sizer.size(load(5.0))  # within a step: cached
+    assert sizer.simulations == runs
+
+
+def observe_rates(
+    policy: SloPolicy, rates: list[float], current: dict[str, int], start: float = 0.0
+) -> list[tuple[float, Decision]]:
+    """One observation a second at each rate in turn; decisions are applied at once (the
+    nodes start serving immediately)."""
+    out = []
+    requests = 0.0
+    for i, rate in enumerate(rates):
+        now = start + i
+        requests += rate
+        nodes = [NodeSample(f"{role}-{k}", role) for role, n in current.items() for k in range(n)]
+        counts = RouterCounts(requests, requests * PROMPT, requests * OUTPUT)
+        for d in policy.observe(Observation(now, nodes, router=counts), dict(current)):
+            current[d.role] += d.delta
+            out.append((now, d))
+    return out
+
+
+def test_a_ramp_scales_up_ahead_and_a_drop_scales_down_one_node_at_a_time(sizer: Sizer) -> None:
+    config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
+                       down_window=30, down_after_up=30, bounds=BOUNDS)  # fmt: skip
+    policy = SloPolicy(sizer, config)
+    current = {"prefill": 1, "decode": 1}
+    # 60 s at 0.5 req/s, a 60 s ramp to 4 req/s, 120 s there, then 0.5 req/s for 240 s
+    rates = [0.5] * 60 + [0.5 + 3.5 * k / 60 for k in range(60)] + [4.0] * 120 + [0.5] * 240
+    moves = observe_rates(policy, rates, current)
+    ups = [(t, d) for t, d in moves if d.delta > 0]
+    downs = [(t, d) for t, d in moves if d.delta < 0]
+    assert all(d.role == "prefill" for _, d in moves), moves  # decode is never short here
+    assert ups and all(60 <= t < 120 for t, _ in ups), ups  # during the ramp, ahead of it
+    peak = 1 + sum(d.delta for _, d in ups)
+    assert peak >= 3
+    assert all(d.delta == -1 and len(d.remove) == 1 for _, d in downs)
+    assert current["prefill"] == 1  # back to one once the load is down
+    assert all(t >= 240 + config.down_window for t, _ in downs)  # only after the window
+    assert len(moves) <= 8, moves  # a few moves, no oscillation
+    assert "planner sizes" in ups[0][1].reason
+
+
+def test_no_move_before_the_window_holds_a_rate_nor_after_a_router_restart(
+    sizer: Sizer,
+) -> None:
+    policy = SloPolicy(sizer, SloConfig(window=30, min_span=10, bounds=BOUNDS))
+    current = {"prefill": 1, "decode": 1}
+    moves = observe_rates(policy, [6.0] * 16, current)
+    assert moves and min(t for t, _ in moves) >= 10  # cold: no rate before 10 s of counts
+    # the router restarts: its counters begin again, and so does the window
+    nodes = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
+    policy.observe(Observation(100.0, nodes, router=RouterCounts(1, PROMPT, OUTPUT)), current)
+    assert policy.forecast() is None
+
+
+def test_an_infeasible_slo_holds_the_maximum_and_says_so(sizer: Sizer) -> None:
+    policy = SloPolicy(sizer, SloConfig(window=20, min_span=5, up_window=0, bounds=BOUNDS))
+    current = {"prefill": 1, "decode": 1}
+    moves = observe_rates(policy, [12.0] * 40, current)
+    assert current == {"prefill": 4, "decode": 2}
+    assert policy.infeasible and "at the maximum" in policy.why
+    assert len(moves) == 2  # one move a role, then it holds
+    assert "infeasible" in moves[0][1].reason
+
+
+def test_the_forecast_leads_a_ramp_and_trails_a_drop(sizer: Sizer) -> None:
+    cfg = SloConfig(window=20, min_span=5, horizon=10, headroom=0.0, bounds=BOUNDS)
+    ramp, drop = SloPolicy(sizer, cfg), SloPolicy(sizer, cfg)
+    observe_rates(ramp, [1.0 + 0.1 * k for k in range(21)], {"prefill": 4, "decode": 2})
+    observe_rates(drop, [3.0] * 10 + [1.0] * 11, {"prefill": 4, "decode": 2})
+    up, down = ramp.forecast(), drop.forecast()
+    assert up is not None and up.rate > 3.0  # above the last rate seen (2.9-3.0)
+    assert down is not None and down.rate == pytest.approx(1.0, abs=0.15)  # not below it
+    assert (up.prompt_tokens, up.output_tokens) == (PROMPT, OUTPUT)
+
+
+def test_the_controller_reads_the_router_counts_from_its_metrics() -> None:
+    m = RouterMetrics()
+    for model, ttft in (("a", 0.2), ("a", 0.4), ("b", 1.0)):
+        m.ttft.labels(model=model).observe(ttft)
+    m.prompt_tokens.labels(model="a").inc(300)
+    m.output_tokens.labels(model="a").inc(40)
+    m.prompt_tokens.labels(model="b").inc(7)
+    text = generate_latest(m.registry).decode()
+    assert router_counts(text, "a") == RouterCounts(2, 300, 40)
+    assert router_counts(text) == RouterCounts(3, 307, 40)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_policy_options(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_slo_options(profile_path: str) -> None:
+    assert slo_problem(parse()) is None  # the threshold policy needs none of them
+    assert "--slo-ttft" in (slo_problem(parse("--policy", "slo")) or "")
+    need = slo_problem(parse("--policy", "slo", "--slo-ttft", "2", "--slo-tpot", "0.1"))
+    assert need is not None and "profile" in need
+    args = parse("--policy", "slo", "--slo-ttft", "2", "--slo-tpot", "0.1",
+                 "--scale-profile", profile_path)  # fmt: skip
+    assert slo_problem(args) is None
+    assert isinstance(policy_from_args(args), SloPolicy)
+    with pytest.raises(SystemExit, match="headroom"):
+        policy_from_args(parse(*vars_argv(args), "--headroom", "-1"))
+
+
+def vars_argv(args: argparse.Namespace) -> list[str]:
+    return ["--policy", "slo", "--slo-ttft", "2", "--slo-tpot", "0.1",
+            "--scale-profile", str(Path(args.scale_profile))]  # fmt: skip

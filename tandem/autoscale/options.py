@@ -13,7 +13,7 @@ from tandem.autoscale.types import SloConfig
 POLICIES = ("threshold", "slo")
 
 
-def add_policy_options(p: argparse.ArgumentParser) -> None:
+def add_policy_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> None:
     d = PolicyConfig()
     add_option(p, "--decode-min", type=int, default=1)
     add_option(p, "--decode-max", type=int, default=4)
@@ -36,12 +36,37 @@ def add_policy_options(p: argparse.ArgumentParser) -> None:
     add_option(p, "--up-window", type=float, default=d.up_window)
     add_option(p, "--down-window", type=float, default=d.down_window)
     add_option(p, "--scale-cooldown", type=float, default=d.cooldown)
-    add_slo_options(p)
+    add_slo_options(p, slo_targets)
 
 
-def add_slo_options(p: argparse.ArgumentParser) -> None:
-    """`--policy slo` and what it plans with (tandem/autoscale/slo.py)."""
+def add_slo_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> None:
+    """`--policy slo` and what it plans with (tandem/autoscale/slo.py); `slo_targets`
+    False: not the policy choice, the targets and the profile (`tandem plan simulate`
+    has its own)."""
     c = SloConfig()
+    add_option(
+        p,
+        "--headroom",
+        type=float,
+        default=c.headroom,
+        help="--policy slo: plan for the forecast load times 1 + this",
+    )
+    add_option(
+        p,
+        "--slo-window",
+        type=float,
+        default=c.window,
+        help="--policy slo: seconds of arrivals the load is measured over",
+    )
+    add_option(
+        p,
+        "--slo-horizon",
+        type=float,
+        default=c.horizon,
+        help="--policy slo: seconds ahead the load is forecast (about a node's start)",
+    )
+    if not slo_targets:
+        return
     add_option(
         p,
         "--policy",
@@ -67,27 +92,6 @@ def add_slo_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--policy slo: the profile the planner sizes with (tandem plan profile; "
         "tandem up: its --profile, else its startup profile)",
-    )
-    add_option(
-        p,
-        "--headroom",
-        type=float,
-        default=c.headroom,
-        help="--policy slo: plan for the forecast load times 1 + this",
-    )
-    add_option(
-        p,
-        "--slo-window",
-        type=float,
-        default=c.window,
-        help="--policy slo: seconds of arrivals the load is measured over",
-    )
-    add_option(
-        p,
-        "--slo-horizon",
-        type=float,
-        default=c.horizon,
-        help="--policy slo: seconds ahead the load is forecast (about a node's start)",
     )
 
 

@@ -40,6 +40,7 @@ from tandem.autoscale.policy import choose_victims
 from tandem.autoscale.types import ROLES, Decision, Observation, RoleBounds, Slo, SloConfig
 
 STEP = 0.05  # loads within ~5% share a cached size
+DOWN_MARGIN = 0.25  # a smaller deployment must meet the SLO at this much more load
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,11 @@ class SloPolicy:
         early = _rate(first, middle)
         late = _rate(middle, last)
         half = (last.time - first.time) / 2
-        trend = (late - early) / half if half > 0 else 0.0
+        # A trend only where the halves' counts differ beyond Poisson noise (3 sigma): a
+        # steady load's noise, extrapolated over the horizon, moved the size up and down.
+        n1, n2 = middle.requests - first.requests, last.requests - middle.requests
+        real = n2 - n1 > 3 * math.sqrt(max(n1 + n2, 1.0))
+        trend = (late - early) / half if half > 0 and real else 0.0
         rate = max(late, late + trend * cfg.horizon) * (1 + cfg.headroom)
         done = last.requests - first.requests
         if done <= 0:
@@ -217,6 +222,10 @@ class SloPolicy:
         if load is None:
             return []
         size = self.sizer.size(load) if load.rate > 0 else self._smallest()
+        # Hysteresis in replica space: fewer nodes only if they would still do at a load
+        # DOWN_MARGIN above the one planned for (a load between the two moves nothing).
+        wider = Load(load.rate * (1 + DOWN_MARGIN), load.prompt_tokens, load.output_tokens)
+        keep = self.sizer.size(wider) if load.rate > 0 else size
         self.load, self.size = load, size
         self.infeasible = not size.feasible
         self.why = f"{load_text(load)}: simulated SLO met {size.attainment:.0%} at the maximum"
@@ -224,7 +233,7 @@ class SloPolicy:
         for role in ROLES:
             if role not in current:
                 continue
-            decision = self._decide(role, obs, current[role], size)
+            decision = self._decide(role, obs, current[role], size, keep)
             if decision is not None:
                 if decision.delta > 0:
                     self._last_up[role] = obs.time
@@ -237,10 +246,16 @@ class SloPolicy:
         b = self.sizer.bounds
         return Size(b["prefill"].min, b["decode"].min, 1.0, True)
 
-    def _decide(self, role: str, obs: Observation, count: int, size: Size) -> Decision | None:
+    def _decide(
+        self, role: str, obs: Observation, count: int, size: Size, keep: Size
+    ) -> Decision | None:
+        """Toward `size`; down only to what `keep` (the size at a load DOWN_MARGIN higher)
+        still allows."""
         cfg, now = self.config, obs.time
         bounds = self.sizer.bounds[role]
         want = min(max(size.of(role), bounds.min), bounds.max)
+        if want < count:
+            want = min(max(keep.of(role), want), count)
         why = (
             f"{role}: the planner sizes {load_text(self.load)} at {size.prefill}P+{size.decode}D "
             f"(simulated SLO met {size.attainment:.0%}"

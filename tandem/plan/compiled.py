@@ -60,6 +60,7 @@ MODULES = (
     "tandem.plan.simengine",
     "tandem.plan.simnodes",
     "tandem.plan.simprefill",
+    "tandem.plan.simscale",
     "tandem.plan.simulator",
 )
 # `tandem plan ...` commands that only simulate (validate also runs a stack and a client)

@@ -41,6 +41,7 @@ class PrefillSide:
     transfer_costs: CostModel
     queue: deque[Job]
     decoders: dict[str, DecodeNode]
+    draining: set[str]  # nodes taking no new work (simscale.py)
 
     # Simulation's (defined here, not declared under TYPE_CHECKING: mypyc compiles no
     # conditional methods, tandem/plan/compiled.py)
@@ -59,7 +60,13 @@ class PrefillSide:
     def _kick(self, node: DecodeNode) -> None:
         raise NotImplementedError
 
+    def retire_if_idle(self, node_id: str) -> None:
+        raise NotImplementedError
+
     def _take_jobs(self, node: PrefillNode) -> None:
+        if node.node_id in self.draining:  # fetches nothing more; leaves once empty
+            self.retire_if_idle(node.node_id)
+            return
         if node.holding or not self.queue:
             return
         count = min(self.topology.prefill_max_batch, len(self.queue))
@@ -122,7 +129,7 @@ class PrefillSide:
     def _hand_off(self, node: PrefillNode, job: Job, delay: float) -> None:
         """Offered as the node offers it (`offer_order`); none with room: again later."""
         order = offer_order(
-            self.decoders.values(),
+            [d for d in self.decoders.values() if d.node_id not in self.draining],
             job.decode_node,
             name=lambda d: d.node_id,
             free_blocks=lambda d: d.engine.scheduler.pool.num_free,

@@ -107,12 +107,15 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate a deployment under a workload, from a profile")
     add_deployment_options(p)
     add_common_options(p, DEFAULTS)
     add_option(p, "--trace", default=None, help="replay the requests of a bench serve JSON")
     p.set_defaults(func=run)
+    return p
 
 
 def engine_shape(args: argparse.Namespace, profile: Profile, prefill: bool) -> EngineShape:

@@ -55,7 +55,7 @@ from shared.runtime.collector import collector_paused
 from tandem.bench.metrics import RequestRecord, add_gap
 from tandem.plan.simengine import SimEngine, SteadyRun
 from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
-from tandem.plan.simprefill import PrefillSide
+from tandem.plan.simscale import ScalingSide
 from tandem.plan.topology import Arrival, Topology
 
 DEFAULT_TIMEOUT = 300.0  # a request's client gives up after this (bench serve's --timeout)
@@ -63,7 +63,7 @@ RUN_LIMIT = 4096  # steady decode steps taken as one run at most
 FINISHED = SequenceStatus.FINISHED
 
 
-class Simulation(PrefillSide):
+class Simulation(ScalingSide):
     def __init__(
         self, topology: Topology, decode_costs: CostModel, prefill_costs: CostModel | None = None
     ) -> None:
@@ -71,6 +71,9 @@ class Simulation(PrefillSide):
             raise ValueError(problem)
         self.topology = topology
         self.transfer_costs = prefill_costs or decode_costs
+        self.decode_costs = decode_costs
+        self.draining: set[str] = set()  # nodes an autoscaler drains (simscale.py)
+        self.starting: dict[str, str] = {}
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._order = itertools.count()
@@ -90,6 +93,7 @@ class Simulation(PrefillSide):
             )
             for i in range(topology.prefill)
         }
+        self.numbered = {"decode": count, "prefill": topology.prefill}
         self.queue: deque[Job] = deque()
         # The router's own parts: a node table the heartbeats below fill in, no registry.
         self.nodes = NodeTable(cast(Any, None), colocated=colocated)
@@ -182,6 +186,8 @@ class Simulation(PrefillSide):
     # ---- the router ---------------------------------------------------------------------------
 
     def _heartbeat(self, node_id: str) -> None:
+        if node_id not in self.decoders and node_id not in self.prefillers:
+            return  # drained away: its entry expired
         self._set_info(node_id)
         self.at(self.now + self.topology.heartbeat, self._heartbeat, node_id)
 
@@ -210,6 +216,7 @@ class Simulation(PrefillSide):
             hash_key="sim",
             block_size=sched.config.block_size,
             timestamp=self.now,
+            draining=node_id in self.draining,
         )
 
     def _admit(self, arrival: Arrival, sent: float) -> None:
@@ -241,7 +248,7 @@ class Simulation(PrefillSide):
             self._kick(decoder)
             return
         self.queue.append(Job(seq, record, decoder.node_id))
-        for node in self.prefillers.values():
+        for node in list(self.prefillers.values()):  # (one may leave: simscale.py)
             if not self.queue:
                 break  # taken: the other nodes have nothing to look at
             self._take_jobs(node)
@@ -305,7 +312,11 @@ class Simulation(PrefillSide):
     # ---- decode nodes -------------------------------------------------------------------------
 
     def _kick(self, node: DecodeNode) -> None:
-        if node.stepping or not node.engine.scheduler.has_unfinished():
+        if node.stepping:
+            return
+        if not node.engine.scheduler.has_unfinished():
+            if node.node_id in self.draining:
+                self.retire_if_idle(node.node_id)
             return
         stall, node.stall = node.stall, 0.0
         if self.topology.macro_steps and (run := node.engine.steady_run(RUN_LIMIT)) is not None:

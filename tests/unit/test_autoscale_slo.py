@@ -128,14 +128,19 @@ def test_an_infeasible_slo_holds_the_maximum_and_says_so(sizer: Sizer) -> None:
 
 
 def test_the_forecast_leads_a_ramp_and_trails_a_drop(sizer: Sizer) -> None:
+    """A trend counts only beyond Poisson noise: a steady rate is not extrapolated."""
     cfg = SloConfig(window=20, min_span=5, horizon=10, headroom=0.0, bounds=BOUNDS)
     ramp, drop = SloPolicy(sizer, cfg), SloPolicy(sizer, cfg)
-    observe_rates(ramp, [1.0 + 0.1 * k for k in range(21)], {"prefill": 4, "decode": 2})
+    observe_rates(ramp, [1.0 + 0.5 * k for k in range(21)], {"prefill": 4, "decode": 2})
     observe_rates(drop, [3.0] * 10 + [1.0] * 11, {"prefill": 4, "decode": 2})
     up, down = ramp.forecast(), drop.forecast()
-    assert up is not None and up.rate > 3.0  # above the last rate seen (2.9-3.0)
+    assert up is not None and up.rate > 11.0  # above the last rate seen (10.5-11)
     assert down is not None and down.rate == pytest.approx(1.0, abs=0.15)  # not below it
     assert (up.prompt_tokens, up.output_tokens) == (PROMPT, OUTPUT)
+    steady = SloPolicy(sizer, cfg)
+    observe_rates(steady, [3.0, 3.6, 2.4] * 7, {"prefill": 4, "decode": 2})
+    level = steady.forecast()
+    assert level is not None and level.rate == pytest.approx(3.0, abs=0.4)
 
 
 def test_the_controller_reads_the_router_counts_from_its_metrics() -> None:

@@ -119,8 +119,9 @@ class JobConsumer:
     async def backlog(self, timeout: float = BACKLOG_TIMEOUT) -> int | None:
         """Jobs this consumer has not delivered yet plus those delivered and not yet
         acknowledged (one JetStream API request: no pull, no waiting on an empty queue), or
-        None if the server did not answer in time."""
-        assert self.sub is not None, "start() first"
+        None if the server did not answer in time (or the consumer is being made again)."""
+        if self.sub is None:
+            return None
         try:
             info = await asyncio.wait_for(self.sub.consumer_info(), timeout)
         except (TimeoutError, nats.errors.Error):
@@ -136,7 +137,11 @@ class JobConsumer:
 
     async def fetch(self, batch: int = 8, timeout: float = 1.0) -> list[ReceivedJob]:
         """Up to `batch` valid jobs (waits at most `timeout`); malformed ones are terminated."""
-        assert self.sub is not None, "start() first"
+        if self.sub is None:
+            # Not started, or its making again below failed (the stream was not back, or
+            # the server did not answer in time): try again now, not never.
+            await self.start()
+            return []
         try:
             msgs = await self.sub.fetch(batch=batch, timeout=timeout)
         except TimeoutError:  # nats' own TimeoutError, or asyncio's from inside fetch
@@ -145,7 +150,7 @@ class JobConsumer:
             # The consumer is gone: a NATS that came back without its store (the node's
             # reconnect made the stream again, not this consumer). Made again here, so
             # jobs flow on instead of waiting out their first-token timeout; if the
-            # stream is not back yet, this raises and the caller asks again shortly.
+            # stream is not back yet, this raises and the next fetch tries again.
             await self.stop()
             await self.start()
             return []

@@ -36,6 +36,7 @@ from shared.bus.topology import (
     PREFILL_SUBJECT,
     TopologyConfig,
     ensure_topology,
+    prefill_consumer,
 )
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import JobConsumer, ReceivedJob, purge_steered, submit_job
@@ -199,6 +200,37 @@ async def test_nak_retries_and_malformed_jobs_are_terminated(nats_server: NatsSe
     assert [j.job.attempt_id for j in again] == ["good"] and again[0].num_delivered == 2
     await again[0].term()
     assert await consumer.fetch(batch=1, timeout=1.0) == []  # neither comes back
+    await bus.close()
+
+
+async def test_a_consumer_whose_remaking_failed_makes_itself_on_the_next_fetch(
+    nats_server: NatsServer,
+) -> None:
+    """The shared consumer vanished (a NATS back without its store) and the first try to
+    make it again failed (the server did not answer in time): the next fetch makes it, and
+    jobs flow again. (It once stayed unmade for good: every later fetch failed.)"""
+    bus = await connect(nats_server, "router")
+    assert bus.js is not None
+    consumer = await JobConsumer(bus).start()
+    await bus.js.delete_consumer(PREFILL_STREAM, prefill_consumer(""))
+    made, tries = consumer.start, 0
+
+    async def flaky_start() -> JobConsumer:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            raise TimeoutError
+        return await made()
+
+    consumer.start = flaky_start  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        await consumer.fetch(batch=1, timeout=1.0)
+    assert consumer.sub is None and await consumer.backlog() is None
+    assert await consumer.fetch(batch=1, timeout=1.0) == []  # made again here
+    await submit_job(bus, job("after"))
+    jobs = await consumer.fetch(batch=1, timeout=3.0)
+    assert [j.job.attempt_id for j in jobs] == ["after"] and tries == 2
+    await jobs[0].ack()
     await bus.close()
 
 

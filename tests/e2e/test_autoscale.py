@@ -1,5 +1,7 @@
 """The autoscaler on real processes: a load spike adds a decode node, the end of it takes the
-node away again, and no request fails or loses a token on the way.
+node away again, and no request fails or loses a token on the way; with the SLO policy, a
+rise in the arrival rate adds the prefill node the planner sizes for it, and the drop after
+removes it.
 
 Its own small stack (1 prefill, 1 decode, thresholds low enough for a 2-core machine), the
 real controller and policy, and the local backend (child processes of the stack; removal is
@@ -10,21 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import msgspec
 import openai
 import pytest
 
 from shared.bus.client import Bus
 from shared.bus.server import free_port
+from shared.costs.profile import PrefillPoint
 from tandem.autoscale.controller import Controller
 from tandem.autoscale.local_backend import LocalBackend
 from tandem.autoscale.policy import Policy, PolicyConfig
-from tandem.autoscale.types import Observation, RoleBounds
+from tandem.autoscale.slo import Sizer, SloPolicy
+from tandem.autoscale.types import Observation, RoleBounds, Slo, SloConfig
 from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack
 from tests.e2e.test_api import MODEL
 from tests.e2e.test_failover import router_metric
+from tests.unit.test_plan_simulate import profile
 
 pytestmark = pytest.mark.e2e
 
@@ -140,3 +148,75 @@ async def test_spike_scales_decode_up_and_back_down_without_failures(
         await c.close()
         await bus.close()
     print(f"decisions: {[(round(t - crossed, 1), d.reason) for t, d in controller.decisions]}")
+
+
+def slow_prefill_profile(path: Path) -> str:
+    """A profile whose prefill costs 80 ms a prompt token (a decode step 50 ms): the SLO
+    policy's planner then needs a second prefill node for this test's prompts (~10 tokens)
+    from ~1.5 requests a second, whatever this machine's real speed (the policy sizes from
+    the load the router counts and the profile, not from the nodes' timings)."""
+    base = profile()
+    points = [PrefillPoint(tokens=t, batch=1, seconds=t * 0.08) for t in (64, 4096)]
+    path.write_bytes(msgspec.json.encode(msgspec.structs.replace(base, prefill=points)))
+    return str(path)
+
+
+async def test_the_slo_policy_adds_a_prefill_node_for_a_ramp_and_removes_it_after(
+    small_stack: Stack, tmp_path: Path
+) -> None:
+    bounds = {"decode": RoleBounds(1, 1), "prefill": RoleBounds(1, 2)}
+    sizer = Sizer(slow_prefill_profile(tmp_path / "profile.json"), Slo(5.0, 0.5, 0.99), bounds)
+    config = SloConfig(window=20, min_span=8, horizon=5, headroom=0.2, up_window=1,
+                       down_window=10, down_after_up=10, bounds=bounds)  # fmt: skip
+    policy = SloPolicy(sizer, config)
+    backend = LocalBackend(small_stack)
+    bus = await Bus(small_stack.nats_url, "autoscaler", small_stack.auth).connect()
+    controller = Controller(bus, backend, policy, small_stack.url, interval=0.5)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(controller.run(stop))
+    c = openai.AsyncOpenAI(
+        base_url=small_stack.url + "/v1", api_key="-", max_retries=0, timeout=600
+    )
+    sent: list[asyncio.Task[int]] = []
+
+    async def one(i: int) -> int:
+        done = await c.completions.create(
+            model=MODEL, prompt=f"Note {i}: the weather is", max_tokens=4, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert done.usage is not None
+        return done.usage.completion_tokens
+
+    async def load(rate: float, until: Callable[[], bool], limit: float, what: str) -> None:
+        """Requests at `rate` a second (open loop) until `until()`, for `limit` s at most."""
+        deadline = time.monotonic() + limit
+        while not until():
+            assert time.monotonic() < deadline, what
+            sent.append(asyncio.create_task(one(len(sent))))
+            await asyncio.sleep(1 / rate)
+
+    try:
+        started = time.monotonic()
+        await load(0.3, lambda: time.monotonic() - started > 12, 30, "")
+        assert controller.decisions == deque(), "a move at the low rate"
+        added = {"role": "prefill", "node": "prefill-2"}
+
+        def second_serves() -> bool:
+            return router_metric(small_stack, "tandem_node_requests_total", **added) > 0
+
+        await load(2.0, second_serves, 120, "no second prefill node served in time")
+        await load(0.3, lambda: backend.count("prefill") == 1, 120, "prefill not scaled down")
+        results = await asyncio.gather(*sent)
+        assert results == [4] * len(results)  # every request whole, across both moves
+        moves = [(d.role, d.delta) for _, d in controller.decisions]
+        assert moves == [("prefill", 1), ("prefill", -1)], moves  # no oscillation
+        assert "planner sizes" in controller.decisions[0][1].reason
+        victim = small_stack.child(controller.decisions[1][1].remove[0])
+        assert victim.proc is not None
+        assert await asyncio.to_thread(victim.proc.wait, 60) == 0  # drained, then exited
+    finally:
+        stop.set()
+        await loop_task
+        await c.close()
+        await bus.close()
+    print(f"decisions: {[(round(t - started, 1), d.reason) for t, d in controller.decisions]}")

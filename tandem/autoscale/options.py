@@ -34,7 +34,14 @@ def add_policy_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> 
     add_option(p, "--ttft-high", type=float, default=d.ttft_high)
     add_option(p, "--ttft-low", type=float, default=d.ttft_low)
     add_option(p, "--up-window", type=float, default=d.up_window)
-    add_option(p, "--down-window", type=float, default=d.down_window)
+    add_option(
+        p,
+        "--down-window",
+        type=float,
+        default=None,
+        help=f"seconds a smaller size must hold before a node goes (default: "
+        f"{d.down_window:g} for --policy threshold, {SloConfig.down_window:g} for slo)",
+    )
     add_option(p, "--scale-cooldown", type=float, default=d.cooldown)
     add_slo_options(p, slo_targets)
 

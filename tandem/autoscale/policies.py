@@ -31,7 +31,7 @@ def policy_from_args(
                 horizon=args.slo_horizon,
                 headroom=args.headroom,
                 up_window=args.up_window,
-                down_window=args.down_window,
+                down_window=_given(args.down_window, SloConfig.down_window),
                 bounds=bounds,
             )
         except ValueError as exc:
@@ -49,10 +49,15 @@ def policy_from_args(
             ttft_high=args.ttft_high,
             ttft_low=args.ttft_low,
             up_window=args.up_window,
-            down_window=args.down_window,
+            down_window=_given(args.down_window, PolicyConfig.down_window),
             cooldown=args.scale_cooldown,
             bounds=bounds,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     return Policy(config)
+
+
+def _given(value: float | None, default: float) -> float:
+    """An option left unset takes each policy's own default."""
+    return default if value is None else value

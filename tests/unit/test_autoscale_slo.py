@@ -177,3 +177,23 @@ def test_the_slo_options(profile_path: str) -> None:
 def vars_argv(args: argparse.Namespace) -> list[str]:
     return ["--policy", "slo", "--slo-ttft", "2", "--slo-tpot", "0.1",
             "--scale-profile", str(Path(args.scale_profile))]  # fmt: skip
+
+
+def test_tandem_up_sizes_with_its_profile_and_refuses_a_policy_without_targets(
+    profile_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.cli import build_parser
+    from tandem.mode import prepare_slo_scaling
+    from tandem.up import run as up
+
+    argv = ["up", "--split", "--autoscale", "--policy", "slo", "--slo-ttft", "2", "--slo-tpot",
+            "0.1", "--profile", profile_path, "--transport", "tcp"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    prepare_slo_scaling(args)
+    assert args.scale_profile == profile_path  # the stack's own profile
+    assert args.scale_node_options[:2] == ["--transport", "tcp"]
+    policy = policy_from_args(args, args.scale_node_options)
+    assert isinstance(policy, SloPolicy) and policy.config.down_window == SloConfig.down_window
+    bare = build_parser().parse_args(["up", "--split", "--autoscale", "--policy", "slo"])
+    assert up(bare) == 2  # nothing started
+    assert "--slo-ttft and --slo-tpot" in capsys.readouterr().err

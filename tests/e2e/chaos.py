@@ -10,7 +10,6 @@ A copy is stored in the repository and reused where it still holds (reference_ca
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -23,6 +22,7 @@ import aiohttp
 from shared.engine.engine import Engine, EngineConfig
 from shared.model.loader import LoadedModel
 from shared.sampling_params import SamplingParams
+from tests.e2e.streaming import stream_events
 
 MODEL = "smollm2-135m-instruct"
 WORDS = [
@@ -115,21 +115,14 @@ async def stream_one(
         body["logprobs"] = request.logprobs
     if request.seed is not None:
         body.update(temperature=0.9, top_k=40, seed=request.seed)
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode()
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            assert "error" not in data, data
-            into.rid = data["id"]
-            into.times.append(time.monotonic())
-            into.texts.append(data["choices"][0]["text"] if data["choices"] else "")
-            logprobs = data["choices"][0].get("logprobs") if data["choices"] else None
-            if logprobs:
-                into.logprobs.extend(logprobs["token_logprobs"])
-            into.events += 1
+    async for data in stream_events(session, url, body):
+        into.rid = data["id"]
+        into.times.append(time.monotonic())
+        into.texts.append(data["choices"][0]["text"] if data["choices"] else "")
+        logprobs = data["choices"][0].get("logprobs") if data["choices"] else None
+        if logprobs:
+            into.logprobs.extend(logprobs["token_logprobs"])
+        into.events += 1
 
 
 async def run_streams(

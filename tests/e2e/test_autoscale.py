@@ -11,9 +11,10 @@ SIGTERM, so the node drains first).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -72,6 +73,27 @@ def quick_policy(bounds: dict[str, RoleBounds]) -> Policy:
     )
 
 
+@contextlib.asynccontextmanager
+async def autoscaled(
+    stack: Stack, policy: Policy | SloPolicy
+) -> AsyncIterator[tuple[Controller, LocalBackend, openai.AsyncOpenAI]]:
+    """The real controller with `policy` over the stack's processes (sampling every 0.5 s)
+    and a client of the stack, until the block ends."""
+    backend = LocalBackend(stack)
+    bus = await Bus(stack.nats_url, "autoscaler", stack.auth).connect()
+    controller = Controller(bus, backend, policy, stack.url, interval=0.5)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(controller.run(stop))
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0, timeout=600)
+    try:
+        yield controller, backend, c
+    finally:
+        stop.set()
+        await loop_task
+        await c.close()
+        await bus.close()
+
+
 def crossing(history: list[Observation]) -> float | None:
     """When mean running sequences per serving decode node first reached HIGH."""
     for obs in history:
@@ -85,27 +107,19 @@ async def test_spike_scales_decode_up_and_back_down_without_failures(
     small_stack: Stack,
 ) -> None:
     policy = quick_policy({"decode": RoleBounds(1, 2), "prefill": RoleBounds(1, 1)})
-    backend = LocalBackend(small_stack)
-    bus = await Bus(small_stack.nats_url, "autoscaler", small_stack.auth).connect()
-    controller = Controller(bus, backend, policy, small_stack.url, interval=0.5)
-    stop = asyncio.Event()
-    loop_task = asyncio.create_task(controller.run(stop))
-    c = openai.AsyncOpenAI(
-        base_url=small_stack.url + "/v1", api_key="-", max_retries=0, timeout=600
-    )
+    async with autoscaled(small_stack, policy) as (controller, backend, c):
 
-    async def one(i: int) -> tuple[int, str]:
-        done = await c.completions.create(
-            model=MODEL,
-            prompt=f"Story number {i}: once upon a time",
-            max_tokens=TOKENS,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        assert done.usage is not None
-        return done.usage.completion_tokens, done.choices[0].text
+        async def one(i: int) -> tuple[int, str]:
+            done = await c.completions.create(
+                model=MODEL,
+                prompt=f"Story number {i}: once upon a time",
+                max_tokens=TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert done.usage is not None
+            return done.usage.completion_tokens, done.choices[0].text
 
-    try:
         first = [asyncio.create_task(one(i)) for i in range(STREAMS)]
         deadline = time.monotonic() + 180
         while not (controller.history and len(controller.history[-1].serving("decode")) == 2):
@@ -142,11 +156,6 @@ async def test_spike_scales_decode_up_and_back_down_without_failures(
         assert await asyncio.to_thread(victim.proc.wait, 60) == 0
         # Nothing flapped: exactly one step up and one step down.
         assert [d.delta for _, d in controller.decisions if d.role == "decode"] == [1, -1]
-    finally:
-        stop.set()
-        await loop_task
-        await c.close()
-        await bus.close()
     print(f"decisions: {[(round(t - crossed, 1), d.reason) for t, d in controller.decisions]}")
 
 
@@ -169,15 +178,23 @@ async def test_the_slo_policy_adds_a_prefill_node_for_a_ramp_and_removes_it_afte
     config = SloConfig(window=20, min_span=8, horizon=5, headroom=0.2, up_window=1,
                        down_window=10, down_after_up=10, bounds=bounds)  # fmt: skip
     policy = SloPolicy(sizer, config)
-    backend = LocalBackend(small_stack)
-    bus = await Bus(small_stack.nats_url, "autoscaler", small_stack.auth).connect()
-    controller = Controller(bus, backend, policy, small_stack.url, interval=0.5)
-    stop = asyncio.Event()
-    loop_task = asyncio.create_task(controller.run(stop))
-    c = openai.AsyncOpenAI(
-        base_url=small_stack.url + "/v1", api_key="-", max_retries=0, timeout=600
-    )
     sent: list[asyncio.Task[int]] = []
+    started = time.monotonic()
+    async with autoscaled(small_stack, policy) as (controller, backend, c):
+        await ramp(small_stack, controller, backend, c, sent, started)
+    print(f"decisions: {[(round(t - started, 1), d.reason) for t, d in controller.decisions]}")
+
+
+async def ramp(
+    small_stack: Stack,
+    controller: Controller,
+    backend: LocalBackend,
+    c: openai.AsyncOpenAI,
+    sent: list[asyncio.Task[int]],
+    started: float,
+) -> None:
+    """0.3 req/s for 12 s, 2 req/s until a second prefill node serves, 0.3 req/s until it
+    is gone; then the checks."""
 
     async def one(i: int) -> int:
         done = await c.completions.create(
@@ -195,28 +212,20 @@ async def test_the_slo_policy_adds_a_prefill_node_for_a_ramp_and_removes_it_afte
             sent.append(asyncio.create_task(one(len(sent))))
             await asyncio.sleep(1 / rate)
 
-    try:
-        started = time.monotonic()
-        await load(0.3, lambda: time.monotonic() - started > 12, 30, "")
-        assert controller.decisions == deque(), "a move at the low rate"
-        added = {"role": "prefill", "node": "prefill-2"}
+    await load(0.3, lambda: time.monotonic() - started > 12, 30, "")
+    assert controller.decisions == deque(), "a move at the low rate"
+    added = {"role": "prefill", "node": "prefill-2"}
 
-        def second_serves() -> bool:
-            return router_metric(small_stack, "tandem_node_requests_total", **added) > 0
+    def second_serves() -> bool:
+        return router_metric(small_stack, "tandem_node_requests_total", **added) > 0
 
-        await load(2.0, second_serves, 120, "no second prefill node served in time")
-        await load(0.3, lambda: backend.count("prefill") == 1, 120, "prefill not scaled down")
-        results = await asyncio.gather(*sent)
-        assert results == [4] * len(results)  # every request whole, across both moves
-        moves = [(d.role, d.delta) for _, d in controller.decisions]
-        assert moves == [("prefill", 1), ("prefill", -1)], moves  # no oscillation
-        assert "planner sizes" in controller.decisions[0][1].reason
-        victim = small_stack.child(controller.decisions[1][1].remove[0])
-        assert victim.proc is not None
-        assert await asyncio.to_thread(victim.proc.wait, 60) == 0  # drained, then exited
-    finally:
-        stop.set()
-        await loop_task
-        await c.close()
-        await bus.close()
-    print(f"decisions: {[(round(t - started, 1), d.reason) for t, d in controller.decisions]}")
+    await load(2.0, second_serves, 120, "no second prefill node served in time")
+    await load(0.3, lambda: backend.count("prefill") == 1, 120, "prefill not scaled down")
+    results = await asyncio.gather(*sent)
+    assert results == [4] * len(results)  # every request whole, across both moves
+    moves = [(d.role, d.delta) for _, d in controller.decisions]
+    assert moves == [("prefill", 1), ("prefill", -1)], moves  # no oscillation
+    assert "planner sizes" in controller.decisions[0][1].reason
+    victim = small_stack.child(controller.decisions[1][1].remove[0])
+    assert victim.proc is not None
+    assert await asyncio.to_thread(victim.proc.wait, 60) == 0  # drained, then exited

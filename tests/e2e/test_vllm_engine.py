@@ -31,6 +31,7 @@ from tandem.launcher import Stack
 from tandem.vllm_env import vllm_python
 from tests.e2e.chaos import Request, Stream, failed_over, run_streams
 from tests.e2e.conftest import running_stack, wait_for_every_node
+from tests.e2e.streaming import completion_events
 from tests.e2e.test_api import MODEL
 from tests.tools import missing_tool
 
@@ -141,18 +142,12 @@ async def guided_stream(session: aiohttp.ClientSession, url: str, seen: dict[str
     body = {"model": MODEL, "prompt": "Tell a story about a lighthouse.", "max_tokens": 200,
             "temperature": 0, "stream": True, "response_format": form}  # fmt: skip
     seen.update(texts=[], error=None)
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode()
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                seen["error"] = data["error"]["message"]
-                return
-            seen["id"] = data["id"]
-            seen["texts"] += [c["text"] for c in data["choices"]]
+    async for data in completion_events(session, url, body):
+        if "error" in data:
+            seen["error"] = data["error"]["message"]
+            return
+        seen["id"] = data["id"]
+        seen["texts"] += [c["text"] for c in data["choices"]]
 
 
 async def test_a_guided_stream_whose_node_dies_ends_with_an_error_not_a_broken_schema(

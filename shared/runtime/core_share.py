@@ -19,7 +19,10 @@ own cores, and clears its byte. Before each step the decode node reads the prefi
 bytes: all clear, it marks its byte and runs on `lend` threads; any set, on `base`. The
 order (the decode node marks, then reads; the prefill node marks, then reads) leaves at
 worst a step that overlaps a prefill, never a wrong result: the bytes only choose
-thread counts.
+thread counts. A node that starts clears its own byte (a killed one may have left it set);
+a decode node's byte still set after a whole wait (dead or hung) is not waited for again
+until it is seen clear. A prefill node killed mid-batch leaves the decode node on its own
+share until that prefill node starts again.
 
 Only for nodes that share cores: the launcher passes the same `--core-share` file to a
 host's one decode node and its prefill nodes when none is pinned to cores of its own.
@@ -60,6 +63,7 @@ class LentCores:
         if not 1 <= base <= lend:
             raise ValueError(f"lent cores: need 1 <= base ({base}) <= lend ({lend})")
         self.mem = _open(path)
+        self.mem[0] = 0  # a restarted node's: its dead predecessor may have left it set
         self.base = base
         self.lend = lend
         self.lent_steps = 0  # steps run on the lent cores (a metric)
@@ -99,16 +103,24 @@ class CoreClaim:
             raise ValueError(f"core share slot {index}: at most {SLOTS - 1} prefill nodes")
         self.mem = _open(path)
         self.slot = 1 + index
+        self.mem[self.slot] = 0  # a restarted node's: its dead predecessor may have left it
         self.waited = 0.0  # seconds spent waiting for the decode node, in all
+        # The decode node's byte stayed set through a whole wait (it died, or hangs): the
+        # next batches do not wait for it again until it is seen clear.
+        self.stuck = False
 
     async def acquire(self) -> None:
         self.mem[self.slot] = 1
+        if self.stuck and self.mem[0]:
+            return
+        self.stuck = False
         started = time.monotonic()
         deadline = started + CLAIM_WAIT
         # the decode node's step on the lent cores ends within one step; past the wait,
-        # compute anyway (a hung decode node must not stop prefills)
+        # compute anyway (a hung or dead decode node must not stop prefills)
         while self.mem[0] and time.monotonic() < deadline:
             await asyncio.sleep(POLL)
+        self.stuck = bool(self.mem[0])
         self.waited += time.monotonic() - started
 
     def release(self) -> None:

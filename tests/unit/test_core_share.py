@@ -77,7 +77,16 @@ def test_a_hung_decode_node_does_not_stop_prefills(
     lent.before_step()  # and never ends
     claim = CoreClaim(path, 0)
     asyncio.run(asyncio.wait_for(claim.acquire(), 2.0))
-    assert 0.2 <= claim.waited < 2.0
+    assert 0.2 <= claim.waited < 2.0 and claim.stuck
+    claim.release()
+    waited = claim.waited
+    asyncio.run(asyncio.wait_for(claim.acquire(), 0.1))  # no second wait for a stuck byte
+    assert claim.waited == waited
+    claim.release()
+    LentCores(path, base=1, lend=2)  # a decode node (re)starting clears what it left
+    assert lent.mem[0] == 0
+    asyncio.run(claim.acquire())
+    assert not claim.stuck
 
 
 def test_bad_settings_are_refused_and_no_symlink_is_followed(tmp_path: Path) -> None:

@@ -73,14 +73,19 @@ async def stream_events(
         yield data
 
 
-async def registry(stack: Stack) -> dict[str, tuple[int, bool]]:
-    """Decode node → (running sequences, draining), from the registry."""
+async def registry(stack: Stack, since: float = 0.0) -> dict[str, tuple[int, bool]]:
+    """Decode node → (running sequences, draining), from the registry; with `since` (unix
+    seconds), {} unless every decode node's entry was written after it (a heartbeat from
+    before may still count a stream that has ended)."""
     bus = await Bus(stack.nats_url, "e2e-registry", stack.auth).connect()
     try:
         nodes = await (await NodeRegistry(bus).start()).nodes()
     finally:
         await bus.close()
-    return {n.node_id: (n.running, n.draining) for n in nodes.values() if n.role == "decode"}
+    decodes = [n for n in nodes.values() if n.role == "decode"]
+    if any(n.timestamp < since for n in decodes):
+        return {}
+    return {n.node_id: (n.running, n.draining) for n in decodes}
 
 
 async def wait_for(what: str, check: object, timeout: float = 30.0) -> None:
@@ -94,11 +99,17 @@ async def kill_its_decode_node(
     stack: Stack, events: list[str], after: int, running: int | None = None
 ) -> str:
     """Once `events` holds `after` events and exactly one decode node runs sequences
-    (`running` of them, if given), SIGKILL that node; its id."""
+    (`running` of them, if given), SIGKILL that node; its id. Only entries written after
+    the `after`-th event count: an older heartbeat of the node that served the stream
+    before this one could still say it runs one, and the wrong node would die."""
     holder: list[str] = []
+    since: list[float] = []
 
     async def serving() -> bool:
-        busy = {node: r for node, (r, _) in (await registry(stack)).items() if r > 0}
+        if len(events) < after:
+            return False
+        since[:] = since or [time.time()]
+        busy = {node: r for node, (r, _) in (await registry(stack, since[0])).items() if r > 0}
         holder[:] = list(busy)
         sequences = list(busy.values())
         wanted = len(busy) == 1 and (running is None or sequences == [running])

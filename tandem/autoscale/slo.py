@@ -217,6 +217,8 @@ class SloPolicy:
     # ---- the moves -----------------------------------------------------------------------
 
     def observe(self, obs: Observation, current: Mapping[str, int]) -> list[Decision]:
+        if obs.router is None:
+            return []  # the router was not read: no move on what may be stale
         self._record(obs)
         load = self.forecast()
         if load is None:

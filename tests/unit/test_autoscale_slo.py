@@ -109,10 +109,13 @@ def test_no_move_before_the_window_holds_a_rate_nor_after_a_router_restart(
 ) -> None:
     policy = SloPolicy(sizer, SloConfig(window=30, min_span=10, bounds=BOUNDS))
     current = {"prefill": 1, "decode": 1}
+    nodes = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
     moves = observe_rates(policy, [6.0] * 16, current)
     assert moves and min(t for t, _ in moves) >= 10  # cold: no rate before 10 s of counts
+    for t in (16.0, 19.0):  # 1P+1D is short of what it sized, past the up window
+        unread = Observation(t, nodes, router=None)
+        assert policy.observe(unread, {"prefill": 1, "decode": 1}) == []  # not unread ticks
     # the router restarts: its counters begin again, and so does the window
-    nodes = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
     policy.observe(Observation(100.0, nodes, router=RouterCounts(1, PROMPT, OUTPUT)), current)
     assert policy.forecast() is None
 

@@ -76,22 +76,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "2-core host, 50 cut the stall after a wave of prompts but slowed the other steps "
         "more: ~7%% fewer tokens/s (docs/benchmarks-log.md)",
     )
-    add_option(
-        p,
-        "--core-share",
-        default=None,
-        help="a file of bytes shared with the prefill nodes on this host's cores: step on "
-        "--lend-threads threads while none of them computes (tandem up sets it; "
-        "shared/runtime/core_share.py)",
-    )
-    add_option(
-        p,
-        "--lend-threads",
-        type=thread_count,
-        default=0,
-        help="torch threads of a step while the --core-share prefill nodes are idle "
-        "(0: the process's cores)",
-    )
+    add_lending_options(p)
     add_option(
         p,
         "--lease",
@@ -134,6 +119,26 @@ def checkpoint_rate(given: float) -> float:
     if not given >= 0:
         raise SystemExit("--checkpoint-rate must be >= 0")
     return given
+
+
+def add_lending_options(p: argparse.ArgumentParser) -> None:
+    """Where the host's prefill nodes lend this node their cores (shared/runtime/core_share.py)."""
+    add_option(
+        p,
+        "--core-share",
+        default=None,
+        help="a file of bytes shared with the prefill nodes on this host's cores: step on "
+        "--lend-threads threads while none of them computes (tandem up sets it; "
+        "shared/runtime/core_share.py)",
+    )
+    add_option(
+        p,
+        "--lend-threads",
+        type=thread_count,
+        default=0,
+        help="torch threads of a step while the --core-share prefill nodes are idle "
+        "(0: the process's cores)",
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -31,9 +31,10 @@ series replays exactly; the simulator is seeded.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.autoscale.policy import choose_victims
@@ -97,6 +98,7 @@ class Sizer:
         simulate.add_parser(self._parser.add_subparsers(dest="command"))
         self._attainment: dict[tuple[tuple[int, int, int], int, int], float] = {}
         self._sizes: dict[tuple[int, int, int], Size] = {}
+        self._leasts: dict[tuple[tuple[int, int, int], str], int] = {}  # (load, role) -> count
         self.simulations = 0  # how many were run (a cached load runs none)
 
     def attainment(self, load: Load, prefill: int, decode: int) -> float:
@@ -112,8 +114,10 @@ class Sizer:
         from tandem.plan import simulate
 
         # Two minutes of arrivals, within bounds: a load near a deployment's capacity
-        # builds its queue slowly, and a short run would call it served.
-        n = max(self.requests, min(8 * self.requests, math.ceil(load.rate * 120)))
+        # builds its queue slowly, and a short run would call it served. A large cluster's
+        # load gets at least 20 s of arrivals (8x `requests` is a blink at 300 req/s).
+        longest = max(8 * self.requests, math.ceil(load.rate * 20))
+        n = max(self.requests, min(longest, math.ceil(load.rate * 120)))
         argv = [
             "simulate", "--profile", self.profile, "--quiet",
             "--prefill", str(prefill), "--decode", str(decode),
@@ -129,7 +133,16 @@ class Sizer:
         (_, arrivals), *_ = simulate.workload_points(args)
         self.simulations += 1
         records = deployment.run(arrivals, None, args.timeout)
-        return float(run_metrics(records, slo_of(args)).slo_attainment)
+        got = float(run_metrics(records, slo_of(args)).slo_attainment)
+        del deployment, records
+        if not gc.isenabled():
+            # Sized from inside `tandem plan simulate --autoscale`, whose simulation runs
+            # with the cyclic collector paused: this run's nodes and engines (which refer
+            # to each other) would never be freed, some 30 MB a run, and a simulated hour
+            # of a large cluster ran out of memory. The youngest generation holds only
+            # what was made since the last such pass: a pass costs what was made since.
+            gc.collect(0)
+        return got
 
     def size(self, load: Load) -> Size:
         """The fewest nodes meeting the SLO at `load` (ties: the best attainment); the
@@ -137,21 +150,81 @@ class Sizer:
         key = load.key()
         if key in self._sizes:
             return self._sizes[key]
+        found = self._between(key)
+        if found is None:
+            p, d = self.bounds["prefill"], self.bounds["decode"]
+            most = self.attainment(load, p.max, d.max)
+            if most < self.slo.attainment:
+                found = Size(p.max, d.max, most, False)
+            else:
+                found = self._smallest(load)
+        self._sizes[key] = found
+        return found
+
+    def _between(self, key: tuple[int, int, int]) -> Size | None:
+        """The size of a load whose rate lies between two sized ones of the same lengths,
+        if it follows from them without a simulation: more load never needs fewer nodes,
+        so when both sides need the same deployment, the load between does (it meets the
+        SLO at the higher rate); past an infeasible rate, every rate is. A forecast moves
+        by a step or two a tick; without this, nearly every tick simulated again."""
+        lower = higher = None
+        for other, size in self._sizes.items():
+            if other[1:] != key[1:]:
+                continue
+            if other[0] < key[0] and (lower is None or other[0] > lower[0][0]):
+                lower = (other, size)
+            elif other[0] > key[0] and (higher is None or other[0] < higher[0][0]):
+                higher = (other, size)
+        if lower is not None and not lower[1].feasible:
+            return lower[1]
+        if lower is None or higher is None:
+            return None
+        below, above = lower[1], higher[1]
+        if (below.prefill, below.decode, above.feasible) == (above.prefill, above.decode, True):
+            return Size(above.prefill, above.decode, above.attainment, True)
+        return None
+
+    def _smallest(self, load: Load) -> Size:
+        """The fewest nodes meeting the SLO, the maximum known to meet it. A role's count
+        cannot be below the least that meets it with the other role at its maximum (found
+        by bisection: more nodes of a role never serve worse), so the search starts at the
+        sum of those two and walks up: a few simulations where every split of every total
+        would take hundreds on a 64-node cluster. The least counts of the loads sized
+        before, at lower and higher rates, bound the bisection (they only grow with the
+        rate)."""
         p, d = self.bounds["prefill"], self.bounds["decode"]
-        found: Size | None = None
-        for total in range(p.min + d.min, p.max + d.max + 1):
+        least_p = self._least(load, "prefill", lambda n: self.attainment(load, n, d.max))
+        least_d = self._least(load, "decode", lambda n: self.attainment(load, p.max, n))
+        for total in range(least_p + least_d, p.max + d.max + 1):
             meeting = []
-            for prefill in range(max(p.min, total - d.max), min(p.max, total - d.min) + 1):
+            for prefill in range(max(least_p, total - d.max), min(p.max, total - least_d) + 1):
                 got = self.attainment(load, prefill, total - prefill)
                 if got >= self.slo.attainment:
                     meeting.append(Size(prefill, total - prefill, got, True))
             if meeting:
-                found = max(meeting, key=lambda s: s.attainment)
-                break
-        if found is None:
-            found = Size(p.max, d.max, self.attainment(load, p.max, d.max), False)
-        self._sizes[key] = found
-        return found
+                return max(meeting, key=lambda s: s.attainment)
+        raise AssertionError("the maximum meets the SLO, so some total does")
+
+    def _least(self, load: Load, role: str, attained: Callable[[int], float]) -> int:
+        """The smallest count of `role` whose attainment meets the target, given that its
+        maximum does."""
+        key = load.key()
+        lo, hi = self.bounds[role].min, self.bounds[role].max
+        for (other, of), least in self._leasts.items():
+            if of == role and other[1:] == key[1:]:
+                if other[0] <= key[0]:
+                    lo = max(lo, least)
+                if other[0] >= key[0]:
+                    hi = min(hi, least)
+        hi = max(lo, hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if attained(mid) >= self.slo.attainment:
+                hi = mid
+            else:
+                lo = mid + 1
+        self._leasts[(key, role)] = lo
+        return lo
 
 
 @dataclass(frozen=True)

@@ -347,12 +347,22 @@ def run_autoscaled(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _node_options(args: argparse.Namespace) -> list[str]:
-    """The deployment's options, for the SLO policy's own simulations."""
-    out = ["--transport", args.transport, "--kv-cache-mb", str(args.kv_cache_mb)]
-    if args.step_token_budget is not None:
-        out += ["--step-token-budget", str(args.step_token_budget)]
-    if args.conditional:
-        out.append("--conditional")
+    """The deployment's options as given (every one but the node counts and the profile),
+    for the SLO policy's own simulations: they must size the nodes this run simulates."""
+    from tandem.plan.simulate import add_deployment_options
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_deployment_options(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        counts = action.dest in ("profile", "prefill", "decode", "colocated")
+        if counts or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or value is None:
+            continue
+        flag = action.option_strings[0]
+        out += [flag] if isinstance(value, bool) else [flag, str(value)]
     return out
 
 

@@ -8,6 +8,7 @@ reads them from a real router's metrics."""
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 import msgspec
@@ -102,6 +103,53 @@ def test_a_ramp_scales_up_ahead_and_a_drop_scales_down_one_node_at_a_time(sizer:
     assert all(t >= 240 + config.down_window for t, _ in downs)  # only after the window
     assert len(moves) <= 8, moves  # a few moves, no oscillation
     assert "planner sizes" in ups[0][1].reason
+
+
+def test_the_search_finds_what_trying_every_split_finds(profile_path: str) -> None:
+    """Bisection per role, then a walk up from the two least counts: the deployment that
+    trying every split of every total in turn finds (the fewest nodes, then the best
+    attainment), in fewer simulations."""
+    wide = {"prefill": RoleBounds(1, 8), "decode": RoleBounds(1, 3)}
+    fast = Sizer(profile_path, SLO, wide)
+    for rate in (0.5, 3.0, 5.0, 9.0):
+        got = fast.size(load(rate))
+        every = [
+            (p + d, -fast.attainment(load(rate), p, d), p, d)
+            for p in range(1, 9)
+            for d in range(1, 4)
+            if fast.attainment(load(rate), p, d) >= SLO.attainment
+        ]
+        _, _, p, d = min(every)
+        assert (got.prefill, got.decode, got.feasible) == (p, d, True), rate
+    searched = Sizer(profile_path, SLO, wide)
+    searched.size(load(9.0))
+    assert searched.simulations < 8 * 3 // 2
+    # between two loads that need the same deployment, and past an infeasible one: known
+    low, high = searched.size(load(0.5)), searched.size(load(0.9))
+    assert (low.prefill, low.decode) == (high.prefill, high.decode)
+    runs = searched.simulations
+    middle = searched.size(load(0.7))
+    assert (middle.prefill, middle.decode, middle.feasible) == (low.prefill, low.decode, True)
+    assert searched.simulations == runs
+    assert not searched.size(load(30.0)).feasible
+    runs = searched.simulations
+    assert not searched.size(load(40.0)).feasible
+    assert searched.simulations == runs
+
+
+def test_sizing_inside_a_simulation_frees_its_own(sizer: Sizer) -> None:
+    """`tandem plan simulate --autoscale` sizes from inside a simulation that pauses the
+    cyclic collector: the Sizer's simulations must not outlive their answer (they did,
+    ~30 MB each, until a simulated hour of a large cluster ran out of memory)."""
+    from shared.runtime.collector import collector_paused
+    from tandem.plan.simulator import Simulation
+
+    gc.collect()  # what earlier tests left
+    with collector_paused():
+        for rate in (1.1, 2.3, 3.7):
+            sizer.attainment(load(rate), 2, 1)
+        alive = [o for o in gc.get_objects() if type(o) is Simulation]
+    assert alive == []
 
 
 def test_no_move_before_the_window_holds_a_rate_nor_after_a_router_restart(

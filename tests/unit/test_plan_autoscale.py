@@ -114,3 +114,14 @@ def test_autoscale_options_are_checked(profile_path: str, tmp_path: Path) -> Non
     ):  # fmt: skip
         args = build_parser().parse_args([*base, *extra])
         assert why in (autoscale_sim.autoscale_problem(args) or ""), extra
+
+
+def test_the_policy_sizes_the_nodes_the_run_simulates(profile_path: str) -> None:
+    """The SLO policy's own simulations take every deployment option of the run (a GPU-like
+    engine shape, the conditional choice), not the simulator's defaults, and no count."""
+    argv = ["plan", "simulate", "--profile", profile_path, "--prefill", "2", "--decode", "3",
+            "--max-num-seqs", "256", "--kv-cache-mb", "40000", "--prefill-max-batch", "16",
+            "--conditional", "--autoscale", "slo", "--rate-curve", "0:1"]  # fmt: skip
+    got = autoscale_sim._node_options(build_parser().parse_args(argv))
+    assert got == ["--kv-cache-mb", "40000", "--max-num-seqs", "256",
+                   "--prefill-max-batch", "16", "--conditional"]  # fmt: skip

@@ -53,6 +53,7 @@ COUNTS = {
     TTFT + "_count": "requests",
     "tandem_prompt_tokens_total": "prompt_tokens",
     "tandem_output_tokens_total": "output_tokens",
+    "tandem_router_routes_total": "arrivals",  # each admitted request, local or remote
 }
 
 

@@ -2,9 +2,9 @@
 router sees, instead of reacting to thresholds once the SLO is already missed.
 
 Each tick:
-1. **The load.** The router's counters (requests given a first token, prompt and output
-   tokens) over a sliding `window` give the arrival rate and the mean prompt and output
-   lengths. The forecast `horizon` seconds ahead (about a node's start) is the rate of the
+1. **The load.** The router's counters over a sliding `window` give the arrival rate
+   (requests admitted) and the mean prompt and output lengths (of the requests served).
+   The forecast `horizon` seconds ahead (about a node's start) is the rate of the
    window's second half plus the trend between its halves, never below that rate: a ramp
    is met before it arrives, a drop is believed only once it is seen.
 2. **The size.** `Sizer` asks the planner's simulator (tandem/plan/simulate.py: the
@@ -230,9 +230,10 @@ class Sizer:
 @dataclass(frozen=True)
 class _Count:
     time: float
-    requests: float
+    requests: float  # given a first token: what the mean lengths are per
     prompt_tokens: float
     output_tokens: float
+    arrivals: float  # admitted: what the rate is of
 
 
 class SloPolicy:
@@ -246,6 +247,7 @@ class SloPolicy:
         self._last_up: dict[str, float] = {}
         self._pending_since: dict[str, float] = {}
         self.load: Load | None = None  # the last load planned for (forecast x headroom)
+        self._lengths: tuple[int, int] | None = None  # mean prompt, output tokens lately
         self.size: Size | None = None  # and the size it needs
         self.infeasible = False
         self.why = ""  # what the last size rests on, for the infeasible log line
@@ -256,9 +258,11 @@ class SloPolicy:
         if obs.router is None:
             return  # not read this tick: no gap filled with a guess
         c = obs.router
-        if self._counts and c.requests < self._counts[-1].requests:
+        if self._counts and c.arrivals < self._counts[-1].arrivals:
             self._counts.clear()  # the router restarted: its counters began again
-        self._counts.append(_Count(obs.time, c.requests, c.prompt_tokens, c.output_tokens))
+        self._counts.append(
+            _Count(obs.time, c.requests, c.prompt_tokens, c.output_tokens, c.arrivals)
+        )
         while self._counts and obs.time - self._counts[0].time > self.config.window:
             self._counts.popleft()
 
@@ -274,18 +278,21 @@ class SloPolicy:
         half = (last.time - first.time) / 2
         # A trend only where the halves' counts differ beyond Poisson noise (3 sigma): a
         # steady load's noise, extrapolated over the horizon, moved the size up and down.
-        n1, n2 = middle.requests - first.requests, last.requests - middle.requests
+        n1, n2 = middle.arrivals - first.arrivals, last.arrivals - middle.arrivals
         real = n2 - n1 > 3 * math.sqrt(max(n1 + n2, 1.0))
         trend = (late - early) / half if half > 0 and real else 0.0
         rate = max(late, late + trend * cfg.horizon) * (1 + cfg.headroom)
-        done = last.requests - first.requests
-        if done <= 0:
+        if last.arrivals <= first.arrivals:
             return Load(0.0, 1, 1)
-        return Load(
-            rate,
-            round((last.prompt_tokens - first.prompt_tokens) / done),
-            round((last.output_tokens - first.output_tokens) / done),
-        )
+        done = last.requests - first.requests
+        if done > 0:  # the lengths of the requests served in the window
+            self._lengths = (
+                round((last.prompt_tokens - first.prompt_tokens) / done),
+                round((last.output_tokens - first.output_tokens) / done),
+            )
+        elif self._lengths is None:
+            return None  # arrivals, none served yet: no lengths to size by
+        return Load(rate, *self._lengths)  # (none served this window: the last known)
 
     # ---- the moves -----------------------------------------------------------------------
 
@@ -367,7 +374,7 @@ class SloPolicy:
 
 
 def _rate(a: _Count, b: _Count) -> float:
-    return (b.requests - a.requests) / (b.time - a.time) if b.time > a.time else 0.0
+    return (b.arrivals - a.arrivals) / (b.time - a.time) if b.time > a.time else 0.0
 
 
 def load_text(load: Load | None) -> str:

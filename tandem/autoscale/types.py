@@ -34,11 +34,16 @@ class NodeSample:
 @dataclass(frozen=True)
 class RouterCounts:
     """The router's cumulative counts (its /metrics) for the pool: requests given a first
-    token, and the prompt and output tokens of the requests it admitted."""
+    token, their prompt tokens, the output tokens of those that ended, and the requests it
+    admitted (routed). The arrival rate is read from the last: requests given a first token
+    are capped by what the deployment serves, and an overloaded one, sized from them, saw
+    its load fall as it fell behind (a simulated day collapsed to 1 prefill node at its
+    peak)."""
 
     requests: float
     prompt_tokens: float
     output_tokens: float
+    arrivals: float
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -100,9 +100,12 @@ async def run_load(
     load: Load,
     seed: int = 0,
     on_done: Callable[[RequestRecord], None] | None = None,
+    offsets: Sequence[float] | None = None,
 ) -> list[RequestRecord]:
-    """Send `specs` per `load`; the records of every request sent, in send order."""
-    offsets = arrival_times(len(specs), load.rate, load.arrival, random.Random(seed))
+    """Send `specs` per `load` (at the given `offsets` from the start instead, if any: a
+    rate that changes over time); the records of every request sent, in send order."""
+    if offsets is None:
+        offsets = arrival_times(len(specs), load.rate, load.arrival, random.Random(seed))
     slots = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task[RequestRecord]] = []

@@ -179,9 +179,8 @@ class ScaledRun:
         for node_id, node in sim.prefillers.items():
             nodes.append(NodeSample(node_id, "prefill", node.holding,
                                     draining=node_id in sim.draining))  # fmt: skip
-        return Observation(
-            sim.now, nodes, len(sim.queue), self._ttft_p90(), RouterCounts(*self._count())
-        )
+        counts = RouterCounts(*self._count(), arrivals=float(self._counted))  # admitted
+        return Observation(sim.now, nodes, len(sim.queue), self._ttft_p90(), counts)
 
     def _count(self) -> tuple[float, float, float]:
         """The router's counts: requests given a first token, their prompt tokens, and

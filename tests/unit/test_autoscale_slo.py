@@ -77,7 +77,7 @@ def observe_rates(
         now = start + i
         requests += rate
         nodes = [NodeSample(f"{role}-{k}", role) for role, n in current.items() for k in range(n)]
-        counts = RouterCounts(requests, requests * PROMPT, requests * OUTPUT)
+        counts = RouterCounts(requests, requests * PROMPT, requests * OUTPUT, requests)
         for d in policy.observe(Observation(now, nodes, router=counts), dict(current)):
             current[d.role] += d.delta
             out.append((now, d))
@@ -164,7 +164,7 @@ def test_no_move_before_the_window_holds_a_rate_nor_after_a_router_restart(
         unread = Observation(t, nodes, router=None)
         assert policy.observe(unread, {"prefill": 1, "decode": 1}) == []  # not unread ticks
     # the router restarts: its counters begin again, and so does the window
-    policy.observe(Observation(100.0, nodes, router=RouterCounts(1, PROMPT, OUTPUT)), current)
+    policy.observe(Observation(100.0, nodes, router=RouterCounts(1, PROMPT, OUTPUT, 1)), current)
     assert policy.forecast() is None
 
 
@@ -201,9 +201,35 @@ def test_the_controller_reads_the_router_counts_from_its_metrics() -> None:
     m.prompt_tokens.labels(model="a").inc(300)
     m.output_tokens.labels(model="a").inc(40)
     m.prompt_tokens.labels(model="b").inc(7)
+    m.routes.labels("remote", "a").inc(4)  # admitted: two still without a first token
+    m.routes.labels("local", "a").inc(1)
+    m.routes.labels("remote", "b").inc(1)
     text = generate_latest(m.registry).decode()
-    assert router_counts(text, "a") == RouterCounts(2, 300, 40)
-    assert router_counts(text) == RouterCounts(3, 307, 40)
+    assert router_counts(text, "a") == RouterCounts(2, 300, 40, 5)
+    assert router_counts(text) == RouterCounts(3, 307, 40, 6)
+
+
+def test_the_rate_is_of_arrivals_not_of_first_tokens(sizer: Sizer) -> None:
+    """An overloaded deployment gives first tokens at its own capacity, whatever arrives:
+    sized from those, the policy saw its load fall as it fell behind, and scaled down at
+    the peak (a simulated day did). Arrivals rise; so does the forecast."""
+    cfg = SloConfig(window=20, min_span=5, horizon=0, headroom=0.0, bounds=BOUNDS)
+    policy = SloPolicy(sizer, cfg)
+    nodes = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
+    for t in range(21):  # 6 req/s arrive, 2 a second get their first token
+        counts = RouterCounts(2.0 * t, 2.0 * t * PROMPT, 2.0 * t * OUTPUT, 6.0 * t)
+        policy.observe(Observation(float(t), nodes, router=counts), {"prefill": 1, "decode": 1})
+    load = policy.forecast()
+    assert load is not None and load.rate == pytest.approx(6.0)
+    assert (load.prompt_tokens, load.output_tokens) == (PROMPT, OUTPUT)
+    assert policy.size is not None and policy.size.prefill >= 3
+    # nothing served for a whole window: the lengths last known still size the arrivals
+    for t in range(21, 45):
+        counts = RouterCounts(40.0, 40.0 * PROMPT, 40.0 * OUTPUT, 6.0 * t)
+        policy.observe(Observation(float(t), nodes, router=counts), {"prefill": 1, "decode": 1})
+    stalled = policy.forecast()
+    assert stalled is not None and stalled.rate == pytest.approx(6.0)
+    assert stalled.prompt_tokens == PROMPT
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from shared.runtime.options import (
     thread_count,
 )
 from shared.transport.kinds import ONE_HOST_TRANSPORT, TRANSPORTS
-from tandem.autoscale.options import add_policy_options
+from tandem.autoscale.options import add_metrics_options, add_policy_options
 
 
 def add_up_options(p: argparse.ArgumentParser) -> None:
@@ -137,6 +137,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
     )
     add_model_options(p, several=True)  # each model gets --prefill and --decode nodes
     add_policy_options(p)
+    add_metrics_options(p)
 
 
 def keys_given(args: argparse.Namespace) -> bool:

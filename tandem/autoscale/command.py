@@ -33,7 +33,7 @@ from shared.runtime.node import setup_logging, stop_on_signals
 from shared.runtime.options import add_nats_auth_options, add_option
 from shared.runtime.service import run_service
 from tandem.autoscale.controller import run_controller
-from tandem.autoscale.options import add_policy_options, slo_problem
+from tandem.autoscale.options import add_metrics_options, add_policy_options, slo_problem
 from tandem.autoscale.types import ROLES, Backend
 
 log = logging.getLogger("tandem.autoscale")
@@ -139,4 +139,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(p, "--log-level", default="INFO")
     add_policy_options(p)
+    add_metrics_options(p)
     p.set_defaults(func=lambda args: run_service(serve, args))

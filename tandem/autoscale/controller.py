@@ -37,6 +37,8 @@ from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
 from shared.bus.topology import PREFILL_STREAM, prefill_consumer
+from shared.telemetry.metrics import serve_registry
+from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.policies import policy_from_args
 from tandem.autoscale.types import (
     ROLES,
@@ -143,6 +145,7 @@ class Controller:
     _registry: NodeRegistry | None = None
     _buckets: dict[float, float] = field(default_factory=dict)
     _infeasible: bool = False  # the SLO policy's last word on it (logged when it changes)
+    metrics: AutoscaleMetrics | None = None  # exported on --scale-metrics-port, if given
 
     async def sample(self) -> Observation:
         if self._registry is None:
@@ -225,6 +228,10 @@ class Controller:
                 )  # fmt: skip
             else:
                 log.info("autoscale%s: the SLO can be met again within the bounds", pool)
+        if self.metrics is not None:
+            load = getattr(self.policy, "load", None)
+            self.metrics.tick(self.model or "", current, decisions, infeasible,
+                              None if load is None else load.rate)  # fmt: skip
         for d in decisions:
             log.info("autoscale %s%s %+d: %s", d.role, pool, d.delta, d.reason)
             if d.delta > 0:
@@ -260,6 +267,11 @@ async def run_controller(
     each with a policy of its own, until `stop`. `shared_decode`: the decode processes
     every model shares, scaled as one pool (the models' backends then scale prefill)."""
     bus = await Bus(nats_url, "autoscaler", auth).connect(stop=stop)
+    metrics = None
+    if getattr(args, "scale_metrics_port", None) is not None:
+        metrics = AutoscaleMetrics()
+        port = serve_registry(metrics.registry, args.scale_metrics_port, args.scale_metrics_host)
+        log.info("autoscaler metrics on http://%s:%d/metrics", args.scale_metrics_host, port)
     pools: dict[str | None, Backend] = {}
     if isinstance(backends, Mapping):
         pools.update(backends)
@@ -276,6 +288,7 @@ async def run_controller(
                 interval=args.scale_interval,
                 model=model,
                 roles=roles,
+                metrics=metrics,
             )
             for model, backend in pools.items()
         ]

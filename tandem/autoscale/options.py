@@ -46,6 +46,23 @@ def add_policy_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> 
     add_slo_options(p, slo_targets)
 
 
+def add_metrics_options(p: argparse.ArgumentParser) -> None:
+    """Where the autoscaler serves its own /metrics (metrics.py), if anywhere."""
+    add_option(
+        p,
+        "--scale-metrics-port",
+        type=int,
+        default=None,
+        help="serve the autoscaler's /metrics here (0: any port; default: none)",
+    )
+    add_option(
+        p,
+        "--scale-metrics-host",
+        default="127.0.0.1",
+        help="address the autoscaler's /metrics listens on (0.0.0.0 for a Prometheus elsewhere)",
+    )
+
+
 def add_slo_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> None:
     """`--policy slo` and what it plans with (tandem/autoscale/slo.py); `slo_targets`
     False: not the policy choice, the targets and the profile (`tandem plan simulate`

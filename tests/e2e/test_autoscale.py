@@ -26,6 +26,7 @@ from shared.bus.server import free_port
 from shared.costs.profile import PrefillPoint
 from tandem.autoscale.controller import Controller
 from tandem.autoscale.local_backend import LocalBackend
+from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.policy import Policy, PolicyConfig
 from tandem.autoscale.slo import Sizer, SloPolicy
 from tandem.autoscale.types import Observation, RoleBounds, Slo, SloConfig
@@ -81,7 +82,8 @@ async def autoscaled(
     and a client of the stack, until the block ends."""
     backend = LocalBackend(stack)
     bus = await Bus(stack.nats_url, "autoscaler", stack.auth).connect()
-    controller = Controller(bus, backend, policy, stack.url, interval=0.5)
+    controller = Controller(bus, backend, policy, stack.url, interval=0.5,
+                            metrics=AutoscaleMetrics())  # fmt: skip
     stop = asyncio.Event()
     loop_task = asyncio.create_task(controller.run(stop))
     c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0, timeout=600)
@@ -226,6 +228,13 @@ async def ramp(
     moves = [(d.role, d.delta) for _, d in controller.decisions]
     assert moves == [("prefill", 1), ("prefill", -1)], moves  # no oscillation
     assert "planner sizes" in controller.decisions[0][1].reason
+    metrics = controller.metrics
+    assert metrics is not None
+    assert metrics.decisions.labels("", "prefill", "up")._value.get() == 1
+    assert metrics.decisions.labels("", "prefill", "down")._value.get() == 1
+    assert metrics.replicas.labels("", "prefill")._value.get() in (1, 2)  # at the last tick
+    assert metrics.infeasible.labels("")._value.get() == 0
+    assert metrics.planned_rate.labels("")._value.get() > 0
     victim = small_stack.child(controller.decisions[1][1].remove[0])
     assert victim.proc is not None
     assert await asyncio.to_thread(victim.proc.wait, 60) == 0  # drained, then exited

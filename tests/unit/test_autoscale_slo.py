@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 
 from services.router.metrics import RouterMetrics
 from tandem.autoscale.controller import router_counts
+from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.options import add_policy_options, slo_problem
 from tandem.autoscale.policies import policy_from_args
 from tandem.autoscale.slo import Load, Sizer, SloPolicy
@@ -176,6 +177,13 @@ def test_an_infeasible_slo_holds_the_maximum_and_says_so(sizer: Sizer) -> None:
     assert policy.infeasible and "at the maximum" in policy.why
     assert len(moves) == 2  # one move a role, then it holds
     assert "infeasible" in moves[0][1].reason
+    # and the autoscaler's /metrics says so (the controller passes the policy's word on)
+    metrics = AutoscaleMetrics()
+    metrics.tick("m", current, [d for _, d in moves], policy.infeasible, policy.load.rate)
+    text = generate_latest(metrics.registry).decode()
+    assert 'tandem_autoscale_slo_infeasible{pool="m"} 1.0' in text
+    assert 'tandem_autoscale_replicas{pool="m",role="prefill"} 4.0' in text
+    assert 'tandem_autoscale_decisions_total{direction="up",pool="m",role="decode"} 1.0' in text
 
 
 def test_the_forecast_leads_a_ramp_and_trails_a_drop(sizer: Sizer) -> None:

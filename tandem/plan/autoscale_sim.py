@@ -126,6 +126,7 @@ class ScaledRun:
     _open: list[RequestRecord] = field(default_factory=list)  # sent, no first token yet
     _streaming: list[RequestRecord] = field(default_factory=list)  # first token, not ended
     _counts: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    _ttfts: list[float] = field(default_factory=list)  # of the first tokens since the last tick
 
     def start(self) -> None:
         self.timeline.append((0.0, *self._started()))
@@ -180,7 +181,8 @@ class ScaledRun:
             nodes.append(NodeSample(node_id, "prefill", node.holding,
                                     draining=node_id in sim.draining))  # fmt: skip
         counts = RouterCounts(*self._count(), arrivals=float(self._counted))  # admitted
-        return Observation(sim.now, nodes, len(sim.queue), self._ttft_p90(), counts)
+        ttft = self._ttft_p90()  # of what `_count` just saw
+        return Observation(sim.now, nodes, len(sim.queue), ttft, counts)
 
     def _count(self) -> tuple[float, float, float]:
         """The router's counts: requests given a first token, their prompt tokens, and
@@ -190,11 +192,13 @@ class ScaledRun:
         self._counted = len(records)
         counts = self._counts
         still: list[RequestRecord] = []
+        self._ttfts = []
         for r in self._open:
             if r.chunks:
                 counts[0] += 1
                 counts[1] += r.prompt_tokens
                 self._streaming.append(r)
+                self._ttfts.append(r.chunks[0] - r.sent)
             elif not _ended(r):
                 still.append(r)
         self._open = still
@@ -208,10 +212,11 @@ class ScaledRun:
         return counts[0], counts[1], counts[2]
 
     def _ttft_p90(self) -> float | None:
-        since = self.sim.now - self.interval
-        ttfts = sorted(
-            r.chunks[0] - r.sent for r in self._streaming if r.chunks and r.chunks[0] >= since
-        )
+        """Of the first tokens since the last tick, as the controller reads the router's
+        histogram (`_count` gathers them: call it first). It once read them from the
+        requests still streaming before `_count` had added the new ones, and so saw almost
+        none: the threshold policy ran blind to TTFT in every simulation."""
+        ttfts = sorted(self._ttfts)
         return ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None
 
     def summary(self, records: list[RequestRecord]) -> dict[str, Any]:

@@ -125,3 +125,34 @@ def test_the_policy_sizes_the_nodes_the_run_simulates(profile_path: str) -> None
     got = autoscale_sim._node_options(build_parser().parse_args(argv))
     assert got == ["--kv-cache-mb", "40000", "--max-num-seqs", "256",
                    "--prefill-max-batch", "16", "--conditional"]  # fmt: skip
+
+
+def test_the_policy_sees_the_ttft_of_the_first_tokens_since_its_last_tick(
+    profile_path: str,
+) -> None:
+    """As the controller reads the router's histogram each tick. The driver once took them
+    from a list it updated only after, and fed the threshold policy no TTFT at all."""
+    from tandem.autoscale.types import Decision, Observation
+    from tandem.bench.metrics import Slo
+    from tandem.plan.simulate import Deployment
+    from tandem.plan.simulator import Simulation
+    from tandem.plan.topology import Arrival
+
+    argv = ["plan", "simulate", "--profile", profile_path, "--prefill", "1", "--decode", "1"]
+    deployment = Deployment.of(build_parser().parse_args(argv))
+    sim = Simulation(deployment.topology, deployment.decode_costs, deployment.prefill_costs)
+    seen: list[Observation] = []
+
+    class Watch:
+        def observe(self, obs: Observation, current: dict[str, int]) -> list[Decision]:
+            seen.append(obs)
+            return []
+
+    driver = autoscale_sim.ScaledRun(sim, Watch(), 1.0, 0.0, Slo(4.0, 0.2))
+    driver.start()
+    # 2 req/s for 20 s of 500-token prompts (0.5 s each on the one prefill node)
+    sim.run([Arrival(k * 0.5, 500, 32) for k in range(40)], None, 300.0)
+    ttfts = [o.ttft_p90 for o in seen if o.ttft_p90 is not None]
+    assert len(ttfts) >= 15, ttfts  # first tokens in nearly every tick while it runs
+    assert all(t >= 0.5 for t in ttfts)  # each waited for its prefill at least
+    assert seen[-1].router is not None and seen[-1].router.arrivals == 40

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -151,6 +152,27 @@ def test_sizing_inside_a_simulation_frees_its_own(sizer: Sizer) -> None:
             sizer.attainment(load(rate), 2, 1)
         alive = [o for o in gc.get_objects() if type(o) is Simulation]
     assert alive == []
+
+
+def test_a_recorded_series_replays_to_the_same_decisions(profile_path: str) -> None:
+    """The policy takes time only from the observations and its simulations are seeded:
+    the observations of a run, fed again to a fresh policy and sizer, give the very same
+    decisions (a recorded incident can be replayed)."""
+    config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
+                       down_window=30, down_after_up=30, bounds=BOUNDS)  # fmt: skip
+    recorded: list[tuple[Observation, dict[str, int]]] = []
+
+    class Recording(SloPolicy):
+        def observe(self, obs: Observation, current: Mapping[str, int]) -> list[Decision]:
+            recorded.append((obs, dict(current)))
+            return super().observe(obs, current)
+
+    rates = [0.5] * 30 + [0.5 + 3.5 * k / 40 for k in range(40)] + [4.0] * 60 + [0.5] * 120
+    first = observe_rates(Recording(Sizer(profile_path, SLO, BOUNDS), config), rates,
+                          {"prefill": 1, "decode": 1})  # fmt: skip
+    again = SloPolicy(Sizer(profile_path, SLO, BOUNDS), config)
+    replayed = [(obs.time, d) for obs, current in recorded for d in again.observe(obs, current)]
+    assert first and replayed == first
 
 
 def test_no_move_before_the_window_holds_a_rate_nor_after_a_router_restart(

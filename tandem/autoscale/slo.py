@@ -6,7 +6,9 @@ Each tick:
    (requests admitted) and the mean prompt and output lengths (of the requests served).
    The forecast `horizon` seconds ahead (about a node's start) is the rate of the
    window's second half plus the trend between its halves, never below that rate: a ramp
-   is met before it arrives, a drop is believed only once it is seen.
+   is met before it arrives, a drop is believed only once it is seen. Jobs queued for
+   prefill beyond what that rate explains at the TTFT target add the rate that drains
+   them within the horizon.
 2. **The size.** `Sizer` asks the planner's simulator (tandem/plan/simulate.py: the
    router's and the nodes' rules with this machine's profile) for the smallest prefill +
    decode counts within the bounds whose simulated SLO attainment at the forecast times
@@ -303,6 +305,7 @@ class SloPolicy:
         load = self.forecast()
         if load is None:
             return []
+        load = self._with_backlog(load, obs.prefill_queue)
         size = self.sizer.size(load) if load.rate > 0 else self._smallest()
         # Hysteresis in replica space: fewer nodes only if they would still do at a load
         # DOWN_MARGIN above the one planned for (a load between the two moves nothing).
@@ -323,6 +326,18 @@ class SloPolicy:
                 self._since.pop((role, "down"), None)
                 decisions.append(decision)
         return decisions
+
+    def _with_backlog(self, load: Load, queued: int) -> Load:
+        """`load`, plus what it takes to drain the prefill queue's excess within the
+        horizon. A deployment that fell behind (a ramp faster than nodes start) holds more
+        jobs than the arrival rate at the TTFT target explains (rate x target, by Little's
+        law); sized from arrivals alone, it stayed behind: every queued request missed its
+        TTFT while the size matched the rate (a simulated H100 day met the SLO for 14%)."""
+        excess = queued - load.rate * self.sizer.slo.ttft
+        if excess <= 0 or load.rate <= 0:
+            return load
+        drain = excess / max(self.config.horizon, 1.0)
+        return Load(load.rate + drain, load.prompt_tokens, load.output_tokens)
 
     def _smallest(self) -> Size:
         b = self.sizer.bounds

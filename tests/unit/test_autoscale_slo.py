@@ -175,6 +175,26 @@ def test_a_recorded_series_replays_to_the_same_decisions(profile_path: str) -> N
     assert first and replayed == first
 
 
+def test_a_backlog_beyond_the_rate_is_sized_to_drain_within_the_horizon(sizer: Sizer) -> None:
+    """Behind after a fast ramp, a deployment that matches the arrival rate stays behind:
+    the jobs queued beyond what the rate explains at the TTFT target are added as the rate
+    that drains them within the horizon."""
+    cfg = SloConfig(window=20, min_span=5, horizon=20, headroom=0.0, bounds=BOUNDS)
+    sizes = {}
+    for queued in (2, 60):  # 2: what 1 req/s explains at a 4 s target; 60: behind
+        policy = SloPolicy(sizer, cfg)
+        nodes = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
+        for t in range(21):
+            counts = RouterCounts(t, t * PROMPT, t * OUTPUT, t)
+            obs = Observation(float(t), nodes, prefill_queue=queued, router=counts)
+            policy.observe(obs, {"prefill": 1, "decode": 1})
+        assert policy.load is not None and policy.size is not None
+        sizes[queued] = (policy.load.rate, policy.size.prefill)
+    assert sizes[2] == (pytest.approx(1.0), 1)
+    assert sizes[60][0] == pytest.approx(1.0 + (60 - 4) / 20)
+    assert sizes[60][1] >= 2
+
+
 def test_no_move_before_the_window_holds_a_rate_nor_after_a_router_restart(
     sizer: Sizer,
 ) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import logging
 import os
 import threading
 from threading import Thread
@@ -105,6 +106,26 @@ class LocalBackend:
                     self.stack.terminate(name)
 
 
+def show_decisions() -> None:
+    """The controller's lines in the stack's own output, as its other lines are: without a
+    handler Python printed only warnings (the infeasible line), and a user of `tandem up
+    --autoscale` saw nodes come and go without the reason."""
+    said = logging.getLogger("tandem.autoscale")
+    if not any(isinstance(h, _Printed) for h in said.handlers):
+        out = _Printed()
+        out.setFormatter(logging.Formatter("[autoscale] %(message)s"))
+        said.addHandler(out)
+        said.setLevel(logging.INFO)
+        said.propagate = False
+
+
+class _Printed(logging.Handler):
+    """Printed to the stdout of the moment (the stack's other lines go there too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), flush=True)
+
+
 def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Event) -> Thread:
     """`tandem up --autoscale`: the controller on a thread of its own, scaling the stack's
     processes until `stopping` is set."""
@@ -125,6 +146,7 @@ def start_local(stack: Stack, args: argparse.Namespace, stopping: threading.Even
             args, pools if len(pools) > 1 else every, stack.nats_url, auth, stack.url, stop, shared
         )
 
+    show_decisions()
     thread = threading.Thread(target=lambda: asyncio.run(main()), name="autoscale", daemon=True)
     thread.start()
     return thread

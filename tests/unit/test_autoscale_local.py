@@ -9,6 +9,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from tandem.autoscale.controller import ttft_buckets
 from tandem.autoscale.local_backend import LocalBackend, served_name
 from tandem.cli import build_parser
@@ -101,3 +103,20 @@ def test_shared_decode_processes_are_one_pool_whose_copies_host_every_model(
         models = [new.argv[i + 1] for i, a in enumerate(new.argv) if a == "--model"]
         assert models == ["smollm2-135m-instruct", f"tiny={tiny_model_dir}"]
         assert every.count("decode") == 2
+
+
+def test_tandem_up_prints_the_autoscalers_decisions(capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from tandem.autoscale.local_backend import show_decisions
+
+    said = logging.getLogger("tandem.autoscale")
+    before = list(said.handlers)
+    try:
+        show_decisions()
+        show_decisions()  # once only
+        said.info("autoscale %s %+d: %s", "decode", 1, "the planner sizes ...")
+        assert capsys.readouterr().out == "[autoscale] autoscale decode +1: the planner sizes ...\n"
+    finally:
+        said.handlers = before
+        said.propagate = True

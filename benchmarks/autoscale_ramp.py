@@ -73,19 +73,19 @@ class LogWatch(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        seen = 0
-        while not self.done.is_set():
-            text = self.path.read_text(errors="replace")
-            for line in text[seen:].splitlines(keepends=True):
-                if not line.endswith("\n"):
-                    break  # half-written: read it whole next time
-                seen += len(line)
+        with self.path.open(errors="replace") as log:
+            part = ""
+            while not self.done.is_set():
+                part += log.readline()
+                if not part.endswith("\n"):  # at the end, or half-written: wait for more
+                    time.sleep(0.2)
+                    continue
+                line, part = part, ""
                 at = time.monotonic() - self.zero
                 if m := DECISION.search(line):
                     self.decisions.append((at, m.group(1), int(m.group(2))))
                 elif m := READY.search(line):
                     self.ready[m.group(1)] = at
-            time.sleep(0.2)
 
 
 def node_seconds(start: dict[str, int], moves: list[tuple[float, str, int]], end: float) -> float:
@@ -98,14 +98,21 @@ def node_seconds(start: dict[str, int], moves: list[tuple[float, str, int]], end
     return total + count * (end - last)
 
 
-def up_flags(args: argparse.Namespace) -> list[str]:
-    """`tandem up`'s flags for the run (its port, NATS port and dtype aside)."""
+def common_flags(args: argparse.Namespace) -> list[str]:
+    """What `tandem up` and `tandem plan simulate` take alike: the start, the nodes' KV,
+    the SLO and the bounds (both name them the same)."""
     return [
-        "--split", "--prefill", "1", "--decode", "1",
-        "--kv-cache-mb", str(args.kv_cache_mb), "--autoscale", "--policy", "slo",
+        "--prefill", "1", "--decode", "1", "--kv-cache-mb", str(args.kv_cache_mb),
         "--slo-ttft", f"{args.slo_ttft:g}", "--slo-tpot", f"{args.slo_tpot:g}",
         "--slo-attainment", f"{args.slo_attainment:g}", "--prefill-min", "1",
         "--prefill-max", "1", "--decode-min", "1", "--decode-max", str(args.decode_max),
+    ]  # fmt: skip
+
+
+def up_flags(args: argparse.Namespace) -> list[str]:
+    """`tandem up`'s flags for the run (its port, NATS port and dtype aside)."""
+    return [
+        "--split", *common_flags(args), "--autoscale", "--policy", "slo",
         *(["--scale-profile", args.profile] if args.profile else []),
     ]  # fmt: skip
 
@@ -176,15 +183,9 @@ def real_run(args: argparse.Namespace, work: list[Any]) -> dict[str, Any]:
 def simulated(args: argparse.Namespace, node_start: float) -> dict[str, Any]:
     out = args.workdir / "simulated.json"
     cmd = [sys.executable, "-m", "tandem.cli", "plan", "simulate", "--profile", args.profile,
-           "--prefill", "1", "--decode", "1",
-           "--kv-cache-mb", str(args.kv_cache_mb),
-           "--prompt-len", args.prompt_len, "--output-len", args.output_len,
-           "--slo-ttft", f"{args.slo_ttft:g}", "--slo-tpot", f"{args.slo_tpot:g}",
-           "--slo-attainment", f"{args.slo_attainment:g}",
+           *common_flags(args), "--prompt-len", args.prompt_len, "--output-len", args.output_len,
            "--rate-curve", args.rate_curve, "--curve-duration", f"{args.duration:g}",
-           "--seed", str(args.seed), "--node-start", f"{node_start:g}",
-           "--autoscale", "slo", "--prefill-min", "1", "--prefill-max", "1",
-           "--decode-min", "1", "--decode-max", str(args.decode_max),
+           "--seed", str(args.seed), "--node-start", f"{node_start:g}", "--autoscale", "slo",
            "--output", str(out), "--plot", str(args.workdir / "simulated.png")]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=True)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -231,7 +232,7 @@ def main() -> None:
         start = sum(real["node_start"]) / len(real["node_start"]) if real["node_start"] else 20.0
     sim = simulated(args, start)
     print(f"\nCPU: {cpu_name()}; flags: {' '.join(cpu_flags())}; SmolLM2-135M float32")
-    print(f"decode node start (decision to first request served): "
+    print(f"decode node start (decision to its \"ready\" line): "
           f"{', '.join(f'{s:.1f}' for s in real['node_start']) or '-'} s; "
           f"simulated with {start:.1f} s\n")  # fmt: skip
     print("| side | replica changes | SLO met | node-seconds | failed |")

@@ -27,6 +27,7 @@ from shared.bus.topology import is_token_subject
 from shared.bus.tracing import extract_context
 from shared.connector.snapshots import from_wire
 from shared.engine.interface import EngineCore
+from shared.engine.limits import handoff_refusal
 from shared.errors import TandemError, WireFormatError
 from shared.telemetry.logs import bind
 from shared.telemetry.metrics import NodeMetrics
@@ -115,8 +116,10 @@ class KVReceiver:
             return
         need = self.engine.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.blocks_for(snap.num_computed)
-        if self.engine.pool.num_free - self.reserved_blocks() < now_blocks + 1:
-            await msg.respond(refused("not enough free KV blocks"))
+        free = self.engine.pool.num_free - self.reserved_blocks()
+        refusal = handoff_refusal(free, now_blocks, self.engine.num_waiting)
+        if refusal is not None:
+            await msg.respond(refused(refusal))
             return
         if need > self.engine.pool.num_blocks:
             await msg.respond(refused("request larger than this node's KV pool"))

@@ -76,3 +76,24 @@ class RequestLimits:
             check_guide(params.guide)
         if request_id in known:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", request_id=request_id)
+
+
+def handoff_refusal(free_blocks: int, blocks: int, waiting: int) -> str | None:
+    """Why a decode node refuses a sequence whose KV (`blocks` of it) was computed
+    elsewhere, or None when it takes it. `free_blocks`: free beyond those promised to
+    arrivals under way; `waiting`: sequences queued on the node for KV room or a seat
+    (preempted ones among them).
+
+    Not while any wait: they came first, and a sequence admitted past them takes the room
+    they wait for. A node short of KV preempts running sequences; it took hand-offs into
+    the room each preemption freed, preempted again, and recomputed prompts for minutes
+    (a simulated H100 decode node held 1,787 preempted sequences; its cluster met the SLO
+    for half the requests at a load it met alone with fixed-length prompts). Refused, a
+    prefill node keeps the KV and offers it again, elsewhere or later (its backoff).
+    The real node (shared/connector/receiver.py) and the simulated one
+    (tandem/plan/simengine.py) both ask this."""
+    if waiting > 0:
+        return "sequences wait here for KV room"
+    if free_blocks < blocks + 1:
+        return "not enough free KV blocks"
+    return None

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.costs.model import CostModel
+from shared.engine.limits import handoff_refusal
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
@@ -133,8 +134,9 @@ class SimEngine:
     def add_prefilled(self, seq: Sequence) -> bool:
         """A sequence whose prompt KV arrived from a prefill node (`Engine.add_snapshot`):
         False, and nothing changed, when its blocks do not fit now (the node refuses)."""
-        need = self.scheduler.blocks_for(seq.num_computed)
-        if not self.scheduler.pool.can_allocate(need):
+        sched = self.scheduler
+        need = sched.blocks_for(seq.num_computed)
+        if handoff_refusal(sched.pool.num_free, need, len(sched.waiting)) is not None:
             return False
         seq.block_ids = self.scheduler.pool.allocate(need)
         self.scheduler.name_blocks(seq)

@@ -1,6 +1,8 @@
 """The hand-off's rules, shared by prefill nodes and the simulator
 (services/prefill/handoff_rules.py): whom a prefilled sequence is offered to, in what
-order, and the backoff when none has room."""
+order, and the backoff when none has room; and the decode node's own (shared/engine/
+limits.py): when it refuses one, which the real node's receiver and the simulated node
+both ask."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ from services.prefill.handoff_rules import (
     offer_order,
     takes_kv_of,
 )
-from tandem.plan import simprefill
+from shared.connector import receiver
+from shared.costs.model import CostModel
+from shared.engine.limits import handoff_refusal
+from tandem.plan import simengine, simprefill
+from tandem.plan.simengine import EngineShape, SimEngine
 from tests.unit.test_routing import KEY, decode_node
 
 pytestmark = pytest.mark.unit
@@ -46,3 +52,27 @@ def test_backoff_doubles_to_its_ceiling() -> None:
 
 def test_the_simulator_runs_the_same_rules() -> None:
     assert simprefill.offer_order is offer_order and simprefill.next_delay is next_delay
+
+
+def test_a_decode_node_with_sequences_waiting_takes_no_hand_off() -> None:
+    """Sequences preempted for KV room wait first: a hand-off taken into the room a
+    preemption freed was preempted in turn, and a simulated H100 node short of KV went on
+    recomputing prompts for minutes (1,787 of them queued)."""
+    assert handoff_refusal(free_blocks=100, blocks=10, waiting=0) is None
+    assert handoff_refusal(10, 10, 0) == "not enough free KV blocks"  # and one to grow into
+    assert handoff_refusal(100, 10, 1) == "sequences wait here for KV room"
+    assert receiver.handoff_refusal is handoff_refusal is simengine.handoff_refusal
+    # the simulated node: full, it preempts; while the preempted one waits, it refuses
+    shape = EngineShape(block_size=4, max_num_seqs=8, num_blocks=9, enable_prefix_caching=False)
+    engine = SimEngine(shape, CostModel.__new__(CostModel))
+    first, second = (SimEngine.new_sequence(f"r{k}", [1] * 16, 8) for k in range(2))
+    for seq in (first, second):
+        seq.num_computed, seq.output_ids = 16, [7]  # its first token, pending
+        assert engine.add_prefilled(seq)  # 4 blocks each, 1 left
+    engine.scheduler.plan_step()  # both need a 5th block for their next token: one goes
+    assert engine.scheduler.num_preemptions == 1 and len(engine.scheduler.waiting) == 1
+    third = SimEngine.new_sequence("r2", [1] * 3, 8)
+    third.num_computed = 3
+    assert engine.scheduler.pool.num_free >= 2 and not engine.add_prefilled(third)
+    engine.scheduler.remove(engine.scheduler.waiting[0])  # (it ran and ended)
+    assert engine.add_prefilled(third)

@@ -66,6 +66,21 @@ class RouterMetrics:
         self.output_tokens = Counter(
             "tandem_output_tokens_total", "Output tokens", ["model"], registry=r
         )
+        # Sums of squares beside the sums: over a window, the spread of the requests'
+        # lengths (the SLO autoscaler sizes with it: a mix of long and short prompts fills
+        # decode nodes' KV unevenly, and one of fixed mean length misjudged that by half)
+        self.prompt_tokens_sq = Counter(
+            "tandem_prompt_tokens_squared_total",
+            "Sum over finished requests of the square of their prompt tokens",
+            ["model"],
+            registry=r,
+        )
+        self.output_tokens_sq = Counter(
+            "tandem_output_tokens_squared_total",
+            "Sum over finished requests of the square of their output tokens",
+            ["model"],
+            registry=r,
+        )
         self.resumes = Counter(
             "tandem_stream_resumes_total",
             "Streams resumed by a client reconnecting with the request id (router restart)",

@@ -295,6 +295,8 @@ def record_finish(parts: RouterParts, served: ServedRequest, progress: Progress)
     metrics.e2e.labels(model).observe(elapsed)
     metrics.prompt_tokens.labels(model).inc(prompt_tokens)
     metrics.output_tokens.labels(model).inc(tokens)
+    metrics.prompt_tokens_sq.labels(model).inc(prompt_tokens * prompt_tokens)
+    metrics.output_tokens_sq.labels(model).inc(tokens * tokens)
     if tokens > 1:
         metrics.tpot.labels(model).observe((progress.last_t - served.start) / tokens)
     log.info("finished: %d tokens (%s) in %.3fs", tokens, progress.reason, elapsed)

@@ -56,6 +56,8 @@ COUNTS = {
     "tandem_prompt_tokens_total": "prompt_tokens",
     "tandem_output_tokens_total": "output_tokens",
     "tandem_router_routes_total": "arrivals",  # each admitted request, local or remote
+    "tandem_prompt_tokens_squared_total": "prompt_sq",
+    "tandem_output_tokens_squared_total": "output_sq",
 }
 
 

@@ -7,7 +7,8 @@ import argparse
 
 from tandem.autoscale.options import slo_problem
 from tandem.autoscale.policy import Policy, PolicyConfig
-from tandem.autoscale.slo import Sizer, SloPolicy
+from tandem.autoscale.sizer import Sizer
+from tandem.autoscale.slo import SloPolicy
 from tandem.autoscale.types import RoleBounds, Slo, SloConfig
 
 

@@ -44,6 +44,8 @@ class RouterCounts:
     prompt_tokens: float
     output_tokens: float
     arrivals: float
+    prompt_sq: float = 0.0  # sums of the squares of the lengths: their spread
+    output_sq: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,6 @@ class SloConfig:
     up_window: float = 2.0  # a larger size must hold this long
     down_window: float = 60.0  # a smaller size must hold this long
     down_after_up: float = 60.0  # per role: no scale-down this soon after a scale-up
-    startup_grace: float = 120.0  # nodes still loading this long after a scale-up: missing
     bounds: Mapping[str, RoleBounds] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

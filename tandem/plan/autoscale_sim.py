@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.autoscale.types import NodeSample, Observation, RouterCounts
-from tandem.bench.metrics import RequestRecord, Slo, run_metrics
+from tandem.bench.metrics import RequestRecord, Slo, meets, run_metrics
 from tandem.bench.workload import LengthDist, parse_lengths
 from tandem.plan.topology import Arrival
 
@@ -125,7 +125,7 @@ class ScaledRun:
     _counted: int = 0  # records whose prompt tokens are counted (send order)
     _open: list[RequestRecord] = field(default_factory=list)  # sent, no first token yet
     _streaming: list[RequestRecord] = field(default_factory=list)  # first token, not ended
-    _counts: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    _counts: list[float] = field(default_factory=lambda: [0.0] * 5)
     _ttfts: list[float] = field(default_factory=list)  # of the first tokens since the last tick
 
     def start(self) -> None:
@@ -180,13 +180,14 @@ class ScaledRun:
         for node_id, node in sim.prefillers.items():
             nodes.append(NodeSample(node_id, "prefill", node.holding,
                                     draining=node_id in sim.draining))  # fmt: skip
-        counts = RouterCounts(*self._count(), arrivals=float(self._counted))  # admitted
+        counts = self._count()
         ttft = self._ttft_p90()  # of what `_count` just saw
         return Observation(sim.now, nodes, len(sim.queue), ttft, counts)
 
-    def _count(self) -> tuple[float, float, float]:
-        """The router's counts: requests given a first token, their prompt tokens, and
-        the output tokens of the requests that ended (kept incrementally)."""
+    def _count(self) -> RouterCounts:
+        """The router's counts: requests given a first token, their prompt tokens (and
+        squares), the output tokens (and squares) of the requests that ended, and the
+        requests admitted (kept incrementally)."""
         records = self.sim.records
         self._open.extend(records[self._counted :])
         self._counted = len(records)
@@ -197,6 +198,7 @@ class ScaledRun:
             if r.chunks:
                 counts[0] += 1
                 counts[1] += r.prompt_tokens
+                counts[3] += r.prompt_tokens * r.prompt_tokens
                 self._streaming.append(r)
                 self._ttfts.append(r.chunks[0] - r.sent)
             elif not _ended(r):
@@ -206,10 +208,12 @@ class ScaledRun:
         for r in self._streaming:
             if _ended(r):
                 counts[2] += r.output_tokens
+                counts[4] += r.output_tokens * r.output_tokens
             else:
                 going.append(r)
         self._streaming = going
-        return counts[0], counts[1], counts[2]
+        requests, prompt, output, prompt_sq, output_sq = counts
+        return RouterCounts(requests, prompt, output, float(self._counted), prompt_sq, output_sq)
 
     def _ttft_p90(self) -> float | None:
         """Of the first tokens since the last tick, as the controller reads the router's
@@ -221,6 +225,11 @@ class ScaledRun:
 
     def summary(self, records: list[RequestRecord]) -> dict[str, Any]:
         m = run_metrics(records, self.slo)
+        met: dict[int, list[int]] = {}  # minute sent -> [requests, meeting the SLO]
+        for r in records:
+            counts = met.setdefault(int(r.sent // 60), [0, 0])
+            counts[0] += 1
+            counts[1] += meets(r, self.slo)
         ups = sum(1 for c in self.changes if c[2] > 0)
         return {
             "requests": m.requests,
@@ -231,6 +240,10 @@ class ScaledRun:
             "scale_ups": ups,
             "scale_downs": len(self.changes) - ups,
             "peak_nodes": max(p + d for _, p, d in self.timeline),
+            # where a run misses: the share meeting the SLO of each minute's arrivals
+            "attainment_by_minute": [
+                (60.0 * minute, good / n) for minute, (n, good) in sorted(met.items())
+            ],
         }
 
 
@@ -339,7 +352,7 @@ def run_autoscaled(args: argparse.Namespace) -> dict[str, Any]:
     out["timeline"] = driver.timeline
     out["changes"] = [(t, role, delta, why) for t, role, delta, why in driver.changes]
     if args.plot:
-        plot(args.plot, curve, driver.timeline, out["label"])
+        plot(args.plot, curve, driver.timeline, out["attainment_by_minute"], out["label"])
     if not args.quiet:
         print(
             f"[{out['label']}] {out['completed']}/{out['requests']} ok, SLO met "
@@ -370,16 +383,25 @@ def _node_options(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def plot(path: str, curve: RateCurve, timeline: list[tuple[float, int, int]], title: str) -> None:
+def plot(
+    path: str,
+    curve: RateCurve,
+    timeline: list[tuple[float, int, int]],
+    attained: list[tuple[float, float]],
+    title: str,
+) -> None:
+    """Rate and nodes over time above; below, the share of each minute's arrivals that
+    met the SLO (where a policy falls behind shows there)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, rate_ax = plt.subplots(figsize=(9, 4))
+    fig, (rate_ax, met_ax) = plt.subplots(
+        2, 1, figsize=(9, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     ts = [t for t, _, _ in timeline]
     rate_ax.plot(ts, [curve.rate(t) for t in ts], color="grey", label="rate (req/s)")
-    rate_ax.set_xlabel("simulated seconds")
     rate_ax.set_ylabel("requests a second")
     nodes_ax = rate_ax.twinx()
     nodes_ax.step(ts, [p for _, p, _ in timeline], where="post", label="prefill nodes")
@@ -387,6 +409,10 @@ def plot(path: str, curve: RateCurve, timeline: list[tuple[float, int, int]], ti
     nodes_ax.set_ylabel("nodes")
     fig.legend(loc="upper left")
     rate_ax.set_title(title)
+    met_ax.step([t for t, _ in attained], [100 * a for _, a in attained], where="post")
+    met_ax.set_ylabel("SLO met (%)")
+    met_ax.set_ylim(0, 105)
+    met_ax.set_xlabel("simulated seconds (SLO met: of the requests sent in each minute)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -28,7 +28,8 @@ from tandem.autoscale.controller import Controller
 from tandem.autoscale.local_backend import LocalBackend
 from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.policy import Policy, PolicyConfig
-from tandem.autoscale.slo import Sizer, SloPolicy
+from tandem.autoscale.sizer import Sizer
+from tandem.autoscale.slo import SloPolicy
 from tandem.autoscale.types import Observation, RoleBounds, Slo, SloConfig
 from tandem.launcher import Stack
 from tests.e2e.conftest import running_stack

@@ -21,7 +21,8 @@ from tandem.autoscale.controller import router_counts
 from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.options import add_policy_options, slo_problem
 from tandem.autoscale.policies import policy_from_args
-from tandem.autoscale.slo import Load, Sizer, SloPolicy
+from tandem.autoscale.sizer import Load, Sizer
+from tandem.autoscale.slo import SloPolicy
 from tandem.autoscale.types import (
     Decision,
     NodeSample,
@@ -139,6 +140,23 @@ def test_the_search_finds_what_trying_every_split_finds(profile_path: str) -> No
     assert searched.simulations == runs
 
 
+def test_a_size_is_searched_from_the_last_one_in_fewer_simulations(profile_path: str) -> None:
+    """From the last tick's size, the next load's: the same answer as the search from
+    the bounds, in a simulation or three (a drifting mix made nearly every tick a new
+    load, and a simulated hour of a 64-node cluster spent an hour sizing)."""
+    wide = {"prefill": RoleBounds(1, 8), "decode": RoleBounds(1, 3)}
+    cold, warm = Sizer(profile_path, SLO, wide), Sizer(profile_path, SLO, wide)
+    last = warm.size(load(3.0))
+    for rate in (3.3, 3.8, 4.4, 5.2, 4.6, 3.9):  # up, then down again
+        runs = warm.simulations
+        got = warm.size(load(rate), last)
+        assert warm.simulations - runs <= 4, rate
+        want = cold.size(load(rate))
+        assert (got.prefill, got.decode, got.feasible) == (want.prefill, want.decode, True)
+        last = got
+    assert warm.simulations < cold.simulations
+
+
 def test_sizing_inside_a_simulation_frees_its_own(sizer: Sizer) -> None:
     """`tandem plan simulate --autoscale` sizes from inside a simulation that pauses the
     cyclic collector: the Sizer's simulations must not outlive their answer (they did,
@@ -250,13 +268,16 @@ def test_the_controller_reads_the_router_counts_from_its_metrics() -> None:
         m.ttft.labels(model=model).observe(ttft)
     m.prompt_tokens.labels(model="a").inc(300)
     m.output_tokens.labels(model="a").inc(40)
+    m.prompt_tokens_sq.labels(model="a").inc(100**2 + 200**2)
+    m.output_tokens_sq.labels(model="a").inc(10**2 + 30**2)
     m.prompt_tokens.labels(model="b").inc(7)
+    m.prompt_tokens_sq.labels(model="b").inc(49)
     m.routes.labels("remote", "a").inc(4)  # admitted: two still without a first token
     m.routes.labels("local", "a").inc(1)
     m.routes.labels("remote", "b").inc(1)
     text = generate_latest(m.registry).decode()
-    assert router_counts(text, "a") == RouterCounts(2, 300, 40, 5)
-    assert router_counts(text) == RouterCounts(3, 307, 40, 6)
+    assert router_counts(text, "a") == RouterCounts(2, 300, 40, 5, 50_000, 1_000)
+    assert router_counts(text) == RouterCounts(3, 307, 40, 6, 50_049, 1_000)
 
 
 def test_the_rate_is_of_arrivals_not_of_first_tokens(sizer: Sizer) -> None:
@@ -324,3 +345,47 @@ def test_tandem_up_sizes_with_its_profile_and_refuses_a_policy_without_targets(
     bare = build_parser().parse_args(["up", "--split", "--autoscale", "--policy", "slo"])
     assert up(bare) == 2  # nothing started
     assert "--slo-ttft and --slo-tpot" in capsys.readouterr().err
+
+
+def test_the_spread_of_the_lengths_is_read_and_sized_with(sizer: Sizer) -> None:
+    """Half the prompts 100 tokens, half 900: the load is 500 +- 693 (a uniform of the
+    same variance), simulated as such. On the H100 projection, prompts of 200-3,456
+    tokens on 8P+4D met the SLO for 51% where prompts of their mean length met it for
+    99.9%: the sizer must see the spread."""
+    cfg = SloConfig(window=20, min_span=5, horizon=0, headroom=0.0, bounds=BOUNDS)
+    policy = SloPolicy(sizer, cfg)
+    nodes = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
+    for t in range(21):  # 2 requests a second: one of 100 prompt tokens, one of 900
+        counts = RouterCounts(2.0 * t, 1000.0 * t, 64.0 * t, 2.0 * t,
+                              (100**2 + 900**2) * t, 2 * 32**2 * t)  # fmt: skip
+        policy.observe(Observation(float(t), nodes, router=counts), {"prefill": 4, "decode": 2})
+    load = policy.forecast()
+    assert load is not None
+    assert (load.prompt_tokens, load.output_tokens, load.output_spread) == (500, 32, 0)
+    assert load.prompt_spread == round(400 * 3**0.5)
+    assert load.lengths() == ("uniform:1:1193", "32")
+    assert load.key() != Load(load.rate, 500, 32).key()  # sized apart from the mean alone
+    # a wider spread fills the queue in bursts: more nodes for the same mean, or as many
+    alike, spread = Load(3.0, PROMPT, OUTPUT), Load(3.0, PROMPT, OUTPUT, PROMPT - 1)
+    assert sizer.attainment(spread, 2, 1) < sizer.attainment(alike, 2, 1)
+
+
+def test_a_size_that_grows_while_nodes_load_is_asked_for_at_once(sizer: Sizer) -> None:
+    """The nodes still loading count toward the size (not asked for twice), and a ramp
+    that outgrows them is not kept waiting for them to come up: on a simulated H100 day,
+    one scale-up a minute (a node's start) fell behind the morning."""
+    cfg = SloConfig(window=20, min_span=5, horizon=10, headroom=0.0, up_window=0,
+                    bounds=BOUNDS)  # fmt: skip
+    policy = SloPolicy(sizer, cfg)
+    serving = [NodeSample("prefill-0", "prefill"), NodeSample("decode-0", "decode")]
+    current = {"prefill": 1, "decode": 1}  # nodes started count; only the first serve
+    moves: list[tuple[int, int]] = []
+    requests = 0.0
+    for t in range(60):
+        requests += 0.5 if t < 20 else 0.5 + 0.2 * (t - 20)  # a ramp from t = 20
+        counts = RouterCounts(requests, requests * PROMPT, requests * OUTPUT, requests)
+        for d in policy.observe(Observation(float(t), serving, router=counts), dict(current)):
+            current[d.role] += d.delta
+            moves.append((t, d.delta))
+    assert len(moves) >= 2 and current["prefill"] >= 3, moves  # more asked as it grew
+    assert sum(delta for _, delta in moves) == current["prefill"] - 1  # none asked twice

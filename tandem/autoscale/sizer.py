@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from tandem.autoscale.types import ROLES, RoleBounds, Slo
 
 STEP = 0.05  # loads within ~5% share a cached size
+NEAR_STEPS = 3  # nodes `Sizer._near` adds or removes before the search from the bounds
 
 
 @dataclass(frozen=True)
@@ -199,17 +200,18 @@ class Sizer:
     def _near(self, load: Load, start: Size) -> Size | None:
         """From a size known to suit a load like this one: fewer nodes of either role while
         the SLO is still met, or more of the role whose node helps most until it is (None
-        when neither helps: which role is short is then not known here). A load
-        moves a little a tick, so this takes a simulation or three where the search from
-        the bounds (`_smallest`) takes a dozen; a simulated hour of a 64-node cluster sized
-        a new load nearly every tick (its mix drifted), and spent an hour doing so."""
+        when neither helps: which role is short is then not known here, or after
+        NEAR_STEPS nodes: the load is not like the last, and bisection finds it sooner). A
+        load moves a little a tick, so this takes a simulation or three where the search
+        from the bounds (`_smallest`) takes a dozen; a simulated hour of a 64-node cluster
+        sized a new load nearly every tick (its mix drifted), and spent an hour doing so."""
         p_bounds, d_bounds = self.bounds["prefill"], self.bounds["decode"]
         p = min(max(start.prefill, p_bounds.min), p_bounds.max)
         d = min(max(start.decode, d_bounds.min), d_bounds.max)
         target = self.slo.attainment
         got = self.attainment(load, p, d)
         if got >= target:
-            while True:
+            for _ in range(NEAR_STEPS + 1):
                 fewer = [(p - 1, d)] if p > p_bounds.min else []
                 fewer += [(p, d - 1)] if d > d_bounds.min else []
                 meeting = [(self.attainment(load, *c), c) for c in fewer]
@@ -217,7 +219,8 @@ class Sizer:
                 if not meeting:
                     return Size(p, d, got, True)
                 got, (p, d) = max(meeting)
-        while got < target:
+            return None
+        for _ in range(NEAR_STEPS):
             more = [(p + 1, d)] if p < p_bounds.max else []
             more += [(p, d + 1)] if d < d_bounds.max else []
             if not more:
@@ -226,7 +229,9 @@ class Sizer:
             if better <= got:
                 return None
             got = better
-        return Size(p, d, got, True)
+            if got >= target:
+                return Size(p, d, got, True)
+        return None
 
     def _smallest(self, load: Load) -> Size:
         """The fewest nodes meeting the SLO, the maximum known to meet it. A role's count

@@ -236,6 +236,10 @@ class DecodeAhead:
     def num_waiting(self) -> int:
         return self.inner.num_waiting
 
+    @property
+    def num_waiting_midstream(self) -> int:
+        return self.inner.num_waiting_midstream
+
     def serves(self, model: str) -> bool:
         return self.inner.serves(model)
 

@@ -300,6 +300,10 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_waiting_midstream(self) -> int:
+        return self.scheduler.num_waiting_midstream
+
     def step(self) -> list[StepOutput]:
         """One step as the scheduler plans it (`Scheduler.plan_step`): a prefill batch or a
         decode step (the classic schedule), or, with chunked prefill and sequences running,

@@ -174,6 +174,11 @@ class EngineCore(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
+    @property
+    def num_waiting_midstream(self) -> int:
+        """Waiting sequences that made tokens already (preempted, or resumed here)."""
+        ...
+
     def running_tokens(self) -> dict[str, int]:
         """Each running sequence's token count (prompt and output), readable from any
         thread (a racing step may make it a step stale, or empty that once)."""

@@ -81,8 +81,9 @@ class RequestLimits:
 def handoff_refusal(free_blocks: int, blocks: int, waiting: int) -> str | None:
     """Why a decode node refuses a sequence whose KV (`blocks` of it) was computed
     elsewhere, or None when it takes it. `free_blocks`: free beyond those promised to
-    arrivals under way; `waiting`: sequences queued on the node for KV room or a seat
-    (preempted ones among them).
+    arrivals under way; `waiting`: sequences mid-stream queued on the node for KV room
+    (preempted, or resumed: `num_waiting_midstream`; a new prompt queued for its prefill
+    is the normal flow of a node that prefills too, and stops nothing).
 
     Not while any wait: they came first, and a sequence admitted past them takes the room
     they wait for. A node short of KV preempts running sequences; it took hand-offs into

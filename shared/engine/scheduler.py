@@ -71,6 +71,13 @@ class Scheduler:
         """Sequences holding blocks and a seat: decoding, or prefilling chunk by chunk."""
         return len(self.running) + len(self.prefilling)
 
+    @property
+    def num_waiting_midstream(self) -> int:
+        """Waiting sequences that have made tokens already: preempted here for KV room (at
+        the queue's head), or resumed from elsewhere. A decode node takes no hand-off while
+        any wait (shared/engine/limits.handoff_refusal)."""
+        return sum(1 for seq in self.waiting if seq.output_ids)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 

@@ -75,4 +75,6 @@ def test_a_decode_node_with_sequences_waiting_takes_no_hand_off() -> None:
     third.num_computed = 3
     assert engine.scheduler.pool.num_free >= 2 and not engine.add_prefilled(third)
     engine.scheduler.remove(engine.scheduler.waiting[0])  # (it ran and ended)
+    engine.add(SimEngine.new_sequence("r3", [1] * 3, 8))  # a new prompt to prefill here
+    assert engine.scheduler.num_waiting_midstream == 0  # the normal flow: stops nothing
     assert engine.add_prefilled(third)

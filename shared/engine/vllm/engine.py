@@ -288,6 +288,11 @@ class VllmEngine:
     def num_waiting(self) -> int:
         return len(self._scheduler.waiting)
 
+    @property
+    def num_waiting_midstream(self) -> int:
+        """Waiting requests with output already (preempted, or resumed here)."""
+        return sum(1 for r in list(self._scheduler.waiting) if r.num_output_tokens > 0)
+
     def running_tokens(self) -> dict[str, int]:
         try:
             tracked = list(self.requests.items())

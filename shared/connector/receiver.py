@@ -117,7 +117,9 @@ class KVReceiver:
         need = self.engine.blocks_for(len(snap.prompt_ids) + snap.params.max_tokens)
         now_blocks = self.engine.blocks_for(snap.num_computed)
         free = self.engine.pool.num_free - self.reserved_blocks()
-        refusal = handoff_refusal(free, now_blocks, self.engine.num_waiting_midstream)
+        refusal = handoff_refusal(
+            free, now_blocks, self.engine.num_waiting_midstream, self.engine.num_running
+        )
         if refusal is not None:
             await msg.respond(refused(refusal))
             return

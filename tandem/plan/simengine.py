@@ -136,7 +136,8 @@ class SimEngine:
         False, and nothing changed, when its blocks do not fit now (the node refuses)."""
         sched = self.scheduler
         need = sched.blocks_for(seq.num_computed)
-        if handoff_refusal(sched.pool.num_free, need, sched.num_waiting_midstream) is not None:
+        waiting, running = sched.num_waiting_midstream, sched.num_running
+        if handoff_refusal(sched.pool.num_free, need, waiting, running) is not None:
             return False
         seq.block_ids = self.scheduler.pool.allocate(need)
         self.scheduler.name_blocks(seq)

@@ -58,23 +58,43 @@ def test_a_decode_node_with_sequences_waiting_takes_no_hand_off() -> None:
     """Sequences preempted for KV room wait first: a hand-off taken into the room a
     preemption freed was preempted in turn, and a simulated H100 node short of KV went on
     recomputing prompts for minutes (1,787 of them queued)."""
-    assert handoff_refusal(free_blocks=100, blocks=10, waiting=0) is None
-    assert handoff_refusal(10, 10, 0) == "not enough free KV blocks"  # and one to grow into
-    assert handoff_refusal(100, 10, 1) == "sequences wait here for KV room"
+    assert handoff_refusal(free_blocks=100, blocks=10, waiting=0, running=0) is None
+    assert handoff_refusal(10, 10, 0, 0) == "not enough free KV blocks"  # and one to grow into
+    assert handoff_refusal(100, 10, 1, 0) == "sequences wait here for KV room"
     assert receiver.handoff_refusal is handoff_refusal is simengine.handoff_refusal
     # the simulated node: full, it preempts; while the preempted one waits, it refuses
-    shape = EngineShape(block_size=4, max_num_seqs=8, num_blocks=9, enable_prefix_caching=False)
+    shape = EngineShape(block_size=4, max_num_seqs=8, num_blocks=10, enable_prefix_caching=False)
     engine = SimEngine(shape, CostModel.__new__(CostModel))
     first, second = (SimEngine.new_sequence(f"r{k}", [1] * 16, 8) for k in range(2))
     for seq in (first, second):
         seq.num_computed, seq.output_ids = 16, [7]  # its first token, pending
-        assert engine.add_prefilled(seq)  # 4 blocks each, 1 left
+        assert engine.add_prefilled(seq)  # 4 blocks each, 2 left
+    engine.scheduler.pool.allocate(2)  # (taken by what else runs here: the pool is full)
     engine.scheduler.plan_step()  # both need a 5th block for their next token: one goes
     assert engine.scheduler.num_preemptions == 1 and len(engine.scheduler.waiting) == 1
     third = SimEngine.new_sequence("r2", [1] * 3, 8)
     third.num_computed = 3
-    assert engine.scheduler.pool.num_free >= 2 and not engine.add_prefilled(third)
+    assert engine.scheduler.pool.num_free >= 3 and not engine.add_prefilled(third)
     engine.scheduler.remove(engine.scheduler.waiting[0])  # (it ran and ended)
     engine.add(SimEngine.new_sequence("r3", [1] * 3, 8))  # a new prompt to prefill here
     assert engine.scheduler.num_waiting_midstream == 0  # the normal flow: stops nothing
     assert engine.add_prefilled(third)
+
+
+def test_a_decode_node_keeps_a_block_for_each_running_stream() -> None:
+    """Taken down to its last free block, a node preempted as soon as its streams grew
+    (a simulated H100 cluster, half its KV free, preempted a few sequences a minute per
+    node, and refused every hand-off while each one's prompt was recomputed)."""
+    assert handoff_refusal(free_blocks=15, blocks=10, waiting=0, running=4) is None
+    assert handoff_refusal(14, 10, 0, 4) == "not enough free KV blocks"
+    shape = EngineShape(block_size=4, max_num_seqs=8, num_blocks=10, enable_prefix_caching=False)
+    engine = SimEngine(shape, CostModel.__new__(CostModel))
+    first, second = (SimEngine.new_sequence(f"r{k}", [1] * 16, 8) for k in range(2))
+    for seq in (first, second):
+        seq.num_computed, seq.output_ids = 16, [7]
+    assert engine.add_prefilled(first)  # 4 of 10 blocks: 6 free
+    engine.scheduler.pool.allocate(1)  # 5 free: 4 for the second, 1 for its next token...
+    assert not engine.add_prefilled(second)  # ... and none for the first's: refused
+    assert engine.scheduler.num_running == 1 and engine.scheduler.pool.num_free == 5
+    engine.scheduler.plan_step()  # the first grows into its block: nothing preempted
+    assert engine.scheduler.num_preemptions == 0

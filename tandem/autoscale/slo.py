@@ -26,7 +26,8 @@ Each tick:
      cold controller has no rate), nor from ticks while the router could not be read.
 4. **Infeasible**: when even the maximum misses the SLO at the forecast, the size is the
    maximum, `infeasible` says so (the controller logs each change of it and exports it as
-   a metric), and the policy holds there instead of thrashing.
+   a metric) until sizes have been feasible for `down_window`, and the policy holds there
+   instead of thrashing.
 
 The pure parts (forecast, moves) take time only from `Observation.time`, so a recorded
 series replays exactly; the simulator is seeded.
@@ -72,6 +73,7 @@ class SloPolicy:
         self._lengths: tuple[int, int, int, int] | None = None
         self.size: Size | None = None  # and the size it needs
         self.infeasible = False
+        self._feasible_since: float | None = None  # while infeasible: sized feasibly since
         self.why = ""  # what the last size rests on, for the infeasible log line
 
     # ---- the load ------------------------------------------------------------------------
@@ -135,7 +137,7 @@ class SloPolicy:
         wider = load.times(1 + DOWN_MARGIN)
         keep = self.sizer.size(wider, size) if load.rate > 0 else size
         self.load, self.size = load, size
-        self.infeasible = not size.feasible
+        self._note_feasible(size.feasible, obs.time)
         self.why = f"{load_text(load)}: simulated SLO met {size.attainment:.0%} at the maximum"
         decisions = []
         for role in ROLES:
@@ -149,6 +151,19 @@ class SloPolicy:
                 self._since.pop((role, "down"), None)
                 decisions.append(decision)
         return decisions
+
+    def _note_feasible(self, feasible: bool, now: float) -> None:
+        """Infeasible at once; feasible again only once every size has been so for
+        `down_window` (as long as a scale-down from the maximum waits). At a peak the
+        backlog term pushes the planned rate past what the maximum serves and back
+        within a tick or two, and the flag flapped: a log line each time."""
+        if not feasible:
+            self.infeasible, self._feasible_since = True, None
+        elif self.infeasible:
+            if self._feasible_since is None:
+                self._feasible_since = now
+            if now - self._feasible_since >= self.config.down_window:
+                self.infeasible, self._feasible_since = False, None
 
     def _with_backlog(self, load: Load, queued: int) -> Load:
         """`load`, plus what it takes to drain the prefill queue's excess within the

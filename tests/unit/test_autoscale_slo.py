@@ -246,6 +246,31 @@ def test_an_infeasible_slo_holds_the_maximum_and_says_so(sizer: Sizer) -> None:
     assert 'tandem_autoscale_decisions_total{direction="up",pool="m",role="decode"} 1.0' in text
 
 
+def test_infeasible_is_said_once_and_cleared_only_after_feasible_sizes_hold(
+    sizer: Sizer,
+) -> None:
+    """At a peak the backlog term pushed the planned rate past the maximum and back within
+    a tick, and the flag (a log line each change) flapped several times a minute."""
+    cfg = SloConfig(window=20, min_span=5, up_window=0, down_window=30, bounds=BOUNDS)
+    policy = SloPolicy(sizer, cfg)
+    current = {"prefill": 1, "decode": 1}
+    flags, sizes = [], []
+    rates = [12.0] * 40 + [1.0] * 80
+    requests = 0.0
+    for now, rate in enumerate(rates):
+        requests += rate
+        nodes = [NodeSample(f"{role}-{k}", role) for role, n in current.items() for k in range(n)]
+        counts = RouterCounts(requests, requests * PROMPT, requests * OUTPUT, requests)
+        for d in policy.observe(Observation(float(now), nodes, router=counts), dict(current)):
+            current[d.role] += d.delta
+        flags.append(policy.infeasible)
+        sizes.append(policy.size is not None and policy.size.feasible)
+    changes = [t for t in range(1, len(flags)) if flags[t] != flags[t - 1]]
+    assert len(changes) == 2 and flags[changes[0]] and not flags[-1]  # on, then off once
+    feasible_from = next(t for t in range(40, len(sizes)) if all(sizes[t:]))
+    assert changes[1] - feasible_from == cfg.down_window
+
+
 def test_the_forecast_leads_a_ramp_and_trails_a_drop(sizer: Sizer) -> None:
     """A trend counts only beyond Poisson noise: a steady rate is not extrapolated."""
     cfg = SloConfig(window=20, min_span=5, horizon=10, headroom=0.0, bounds=BOUNDS)

@@ -6,6 +6,9 @@ both ask."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any, cast
+
 import msgspec
 import pytest
 
@@ -16,9 +19,15 @@ from services.prefill.handoff_rules import (
     offer_order,
     takes_kv_of,
 )
+from shared.bus.ids import AttemptId
+from shared.bus.messages import DecodeAssignment, SequenceSnapshot, encode
 from shared.connector import receiver
+from shared.connector.receiver import KVReceiver
 from shared.costs.model import CostModel
+from shared.engine.engine import Engine, EngineConfig
 from shared.engine.limits import handoff_refusal
+from shared.model.loader import LoadedModel
+from shared.sampling_params import SamplingParams
 from tandem.plan import simengine, simprefill
 from tandem.plan.simengine import EngineShape, SimEngine
 from tests.unit.test_routing import KEY, decode_node
@@ -98,3 +107,40 @@ def test_a_decode_node_keeps_a_block_for_each_running_stream() -> None:
     assert engine.scheduler.num_running == 1 and engine.scheduler.pool.num_free == 5
     engine.scheduler.plan_step()  # the first grows into its block: nothing preempted
     assert engine.scheduler.num_preemptions == 0
+
+
+async def test_a_real_decode_node_asks_the_rule_with_its_running_streams(
+    tiny_model: LoadedModel,
+) -> None:
+    """The receiver (shared/connector/receiver.py) passes the engine's running sequences:
+    room for the sequence's blocks alone is refused while streams run there."""
+    engine = Engine(tiny_model, EngineConfig(num_blocks=24, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for k in range(3):
+        engine.add_request([5 + k] * 20, params, f"run-{k}")
+    engine.step()  # prefilled: three streams running
+    running, free = engine.num_running, engine.pool.num_free
+    assert running == 3 and free > running + 2
+    node = SimpleNamespace(draining=False)
+    receiver = KVReceiver(node, engine, cast(Any, None), cast(Any, None), "decode-0", "tcp")
+
+    async def offer(blocks: int) -> bytes:
+        tokens = blocks * engine.config.block_size
+        snap = SequenceSnapshot(AttemptId("cmpl-x"), [9] * tokens, [], params, 1, tokens)
+        assignment = DecodeAssignment(
+            transfer_id="t-x", snapshot=snap, token_subject="tandem.tokens.cmpl-x"
+        )
+        msg = SimpleNamespace(data=encode(assignment), subject="tandem.decode.decode-0.assign")
+        answers: list[bytes] = []
+
+        async def respond(data: bytes) -> None:
+            answers.append(data)
+
+        msg.respond = respond
+        await receiver.on_assign(cast(Any, msg))
+        return answers[0]
+
+    assert b"not enough free KV blocks" in await offer(free - running)  # none to grow into
+    assert not receiver.expected
+    assert b"not enough" not in await offer(free - running - 1)  # a block for each
+    assert list(receiver.expected) == ["t-x"]

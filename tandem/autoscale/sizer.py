@@ -53,14 +53,23 @@ class Load:
         )  # fmt: skip
 
     def lengths(self) -> tuple[str, str]:
-        """`tandem plan simulate`'s --prompt-len and --output-len for this load: uniform
-        over mean +- spread (from 1 up), or the mean alone."""
+        """`tandem plan simulate`'s --prompt-len and --output-len for this load, each of
+        the same mean and variance: uniform over mean +- spread, or the mean alone.
+
+        A spread wider than the mean (a mix of short and long, e.g. 20% of 1,500-token
+        prompts among 100-token ones) fits no uniform from 1 up: it is the two lengths 1
+        and L of that mean and variance instead. A uniform cut at 1 raised the mean (800
+        -> 1,006 tokens for half long ones) and sized for work that was not there."""
 
         def spec(mean: int, spread: int) -> str:
             mean = max(1, mean)
-            if spread <= 0:
+            if spread <= 0 or mean == 1:
                 return str(mean)
-            return f"uniform:{max(1, mean - spread)}:{mean + spread}"
+            if mean - spread >= 1:
+                return f"uniform:{mean - spread}:{mean + spread}"
+            above, variance = mean - 1, spread * spread / 3  # (a uniform's: half-width^2/3)
+            share = above * above / (variance + above * above)  # of the long ones
+            return f"mix:1:{1 + round(above / share)}:{share:.4f}"
 
         return spec(self.prompt_tokens, self.prompt_spread), spec(
             self.output_tokens, self.output_spread

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -67,6 +68,32 @@ def test_the_planner_sizes_prefill_nodes_by_the_load(sizer: Sizer) -> None:
     runs = sizer.simulations
     assert sizer.size(load(5.05)) is sizer.size(load(5.0))  # within a step: cached
     assert sizer.simulations == runs
+
+
+def test_a_load_is_simulated_with_the_mean_and_variance_it_was_measured_with() -> None:
+    """Lengths as the sizer simulates them keep the observed mean and variance: a uniform
+    where one fits from 1 up, else two lengths (a short/long mix); a uniform cut at 1
+    raised the mean of a half-long mix from 800 to 1,006 tokens."""
+    from tandem.bench.workload import parse_lengths
+
+    def moments(spec: str) -> tuple[float, float]:
+        d = parse_lengths(spec)
+        if d.kind == "uniform":
+            n = d.high - d.low + 1
+            return (d.low + d.high) / 2, (n * n - 1) / 12
+        if d.kind == "mix":
+            mean = d.low + d.fraction * (d.high - d.low)
+            return mean, d.fraction * (1 - d.fraction) * (d.high - d.low) ** 2
+        return d.low, 0.0
+
+    # (mean, sigma): a wide uniform, a 20% and a 50% mix of 100 and 1,500 tokens, alike
+    for mean, sigma in ((1100, 520), (380, 560), (800, 700), (32, 0)):
+        spread = round(math.sqrt(3) * sigma)
+        prompt, _ = Load(1.0, mean, 8, spread, 0).lengths()
+        got_mean, got_var = moments(prompt)
+        assert got_mean == pytest.approx(mean, rel=0.01), prompt
+        assert got_var == pytest.approx(sigma * sigma, rel=0.02, abs=1), prompt
+    assert Load(1.0, 1100, 8, 900, 0).lengths()[0] == "uniform:200:2000"
 
 
 def observe_rates(
@@ -374,7 +401,8 @@ def test_tandem_up_sizes_with_its_profile_and_refuses_a_policy_without_targets(
 
 def test_the_spread_of_the_lengths_is_read_and_sized_with(sizer: Sizer) -> None:
     """Half the prompts 100 tokens, half 900: the load is 500 +- 693 (a uniform of the
-    same variance), simulated as such. On the H100 projection, prompts of 200-3,456
+    same variance), simulated with that mean and variance (wider than a uniform from 1:
+    two lengths). On the H100 projection, prompts of 200-3,456
     tokens on 8P+4D met the SLO for 51% where prompts of their mean length met it for
     99.9%: the sizer must see the spread."""
     cfg = SloConfig(window=20, min_span=5, horizon=0, headroom=0.0, bounds=BOUNDS)
@@ -388,7 +416,7 @@ def test_the_spread_of_the_lengths_is_read_and_sized_with(sizer: Sizer) -> None:
     assert load is not None
     assert (load.prompt_tokens, load.output_tokens, load.output_spread) == (500, 32, 0)
     assert load.prompt_spread == round(400 * 3**0.5)
-    assert load.lengths() == ("uniform:1:1193", "32")
+    assert load.lengths() == ("mix:1:821:0.6087", "32")  # 1 or 821 tokens: 500 +- 400
     assert load.key() != Load(load.rate, 500, 32).key()  # sized apart from the mean alone
     # a wider spread fills the queue in bursts: more nodes for the same mean, or as many
     alike, spread = Load(3.0, PROMPT, OUTPUT), Load(3.0, PROMPT, OUTPUT, PROMPT - 1)

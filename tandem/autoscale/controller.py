@@ -40,6 +40,7 @@ from shared.bus.topology import PREFILL_STREAM, prefill_consumer
 from shared.telemetry.metrics import serve_registry
 from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.policies import policy_from_args
+from tandem.autoscale.slo import SloPolicy
 from tandem.autoscale.types import (
     ROLES,
     Backend,
@@ -220,18 +221,19 @@ class Controller:
         # off the loop: the SLO policy may simulate a new load first (slo.py)
         decisions = await asyncio.to_thread(self.policy.observe, obs, current)
         pool = "" if self.model is None else f" of {self.model}"
-        infeasible = bool(getattr(self.policy, "infeasible", False))
+        slo = self.policy if isinstance(self.policy, SloPolicy) else None
+        infeasible = slo is not None and slo.infeasible
         if infeasible != self._infeasible:
             self._infeasible = infeasible
             if infeasible:
                 log.warning(
                     "autoscale%s: the SLO cannot be met even at the maximum (%s): holding it",
-                    pool, getattr(self.policy, "why", ""),
+                    pool, slo.why if slo else "",
                 )  # fmt: skip
             else:
                 log.info("autoscale%s: the SLO can be met again within the bounds", pool)
         if self.metrics is not None:
-            load = getattr(self.policy, "load", None)
+            load = slo.load if slo else None
             self.metrics.tick(self.model or "", current, decisions, infeasible,
                               None if load is None else load.rate)  # fmt: skip
         for d in decisions:

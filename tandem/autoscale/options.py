@@ -89,6 +89,16 @@ def add_slo_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> Non
         default=c.horizon,
         help="--policy slo: seconds ahead the load is forecast (about a node's start)",
     )
+    add_option(
+        p,
+        "--slo-interval",
+        type=float,
+        default=c.interval,
+        help="--policy slo: seconds a size is planned to hold: scale-ups size for the "
+        "forecast this much further ahead, scale-downs remove every spare node at once, at "
+        "most once an interval a role (fewer replica changes for more node-seconds; 0: down "
+        "one node at a time)",
+    )
     if not slo_targets:
         return
     add_option(

@@ -30,6 +30,7 @@ def policy_from_args(
                 window=args.slo_window,
                 min_span=min(SloConfig.min_span, args.slo_window),
                 horizon=args.slo_horizon,
+                interval=args.slo_interval,
                 headroom=args.headroom,
                 up_window=args.up_window,
                 down_window=_given(args.down_window, SloConfig.down_window),

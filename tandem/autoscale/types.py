@@ -109,10 +109,14 @@ class SloConfig:
     up_window: float = 2.0  # a larger size must hold this long
     down_window: float = 60.0  # a smaller size must hold this long
     down_after_up: float = 60.0  # per role: no scale-down this soon after a scale-up
+    # Seconds a size is planned to hold: scale-ups size for the forecast this much beyond
+    # the horizon, scale-downs remove every spare node at once, at most once per interval
+    # a role. 0: sized for the horizon, down one node at a time.
+    interval: float = 0.0
     bounds: Mapping[str, RoleBounds] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("window", "min_span", "horizon", "up_window", "down_window"):
+        for name in ("window", "min_span", "horizon", "up_window", "down_window", "interval"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 seconds")
         if self.min_span > self.window:

@@ -22,7 +22,7 @@ from tandem.autoscale.controller import router_counts
 from tandem.autoscale.metrics import AutoscaleMetrics
 from tandem.autoscale.options import add_policy_options, slo_problem
 from tandem.autoscale.policies import policy_from_args
-from tandem.autoscale.sizer import Load, Sizer
+from tandem.autoscale.sizer import Load, Size, Sizer
 from tandem.autoscale.slo import SloPolicy
 from tandem.autoscale.types import (
     Decision,
@@ -133,6 +133,74 @@ def test_a_ramp_scales_up_ahead_and_a_drop_scales_down_one_node_at_a_time(sizer:
     assert all(t >= 240 + config.down_window for t, _ in downs)  # only after the window
     assert len(moves) <= 8, moves  # a few moves, no oscillation
     assert "planner sizes" in ups[0][1].reason
+
+
+def test_an_interval_moves_in_fewer_larger_steps(sizer: Sizer) -> None:
+    """`interval`: a size planned to hold that long. The ramp is met as far ahead (no
+    later move than without it, the trend read over the interval), and the drop takes
+    every spare node of a role in one decision where one node at a time took several
+    (a steep ramp extrapolated that far overshoots: the price is node-seconds)."""
+    rates = [0.5] * 60 + [0.5 + 3.5 * k / 60 for k in range(60)] + [4.0] * 120 + [0.5] * 240
+    runs = {}
+    for interval in (0.0, 120.0):
+        config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
+                           down_window=30, down_after_up=30, interval=interval,
+                           bounds=BOUNDS)  # fmt: skip
+        current = {"prefill": 1, "decode": 1}
+        runs[interval] = (observe_rates(SloPolicy(sizer, config), rates, current), current)
+    (steady, _), (planned, current) = runs[0.0], runs[120.0]
+    downs = [d for _, d in planned if d.delta < 0]
+    assert len({d.role for d in downs}) == len(downs), planned  # once a role
+    assert any(d.delta <= -2 for d in downs), planned  # every spare node at once
+    assert all(len(d.remove) == -d.delta for d in downs)
+    assert current == {"prefill": 1, "decode": 1}
+    prefill_downs = [d for _, d in steady if d.delta < 0 and d.role == "prefill"]
+    assert len(prefill_downs) >= 2 and all(d.delta == -1 for d in prefill_downs)
+    assert len([d for d in downs if d.role == "prefill"]) == 1  # where one at a time took 2+
+    first_up = min(t for t, d in planned if d.delta > 0)
+    assert first_up <= min(t for t, d in steady if d.delta > 0)
+    peak = 1 + sum(d.delta for _, d in planned if d.delta > 0)
+    assert peak >= 1 + sum(d.delta for _, d in steady if d.delta > 0)
+
+
+class LinearSizer(Sizer):
+    """A prefill node per 0.5 req/s, one decode node: a stand-in for the planner (the real
+    Sizer is tested above) where a long ramp needs many nodes."""
+
+    def __init__(self, bounds: dict[str, RoleBounds]) -> None:
+        self.slo, self.bounds = SLO, bounds
+
+    def size(self, load: Load, last: Size | None = None) -> Size:
+        cap = self.bounds["prefill"].max
+        return Size(min(max(math.ceil(load.rate / 0.5), 1), cap), 1, 1.0, True)
+
+
+def test_an_interval_plans_a_long_ramp_in_a_few_changes() -> None:
+    """A 400 s ramp to 12 nodes and back: one node at a time takes a change per node each
+    way; a size planned to hold 240 s (the trend read over 240 s, the forecast that far
+    ahead, a scale-up within the interval only when the load outruns what the last change
+    planned for, every spare node removed at once) takes under a third of them, and the
+    deployment is never below the load's need in either."""
+    wide = {"prefill": RoleBounds(1, 16), "decode": RoleBounds(1, 1)}
+    ramp = [0.5 + 5.5 * k / 400 for k in range(400)]
+    rates = [0.5] * 60 + ramp + [6.0] * 100 + ramp[::-1] + [0.5] * 200
+    runs = {}
+    for interval in (0.0, 240.0):
+        config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
+                           down_window=30, down_after_up=30, interval=interval,
+                           bounds=wide)  # fmt: skip
+        current = {"prefill": 1, "decode": 1}
+        moves = observe_rates(SloPolicy(LinearSizer(wide), config), rates, current)
+        assert current["prefill"] == 2, moves  # 0.5 req/s with the headroom: 2 nodes
+        count, deltas = 1, dict.fromkeys(range(len(rates)), 0)
+        for t, d in moves:
+            deltas[int(t)] += d.delta
+        for t, rate in enumerate(rates):
+            count += deltas[t]
+            assert count >= math.ceil(rate / 0.5), (interval, t, moves)
+        runs[interval] = moves
+    assert len(runs[0.0]) >= 20, runs[0.0]  # a node at a time, up and down
+    assert len(runs[240.0]) * 3 < len(runs[0.0]), runs[240.0]
 
 
 def test_the_search_finds_what_trying_every_split_finds(profile_path: str) -> None:

@@ -96,6 +96,13 @@ def test_a_load_is_simulated_with_the_mean_and_variance_it_was_measured_with() -
     assert Load(1.0, 1100, 8, 900, 0).lengths()[0] == "uniform:200:2000"
 
 
+def ramp_config(interval: float = 0.0, bounds: dict[str, RoleBounds] = BOUNDS) -> SloConfig:
+    """The timings the ramp tests run with: a 30 s window, a node's start of 20 s."""
+    return SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
+                     down_window=30, down_after_up=30, interval=interval,
+                     bounds=bounds)  # fmt: skip
+
+
 def observe_rates(
     policy: SloPolicy, rates: list[float], current: dict[str, int], start: float = 0.0
 ) -> list[tuple[float, Decision]]:
@@ -115,8 +122,7 @@ def observe_rates(
 
 
 def test_a_ramp_scales_up_ahead_and_a_drop_scales_down_one_node_at_a_time(sizer: Sizer) -> None:
-    config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
-                       down_window=30, down_after_up=30, bounds=BOUNDS)  # fmt: skip
+    config = ramp_config()
     policy = SloPolicy(sizer, config)
     current = {"prefill": 1, "decode": 1}
     # 60 s at 0.5 req/s, a 60 s ramp to 4 req/s, 120 s there, then 0.5 req/s for 240 s
@@ -143,11 +149,9 @@ def test_an_interval_moves_in_fewer_larger_steps(sizer: Sizer) -> None:
     rates = [0.5] * 60 + [0.5 + 3.5 * k / 60 for k in range(60)] + [4.0] * 120 + [0.5] * 240
     runs = {}
     for interval in (0.0, 120.0):
-        config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
-                           down_window=30, down_after_up=30, interval=interval,
-                           bounds=BOUNDS)  # fmt: skip
         current = {"prefill": 1, "decode": 1}
-        runs[interval] = (observe_rates(SloPolicy(sizer, config), rates, current), current)
+        policy = SloPolicy(sizer, ramp_config(interval))
+        runs[interval] = (observe_rates(policy, rates, current), current)
     (steady, _), (planned, current) = runs[0.0], runs[120.0]
     downs = [d for _, d in planned if d.delta < 0]
     assert len({d.role for d in downs}) == len(downs), planned  # once a role
@@ -186,11 +190,9 @@ def test_an_interval_plans_a_long_ramp_in_a_few_changes() -> None:
     rates = [0.5] * 60 + ramp + [6.0] * 100 + ramp[::-1] + [0.5] * 200
     runs = {}
     for interval in (0.0, 240.0):
-        config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
-                           down_window=30, down_after_up=30, interval=interval,
-                           bounds=wide)  # fmt: skip
         current = {"prefill": 1, "decode": 1}
-        moves = observe_rates(SloPolicy(LinearSizer(wide), config), rates, current)
+        policy = SloPolicy(LinearSizer(wide), ramp_config(interval, wide))
+        moves = observe_rates(policy, rates, current)
         assert current["prefill"] == 2, moves  # 0.5 req/s with the headroom: 2 nodes
         count, deltas = 1, dict.fromkeys(range(len(rates)), 0)
         for t, d in moves:
@@ -271,8 +273,7 @@ def test_a_recorded_series_replays_to_the_same_decisions(profile_path: str) -> N
     """The policy takes time only from the observations and its simulations are seeded:
     the observations of a run, fed again to a fresh policy and sizer, give the very same
     decisions (a recorded incident can be replayed)."""
-    config = SloConfig(window=30, min_span=10, horizon=20, headroom=0.2, up_window=2,
-                       down_window=30, down_after_up=30, bounds=BOUNDS)  # fmt: skip
+    config = ramp_config()
     recorded: list[tuple[Observation, dict[str, int]]] = []
 
     class Recording(SloPolicy):

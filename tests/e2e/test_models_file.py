@@ -1,6 +1,7 @@
 """A models file (issue 27): `tandem up --models-file` serves SmolLM2 twice, once in
 float32 and once in bfloat16 under a second name with limits of its own. Each model's
-nodes run in its dtype, each answer equals `transformers`' greedy output in that dtype, and
+nodes run in its dtype, each answer equals `transformers`' greedy output in that dtype (in
+bfloat16, up to the reference's first near tie: `untied`), and
 each model's requests are held to its own limits. The stack is colocated, so it also
 checks greedy identity with chunked prefill on through the whole stack (issue 23)."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 
 from shared.bus.client import Bus
 from shared.bus.registry import NodeRegistry
@@ -85,6 +87,22 @@ def post(stack: Stack, body: dict[str, object]) -> tuple[int, dict[str, object]]
         return exc.code, json.load(exc)
 
 
+# Logits closer than this are a tie in bfloat16 (its step between 16 and 32, where these
+# models' top logits lie): which one wins depends on the order of the sums, which differs
+# between a batched paged step and `generate` and between CPUs (on an AVX2-only host,
+# "Once upon a time" continued "New" by 0.031 over "Nova", and the engine said "Nova").
+BF16_TIE = 0.125
+
+
+def untied(model: LoadedModel, ids: list[int], ref: list[int]) -> int:
+    """How many of the reference's tokens come before its first near tie (all: none)."""
+    with torch.no_grad():
+        logits = model.hf_model(torch.tensor([ids + ref])).logits[0, len(ids) - 1 : -1]
+    top = logits.float().topk(2, dim=-1).values
+    margins = (top[:, 0] - top[:, 1]).tolist()
+    return next((i for i, m in enumerate(margins) if m < BF16_TIE), len(ref))
+
+
 def test_one_model_in_two_dtypes_each_with_its_limits(
     two_dtypes: Stack, real_model: LoadedModel
 ) -> None:
@@ -110,7 +128,12 @@ def test_one_model_in_two_dtypes_each_with_its_limits(
     for (name, prompt), text in zip(requests, asyncio.run(run()), strict=True):
         model = real_model if name == MODEL else bf16
         ids = model.encode(prompt)
-        assert text == text_of(model, reference(model, ids, 12)), (name, prompt)
+        ref = reference(model, ids, 12)
+        if name == MODEL:
+            assert text == text_of(model, ref), (name, prompt)
+        else:  # exact up to the reference's first near tie (bfloat16: see below)
+            sure = ref[: untied(model, ids, ref)]
+            assert text.startswith(text_of(model, sure)), (name, prompt, text, ref)
     # the bf16 model's own max_tokens limit (12); the float32 one keeps the server's
     body = {"prompt": "Hello", "max_tokens": 13, "temperature": 0}
     status, doc = post(stack, {**body, "model": BF16})

@@ -94,10 +94,10 @@ def add_slo_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> Non
         "--slo-interval",
         type=float,
         default=c.interval,
-        help="--policy slo: seconds a size is planned to hold: scale-ups size for the "
-        "forecast this much further ahead, scale-downs remove every spare node at once, at "
-        "most once an interval a role (fewer replica changes for more node-seconds; 0: down "
-        "one node at a time)",
+        help="--policy slo: seconds a size is planned to hold: the trend is read and the "
+        "load forecast this much further ahead, a role scales up again within it only when "
+        "the load outruns the last plan, and scales down every spare node at once (fewer "
+        "replica changes for more node-seconds; 0: down one node at a time)",
     )
     if not slo_targets:
         return

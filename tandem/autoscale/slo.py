@@ -122,7 +122,7 @@ class SloPolicy:
         late = _rate(middle, last)
         # ahead by a node's start, and by the interval the size is to hold (a trend
         # only ever raises the rate: a drop is believed once it is seen)
-        trend = _trend(list(self._counts) if cfg.interval > cfg.window else counts)
+        trend = _trend(list(self._counts))  # kept over the window or the longer interval
         rate = max(late, late + trend * (cfg.horizon + cfg.interval)) * (1 + cfg.headroom)
         self._near_rate = max(late, late + trend * cfg.horizon) * (1 + cfg.headroom)
         if last.arrivals <= first.arrivals:

@@ -109,9 +109,9 @@ class SloConfig:
     up_window: float = 2.0  # a larger size must hold this long
     down_window: float = 60.0  # a smaller size must hold this long
     down_after_up: float = 60.0  # per role: no scale-down this soon after a scale-up
-    # Seconds a size is planned to hold: scale-ups size for the forecast this much beyond
-    # the horizon, scale-downs remove every spare node at once, at most once per interval
-    # a role. 0: sized for the horizon, down one node at a time.
+    # Seconds a size is planned to hold: the forecast looks this much beyond the horizon,
+    # a role scales up again within it only when the load outruns the last plan, and
+    # scales down every spare node at once. 0: sized for the horizon, down one at a time.
     interval: float = 0.0
     bounds: Mapping[str, RoleBounds] = field(default_factory=dict)
 

@@ -131,7 +131,7 @@ def test_one_model_in_two_dtypes_each_with_its_limits(
         ref = reference(model, ids, 12)
         if name == MODEL:
             assert text == text_of(model, ref), (name, prompt)
-        else:  # exact up to the reference's first near tie (bfloat16: see below)
+        else:  # exact up to the reference's first near tie (bfloat16: BF16_TIE)
             sure = ref[: untied(model, ids, ref)]
             assert text.startswith(text_of(model, sure)), (name, prompt, text, ref)
     # the bf16 model's own max_tokens limit (12); the float32 one keeps the server's

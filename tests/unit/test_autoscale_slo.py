@@ -205,6 +205,35 @@ def test_an_interval_plans_a_long_ramp_in_a_few_changes() -> None:
     assert len(runs[240.0]) * 3 < len(runs[0.0]), runs[240.0]
 
 
+def test_a_tick_where_no_role_can_move_sizes_nothing() -> None:
+    """Within an interval no role moves unless the load outruns its last plan, and a
+    scale-down at the interval's end needs only its last down window sized: the ticks
+    before it size nothing, and every decision is what sizing every tick decides."""
+    wide = {"prefill": RoleBounds(1, 16), "decode": RoleBounds(1, 1)}
+    ramp = [0.5 + 5.5 * k / 400 for k in range(400)]
+    rates = [0.5] * 60 + ramp + [6.0] * 100 + ramp[::-1] + [0.5] * 200
+
+    class Counting(LinearSizer):
+        asked = 0
+
+        def size(self, load: Load, last: Size | None = None) -> Size:
+            Counting.asked += 1
+            return super().size(load, last)
+
+    class EveryTick(SloPolicy):
+        def _held(self, now: float, current: Mapping[str, int]) -> bool:
+            return False
+
+    runs, asked = [], []
+    for kind in (SloPolicy, EveryTick):
+        Counting.asked = 0
+        policy = kind(Counting(wide), ramp_config(240.0, wide))
+        runs.append(observe_rates(policy, rates, {"prefill": 1, "decode": 1}))
+        asked.append(Counting.asked)
+    assert runs[0] == runs[1] and len(runs[0]) >= 3
+    assert asked[0] < asked[1] / 2, asked
+
+
 def test_the_search_finds_what_trying_every_split_finds(profile_path: str) -> None:
     """Bisection per role, then a walk up from the two least counts: the deployment that
     trying every split of every total in turn finds (the fewest nodes, then the best

@@ -73,14 +73,13 @@ class SloPolicy:
         self.config = config or SloConfig()
         self._counts: deque[_Count] = deque()
         self._since: dict[tuple[str, str], float] = {}  # (role, "up"|"down") -> start
-        self._last_up: dict[str, float] = {}
         self._last_change: dict[str, float] = {}
-        # per role: the demand (tokens/s) its last change was sized for, and the demand
-        # now without the interval's look ahead: a scale-up within the interval only when
-        # the second outruns the first
+        # per role: no scale-down before this time (the interval after any change, and
+        # `down_after_up` after a scale-up)
+        self._no_down_until: dict[str, float] = {}
+        # per role: the demand (tokens/s) its last change was sized for; a scale-up
+        # within the interval only when the demand without the look ahead outruns it
         self._planned: dict[str, float] = {}
-        self._near = 0.0
-        self._near_rate = 0.0
         self.load: Load | None = None  # the last load planned for (forecast x headroom)
         # mean prompt and output tokens lately, and their spreads (Load's fields)
         self._lengths: tuple[int, int, int, int] | None = None
@@ -111,6 +110,11 @@ class SloPolicy:
 
     def forecast(self) -> Load | None:
         """The load to plan for, or None while the window is too short to tell."""
+        ahead = self._forecast()
+        return None if ahead is None else ahead[0]
+
+    def _forecast(self) -> tuple[Load, float] | None:
+        """`forecast`, and the rate it has without the interval's look ahead."""
         if not self._counts:
             return None
         cfg, end = self.config, self._counts[-1].time
@@ -124,9 +128,9 @@ class SloPolicy:
         # only ever raises the rate: a drop is believed once it is seen)
         trend = _trend(list(self._counts))  # kept over the window or the longer interval
         rate = max(late, late + trend * (cfg.horizon + cfg.interval)) * (1 + cfg.headroom)
-        self._near_rate = max(late, late + trend * cfg.horizon) * (1 + cfg.headroom)
+        near = max(late, late + trend * cfg.horizon) * (1 + cfg.headroom)
         if last.arrivals <= first.arrivals:
-            return Load(0.0, 1, 1)
+            return Load(0.0, 1, 1), near
         # The lengths of the requests served in the window's second half when it has
         # enough of them (a shifting mix is seen half a window sooner), else in all of it.
         for since in (middle, first):
@@ -136,7 +140,7 @@ class SloPolicy:
         else:
             if self._lengths is None:
                 return None  # arrivals, none served yet: no lengths to size by
-        return Load(rate, *self._lengths)  # (none served this window: the last known)
+        return Load(rate, *self._lengths), near  # (none served this window: the last known)
 
     # ---- the moves -----------------------------------------------------------------------
 
@@ -144,13 +148,14 @@ class SloPolicy:
         if obs.router is None:
             return []  # the router was not read: no move on what may be stale
         self._record(obs)
-        load = self.forecast()
-        if load is None:
+        ahead = self._forecast()
+        if ahead is None:
             return []
-        drain = self._drain(self._near_rate, obs.prefill_queue)
+        load, near_rate = ahead
+        drain = self._drain(near_rate, obs.prefill_queue)
         load = replace(load, rate=load.rate + drain)
-        self._near = _demand(replace(load, rate=self._near_rate + drain))
-        if self._held(obs.time, current):
+        near = _demand(replace(load, rate=near_rate + drain))  # without the look ahead
+        if self._held(obs.time, current, near):
             return []
         last = self.size
         size = self.sizer.size(load, last) if load.rate > 0 else self._smallest()
@@ -165,10 +170,12 @@ class SloPolicy:
         for role in ROLES:
             if role not in current:
                 continue
-            decision = self._decide(role, obs, current[role], size, keep)
+            decision = self._decide(role, obs, current[role], size, keep, near)
             if decision is not None:
+                no_down = obs.time + self.config.interval
                 if decision.delta > 0:
-                    self._last_up[role] = obs.time
+                    no_down = max(no_down, obs.time + self.config.down_after_up)
+                self._no_down_until[role] = no_down
                 self._last_change[role] = obs.time
                 self._planned[role] = _demand(load if decision.delta > 0 else wider)
                 self._since.pop((role, "up"), None)
@@ -176,7 +183,7 @@ class SloPolicy:
                 decisions.append(decision)
         return decisions
 
-    def _held(self, now: float, current: Mapping[str, int]) -> bool:
+    def _held(self, now: float, current: Mapping[str, int], near: float) -> bool:
         """No role can move this tick, whatever the size: each is pinned by its bounds,
         or changed less than an interval ago minus the down window (a scale-down at the
         interval's end needs its size below the count only since then) and the load
@@ -192,9 +199,8 @@ class SloPolicy:
             bounds = self.sizer.bounds[role]
             if bounds.min == bounds.max == current[role]:
                 return True  # pinned
-            return now - self._last_change.get(
-                role, -math.inf
-            ) < hold and self._near <= self._planned.get(role, 0.0)
+            changed = self._last_change.get(role, -math.inf)
+            return now - changed < hold and near <= self._planned.get(role, 0.0)
 
         return hold > 0 and all(held(role) for role in ROLES if role in current)
 
@@ -228,10 +234,11 @@ class SloPolicy:
         return Size(b["prefill"].min, b["decode"].min, 1.0, True)
 
     def _decide(
-        self, role: str, obs: Observation, count: int, size: Size, keep: Size
+        self, role: str, obs: Observation, count: int, size: Size, keep: Size, near: float
     ) -> Decision | None:
         """Toward `size`; down only to what `keep` (the size at a load DOWN_MARGIN higher)
-        still allows."""
+        still allows; within the interval up only when `near` (the demand without the look
+        ahead) outruns the last change's plan."""
         cfg, now = self.config, obs.time
         bounds = self.sizer.bounds[role]
         want = min(max(size.of(role), bounds.min), bounds.max)
@@ -251,7 +258,7 @@ class SloPolicy:
             # a step)
             self._since.pop((role, "down"), None)
             held = now - self._last_change.get(role, -math.inf) < cfg.interval
-            if held and self._near <= self._planned.get(role, 0.0):
+            if held and near <= self._planned.get(role, 0.0):
                 return None  # the last change planned for this far ahead: not outrun
             started = self._since.setdefault((role, "up"), now)
             if now - started >= cfg.up_window:
@@ -260,9 +267,8 @@ class SloPolicy:
         self._since.pop((role, "up"), None)
         if want < count:
             started = self._since.setdefault((role, "down"), now)
-            recent_up = now - self._last_up.get(role, -math.inf) < cfg.down_after_up
-            recent = now - self._last_change.get(role, -math.inf) < cfg.interval
-            if now - started >= cfg.down_window and not (recent_up or recent) and serving:
+            allowed = now >= self._no_down_until.get(role, -math.inf)
+            if now - started >= cfg.down_window and allowed and serving:
                 # with an interval, every spare node at once (the size is to hold that
                 # long); without, one at a time (the next tick sizes again)
                 spare = count - want if cfg.interval > 0 else 1

@@ -221,7 +221,7 @@ def test_a_tick_where_no_role_can_move_sizes_nothing() -> None:
             return super().size(load, last)
 
     class EveryTick(SloPolicy):
-        def _held(self, now: float, current: Mapping[str, int]) -> bool:
+        def _held(self, now: float, current: Mapping[str, int], near: float) -> bool:
             return False
 
     runs, asked = [], []

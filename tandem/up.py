@@ -13,7 +13,7 @@ import threading
 
 from shared.procs import move_process
 from shared.runtime.options import open_api_problem
-from tandem.autoscale.options import slo_problem
+from tandem.autoscale.options import scaled_nodes_problem, slo_problem
 from tandem.launcher import Stack, exit_code, prefill_nodes, served_models
 from tandem.mode import choose_mode, mode_problem, prepare_slo_scaling
 from tandem.up_options import add_up_options, keys_given
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         open_api_problem(args.host, keys_given(args), args.allow_open)
         or mode_problem(args)
         or (slo_problem(args, need_profile=False) if args.autoscale else None)
+        or (scaled_nodes_problem(args) if args.autoscale else None)
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)

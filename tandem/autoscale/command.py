@@ -33,7 +33,12 @@ from shared.runtime.node import setup_logging, stop_on_signals
 from shared.runtime.options import add_nats_auth_options, add_option
 from shared.runtime.service import run_service
 from tandem.autoscale.controller import run_controller
-from tandem.autoscale.options import add_metrics_options, add_policy_options, slo_problem
+from tandem.autoscale.options import (
+    add_metrics_options,
+    add_policy_options,
+    scaled_nodes_problem,
+    slo_problem,
+)
 from tandem.autoscale.types import ROLES, Backend
 
 log = logging.getLogger("tandem.autoscale")
@@ -69,7 +74,7 @@ def shared_decode_service(pools: dict[str, dict[str, str]]) -> str | None:
 
 async def serve(args: argparse.Namespace) -> None:
     setup_logging("autoscale", "autoscaler", args.log_level)
-    if problem := slo_problem(args):
+    if problem := slo_problem(args) or scaled_nodes_problem(args):
         raise SystemExit(f"error: {problem}")
     stop = stop_on_signals()
     pools = parse_pools(args.pool)

@@ -21,6 +21,11 @@ def policy_from_args(
         "decode": RoleBounds(args.decode_min, args.decode_max),
         "prefill": RoleBounds(args.prefill_min, args.prefill_max),
     }
+    if args.prefill_min < 1 and "--conditional" not in (node_options or []):
+        raise SystemExit(
+            "error: --prefill-min 0 needs a conditional router (--conditional), which "
+            "prefills on decode nodes while no prefill node is up"
+        )
     if getattr(args, "policy", "threshold") == "slo":
         problem = slo_problem(args)
         if problem:

@@ -270,7 +270,8 @@ def deployment_problem(args: argparse.Namespace, nodes_given: bool = True) -> st
         )
     if not nodes_given:
         return None
-    probe = Topology(colocated=args.colocated, prefill=args.prefill, decode=args.decode)
+    probe = Topology(colocated=args.colocated, prefill=args.prefill, decode=args.decode,
+                     conditional=args.conditional)  # fmt: skip
     return probe.check()
 
 

@@ -39,8 +39,12 @@ class Topology:
             return "node counts cannot be negative"
         if self.colocated and (self.prefill or self.decode):
             return "either colocated nodes or prefill and decode nodes, not both"
-        if not self.colocated and (self.prefill < 1 or self.decode < 1):
-            return "a split deployment needs at least one prefill and one decode node"
+        if not self.colocated and self.decode < 1:
+            return "a split deployment needs at least one decode node"
+        if not self.colocated and self.prefill < 1 and not self.conditional:
+            # conditional's chooser sends every prompt to its decode node while no prefill
+            # node is up (`tandem up --conditional --autoscale --prefill-min 0` at night)
+            return "a split deployment needs a prefill node (or --conditional)"
         return None
 
 

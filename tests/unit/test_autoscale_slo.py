@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from services.router.metrics import RouterMetrics
 from tandem.autoscale.controller import router_counts
 from tandem.autoscale.metrics import AutoscaleMetrics
-from tandem.autoscale.options import add_policy_options, slo_problem
+from tandem.autoscale.options import add_policy_options, scaled_nodes_problem, slo_problem
 from tandem.autoscale.policies import policy_from_args
 from tandem.autoscale.sizer import Load, Size, Sizer
 from tandem.autoscale.slo import SloPolicy
@@ -68,6 +68,26 @@ def test_the_planner_sizes_prefill_nodes_by_the_load(sizer: Sizer) -> None:
     runs = sizer.simulations
     assert sizer.size(load(5.05)) is sizer.size(load(5.0))  # within a step: cached
     assert sizer.simulations == runs
+
+
+def test_with_a_conditional_router_no_prefill_node_is_a_size(profile_path: str) -> None:
+    """`--conditional --prefill-min 0`: decode nodes prefill while no prefill node is up,
+    so the planner weighs running without the pool (colocated) against with it: none at
+    a light load, a pool at a heavy one, where the split router needs a node always.
+    Simulated only: a real stack refuses the bound (a prefill node does not drain)."""
+    bounds = {"prefill": RoleBounds(0, 4), "decode": RoleBounds(1, 2)}
+    sizer = Sizer(profile_path, SLO, bounds, ["--conditional"])
+    light, heavy = sizer.size(load(0.5)), sizer.size(load(5.0))
+    assert (light.prefill, light.decode, light.feasible) == (0, 1, True)
+    assert heavy.feasible and heavy.prefill >= 3  # 2.5 s of prefill a second
+    assert sizer.attainment(load(5.0), 0, 2) < SLO.attainment  # decode nodes alone fall behind
+    args = parse("--prefill-min", "0")
+    with pytest.raises(SystemExit, match="conditional"):
+        policy_from_args(args)  # a split router has nowhere to prefill without the pool
+    assert policy_from_args(args, ["--conditional"]).config.bounds["prefill"].min == 0
+    assert "simulated only" in (scaled_nodes_problem(args) or "")
+    assert scaled_nodes_problem(parse()) is None
+    assert "--decode-min" in (scaled_nodes_problem(parse("--decode-min", "0")) or "")
 
 
 def test_a_load_is_simulated_with_the_mean_and_variance_it_was_measured_with() -> None:

@@ -220,8 +220,20 @@ def test_decode_node_without_room_makes_the_hand_off_wait() -> None:
 def test_topology_is_checked() -> None:
     with pytest.raises(ValueError, match="either colocated"):
         Simulation(Topology(colocated=1, prefill=1, decode=1), CostModel(profile()))
-    with pytest.raises(ValueError, match="at least one prefill"):
+    with pytest.raises(ValueError, match="at least one decode"):
         Simulation(Topology(prefill=1), CostModel(profile()))
+    with pytest.raises(ValueError, match="needs a prefill node"):
+        Simulation(Topology(decode=1), CostModel(profile()))
+
+
+def test_a_conditional_router_with_no_prefill_node_prefills_on_the_decode_node() -> None:
+    """`--conditional` with no prefill node up (an autoscaled pool at 0): its chooser
+    sends every prompt to the decode node, which prefills it as a colocated one does."""
+    topology = Topology(prefill=0, decode=1, decode_engine=shape(256), conditional=True)
+    (rec,) = Simulation(topology, CostModel(profile())).run([Arrival(0.0, 500, 10)])
+    assert rec.ok and rec.output_tokens == 10
+    assert rec.chunks[0] == pytest.approx(0.5)  # no hand-off: no transfer before it
+    assert rec.done == pytest.approx(0.5 + 9 * DECODE_STEP)
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -269,7 +281,7 @@ def test_command_refuses_bad_input(
     assert simulate.run(_args("--profile", str(bad), "--colocated", "1", "--quiet")) == 2
     assert "profile version 99" in capsys.readouterr().err
     assert simulate.run(_args("--profile", str(bad), "--quiet")) == 2  # no deployment
-    assert "at least one prefill" in capsys.readouterr().err
+    assert "at least one decode" in capsys.readouterr().err
 
 
 def test_a_prefill_batch_larger_than_the_prefill_pool_still_goes_through() -> None:

@@ -17,6 +17,7 @@ and the pull also drains any job a timed-out fetch left in the subscription.
 from __future__ import annotations
 
 from shared.bus.client import Bus
+from shared.bus.registry import NodeRegistry
 from shared.bus.workqueue import JobConsumer, ReceivedJob
 
 OWN_WAIT = 0.02  # seconds a fetch from the node's own queue waits when it is empty
@@ -38,13 +39,14 @@ class JobIntake:
         await self.own.stop()
         await self.shared.stop()
 
-    async def fetch(self, batch: int) -> list[ReceivedJob]:
-        """Up to `batch` jobs: steered ones first, the rest from the shared queue."""
+    async def fetch(self, batch: int, shared: bool = True) -> list[ReceivedJob]:
+        """Up to `batch` jobs: steered ones first, the rest from the shared queue (not
+        asked when `shared` is False: a draining node another one relieves)."""
         jobs: list[ReceivedJob] = []
         # backlog None (no answer in time): pull anyway
         if not self.busy or await self.own.backlog() != 0:
             jobs = await self.own.fetch(batch=batch, timeout=OWN_WAIT)
-        if len(jobs) < batch:
+        if len(jobs) < batch and shared:
             wait = OWN_WAIT if jobs else SHARED_WAIT
             jobs += await self.shared.fetch(batch=batch - len(jobs), timeout=wait)
         self.busy = bool(jobs)
@@ -63,3 +65,16 @@ async def one_per_request(jobs: list[ReceivedJob]) -> list[ReceivedJob]:
             await other.term()
         kept[job.job.attempt_id] = job
     return list(kept.values())
+
+
+async def others_serve(registry: NodeRegistry, node_id: str, model: str) -> bool:
+    """Whether a prefill node of `model` other than `node_id` takes new work (and so the
+    shared queue). The registry unread: no (a draining node then serves it itself)."""
+    nodes = (await registry.nodes()).values()
+    return any(
+        n.role == "prefill"
+        and n.node_id != node_id
+        and not n.draining
+        and (not model or n.model in (model, ""))
+        for n in nodes
+    )

@@ -8,11 +8,19 @@ with the jobs that arrived together, in steps: shared/engine/prefill_steps.py) o
 engine thread; as each step ends, hand its sequences to decode nodes (handoff.py), store
 their newly computed full blocks in the kvcache service in the background, and announce
 what the pool now holds (and evicted) as KV events.
+
+Stopped (SIGTERM: a scale-down), the node drains: its entry says so at once, so routers
+steer nothing more to it and, when it was its model's last prefill node, a conditional
+router prefills on decode nodes from then on; it serves what is already queued for it (its
+own queue, and the shared one when no other prefill node of its model is up: nobody else
+would) until a fetch finds nothing, at most DRAIN_TIMEOUT. Without it, jobs steered to a
+stopping node, or queued as the last one left, waited for a node that never came.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Generator
@@ -22,8 +30,9 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import Counter
 
+from services.prefill.batch_record import count_batch, start_spans
 from services.prefill.handoff import RETRY_DELAY, HandOff
-from services.prefill.intake import JobIntake, one_per_request
+from services.prefill.intake import JobIntake, one_per_request, others_serve
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import NodeInfo, TokenDelta
@@ -46,12 +55,15 @@ from shared.runtime.engine import torch_threads
 from shared.runtime.engine_thread import EngineThread
 from shared.runtime.options import PREFILL_MAX_BATCH
 from shared.telemetry.metrics import NodeMetrics
-from shared.telemetry.tracing import tracer
 
 log = logging.getLogger("tandem.prefill")
-TRACER = tracer("prefill")
 
 KEEP_ALIVE_INTERVAL = 2.0  # in_progress for held jobs: well inside the queue's ack_wait
+# Stopping: fetching goes on this long at least (jobs a router queued before its registry
+# watch showed this node draining), and ends by the second limit (within the 60 s grace
+# Kubernetes gives a prefill pod, and the 40 s Docker gives a clone).
+DRAIN_GRACE = 1.0
+DRAIN_TIMEOUT = 30.0
 
 
 class PrefillWorker:
@@ -79,6 +91,8 @@ class PrefillWorker:
         self.claim = claim  # the cores a decode node borrows while this node idles, if any
         self.cancelled = RecentCancels()
         self.queue_depth = 0
+        self.draining = False  # stopped: serving only what is already queued for it
+        self.leaving = asyncio.Event()  # drained: hand-offs retry no more
         self.metrics = NodeMetrics("prefill")
         self.metrics.gauge(
             "tandem_prefill_queue_depth",
@@ -117,6 +131,7 @@ class PrefillWorker:
             block_size=self.engine.block_size,
             engine=self.engine.kind,
             model=self.engine.served_name,
+            draining=self.draining,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -130,7 +145,7 @@ class PrefillWorker:
             KVSender(self.node_id, self.engine, self.bus, self.planes.transport, self.metrics),
             self.registry,
             self.cancelled,
-            stop,
+            self.leaving,
             self._fail,
         )
         self.prefix.start()
@@ -138,38 +153,60 @@ class PrefillWorker:
         events.cleared()  # a restarted node's pool is empty, whatever it held before
         events.start()
         try:
-            await self._loop(intake, handoff, stop)
+            while not stop.is_set():
+                await self._serve(await self._fetch(intake), handoff)
+            await self._drain(intake, handoff)
         finally:
+            self.leaving.set()
             await intake.stop()
             await self.prefix.close()
             await events.close()
 
-    async def _loop(self, intake: JobIntake, handoff: HandOff, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def _fetch(self, intake: JobIntake, shared: bool = True) -> list[ReceivedJob]:
+        try:
+            return await intake.fetch(self.max_batch, shared)
+        except Exception as exc:  # disconnected: the client reconnects on its own
+            log.warning("fetch failed: %r", exc)
+            await asyncio.sleep(0.5)
+            return []
+
+    async def _serve(self, jobs: list[ReceivedJob], handoff: HandOff) -> None:
+        live = []
+        for job in jobs:
+            if job.job.attempt_id in self.cancelled or not await self._admissible(job):
+                await job.term()
+            elif job.job.deadline and time.time() > job.job.deadline:
+                await self._fail(job, "request expired before prefill")
+                await job.term()
+            else:
+                live.append(job)
+        live = await one_per_request(live)
+        if live:
+            self.queue_depth = len(live)
+            alive = asyncio.create_task(keep_alive(live, KEEP_ALIVE_INTERVAL))
             try:
-                jobs = await intake.fetch(self.max_batch)
-            except Exception as exc:  # disconnected: the client reconnects on its own
-                log.warning("fetch failed: %r", exc)
-                await asyncio.sleep(0.5)
-                continue
-            live = []
-            for job in jobs:
-                if job.job.attempt_id in self.cancelled or not await self._admissible(job):
-                    await job.term()
-                elif job.job.deadline and time.time() > job.job.deadline:
-                    await self._fail(job, "request expired before prefill")
-                    await job.term()
-                else:
-                    live.append(job)
-            live = await one_per_request(live)
-            if live:
-                self.queue_depth = len(live)
-                alive = asyncio.create_task(keep_alive(live, KEEP_ALIVE_INTERVAL))
-                try:
-                    await self._prefill_batch(live, handoff)
-                finally:
-                    alive.cancel()
-                    self.queue_depth = 0
+                await self._prefill_batch(live, handoff)
+            finally:
+                alive.cancel()
+                self.queue_depth = 0
+
+    async def _drain(self, intake: JobIntake, handoff: HandOff) -> None:
+        """Say so, then serve what is queued for this node (module docstring)."""
+        self.draining = True
+        with contextlib.suppress(Exception):  # best effort: the entry expires by TTL anyway
+            await asyncio.wait_for(self.registry.heartbeat(self.info()), 1.0)
+        start = time.monotonic()
+        served = 0
+        while time.monotonic() - start < DRAIN_TIMEOUT:
+            others = await others_serve(self.registry, self.node_id, self.engine.served_name)
+            jobs = await self._fetch(intake, shared=not others)
+            if jobs:
+                served += len(jobs)
+                await self._serve(jobs, handoff)
+            elif time.monotonic() - start >= DRAIN_GRACE:
+                log.info("drained: %d jobs served after the stop", served)
+                return
+        log.warning("drain timed out after %.0fs: jobs may still be queued", DRAIN_TIMEOUT)
 
     async def _prefill_batch(self, jobs: list[ReceivedJob], handoff: HandOff) -> None:
         """Load the jobs' cached prefixes, prefill them step by step on the engine thread
@@ -180,7 +217,7 @@ class PrefillWorker:
         contexts: dict[str, otel_context.Context] = {
             j.job.attempt_id: extract_context(j.headers) for j in jobs
         }
-        compute = self._start_spans(jobs, contexts, fetched)
+        compute = start_spans(jobs, contexts, fetched, self.node_id, self.engine.served_name)
         prefixes = await asyncio.gather(
             *(
                 self.prefix.load(
@@ -248,7 +285,7 @@ class PrefillWorker:
                 self.claim.release()
         if done:
             self.batches.labels(str(used)).inc()
-            self._count(jobs, by_id, done, fetched)
+            count_batch(self.metrics, jobs, by_id, done, fetched)
         await asyncio.gather(*handing)
 
     def _step(
@@ -290,35 +327,6 @@ class PrefillWorker:
                 job.prompt_ids + job.output_ids, out, frame, request, job.params.cache_salt
             )
 
-    def _start_spans(
-        self, jobs: list[ReceivedJob], contexts: dict[str, otel_context.Context], fetched: int
-    ) -> dict[str, Span]:
-        """Each job's queue wait (from its JetStream timestamp to this fetch), ended; and
-        its `prefill.compute` span, started."""
-        for j in jobs:
-            published = int(j.msg.metadata.timestamp.timestamp() * 1e9)
-            wait = TRACER.start_span(
-                "prefill.queue_wait",
-                context=contexts[j.job.attempt_id],
-                start_time=min(published, fetched),
-                attributes={"tandem.node_id": self.node_id, "tandem.attempt": j.num_delivered},
-            )
-            wait.end(end_time=fetched)
-        return {
-            j.job.attempt_id: TRACER.start_span(
-                "prefill.compute",
-                context=contexts[j.job.attempt_id],
-                attributes={
-                    "tandem.prompt_tokens": len(j.job.prompt_ids),
-                    "tandem.batch_size": len(jobs),
-                    "tandem.batch_tokens": sum(len(x.job.prompt_ids) for x in jobs),
-                    "tandem.node_id": self.node_id,
-                    "tandem.model": self.engine.served_name,
-                },
-            )
-            for j in jobs
-        }
-
     async def _batch_failed(
         self, jobs: list[ReceivedJob], compute: dict[str, Span], exc: TandemError
     ) -> None:
@@ -330,31 +338,6 @@ class PrefillWorker:
             else:
                 await self._fail(j, exc.message)
                 await j.term()
-
-    def _count(
-        self,
-        jobs: list[ReceivedJob],
-        by_id: dict[str, ReceivedJob],
-        results: list[Prefilled],
-        fetched: int,
-    ) -> None:
-        """The batch's metrics, and how much of each resumed request was recomputed."""
-        m = self.metrics
-        m.step_seconds.observe((time.time_ns() - fetched) / 1e9)
-        m.batch_size.observe(len(jobs))
-        m.tokens.inc(sum(len(j.job.prompt_ids) for j in jobs))
-        m.prefix_lookup_tokens.inc(sum(out.num_prompt_tokens for out, _, _ in results))
-        m.prefix_hit_tokens.inc(sum(out.num_cached_tokens for out, _, _ in results))
-        for out, _, _ in results:
-            resumed = by_id[out.request_id].job
-            if resumed.output_ids:  # a failover or a resumed stream
-                context = len(resumed.prompt_ids) + len(resumed.output_ids)
-                recomputed = context - out.num_cached_tokens
-                m.resume_recomputed.observe(recomputed)
-                log.info(
-                    "resumed %s after %d tokens: %d of %d context tokens recomputed",
-                    out.request_id, len(resumed.output_ids), recomputed, context,
-                )  # fmt: skip
 
     def _publish_kv_events(self) -> None:
         """On the loop, once the engine thread is done with a batch (nothing else of this

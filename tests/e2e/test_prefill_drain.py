@@ -1,0 +1,61 @@
+"""Prefill nodes stopped gracefully (SIGTERM) with jobs still queued for them: they drain.
+
+Every prefill node of the stack is stopped at once, as a scale-down to none of a
+conditional router's pool would, while the jobs of a burst still wait in the shared
+queue: the nodes say they are draining and serve what is queued before they exit, so
+every request of the burst ends with its full text. (Before they drained, the queued
+jobs waited for a prefill node that never came.) The nodes are restarted afterwards so
+the package's stack stays whole for other tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tandem.launcher import Stack
+from tests.e2e.chaos import Request, Stream, run_streams
+from tests.e2e.conftest import wait_for_every_node
+
+pytestmark = pytest.mark.e2e
+
+BURST = 32  # 2 nodes fetch 4 jobs a batch: most of the burst is queued at the stop
+MAX_TOKENS = 4
+PREFILL = ("prefill-1", "prefill-2")
+
+
+async def test_prefill_nodes_stopped_with_jobs_queued_serve_them_first(
+    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]]
+) -> None:
+    requests, pieces = chaos_reference
+    requests = [Request(r.prompt_ids, MAX_TOKENS) for r in requests[:BURST]]
+    expected = ["".join(p[:MAX_TOKENS]) for p in pieces[:BURST]]
+    streams = [Stream() for _ in requests]
+    log = Path(stack.out.name)
+    drained_before = log.read_text().count("drained:")
+
+    async def stop() -> None:
+        while max(s.events for s in streams) < 1:  # the first batch is out
+            await asyncio.sleep(0.01)
+        for name in PREFILL:
+            await asyncio.to_thread(stack.terminate, name)
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(run_streams(stack.url, requests, streams), stop()), 180
+        )
+        for name in PREFILL:
+            proc = stack.child(name).proc
+            assert proc is not None
+            assert await asyncio.to_thread(proc.wait, 60) == 0, name
+    finally:
+        for name in PREFILL:
+            stack.restart(name)
+    assert [s.text for s in streams] == expected
+    # the nodes said what they served after the stop (the burst had jobs left queued)
+    lines = [line for line in log.read_text().splitlines() if "drained:" in line]
+    assert len(lines) - drained_before == len(PREFILL), lines
+    assert any(" 0 jobs" not in line for line in lines[drained_before:]), lines
+    await asyncio.to_thread(wait_for_every_node, stack, 300)

@@ -214,7 +214,13 @@ async def serve(args: argparse.Namespace) -> None:
     stop = stop_on_signals()
     topology = TopologyConfig(replicas=args.nats_replicas)
     bus = await connect_bus(args.nats, node_id, BusAuth.from_args(args), topology, stop=stop)
-    nodes = await NodeTable(await NodeRegistry(bus).start(), colocated=args.colocated).start()
+    nodes = NodeTable(
+        await NodeRegistry(bus).start(),
+        colocated=args.colocated,
+        # a conditional router prefills on decode nodes while no prefill node is up
+        prefill_optional=args.conditional and not args.colocated,
+    )
+    await nodes.start()
     bus.on_reconnect.append(nodes.on_reconnect)
     journal = await RequestJournal(bus).start()
     config = config_of(args, node_id, models, keys.enabled)

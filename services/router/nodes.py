@@ -35,9 +35,13 @@ def room_left(free_blocks: int, sent: int, blocks_needed: int) -> int:
 
 
 class NodeTable:
-    def __init__(self, registry: NodeRegistry, colocated: bool = False) -> None:
+    def __init__(
+        self, registry: NodeRegistry, colocated: bool = False, prefill_optional: bool = False
+    ) -> None:
         self.registry = registry
         self.colocated = colocated  # decode nodes prefill every request: no prefill node needed
+        # conditional: decode nodes prefill what finds no prefill node (a pool scaled to none)
+        self.prefill_optional = prefill_optional
         self.nodes = {}
         self._task: asyncio.Task[None] | None = None
         # Requests sent to a decode node since its last heartbeat: keeps a burst from all
@@ -174,8 +178,8 @@ class NodeTable:
 
     def ready(self, model: str = "") -> bool:
         """Whether a request (for `model`) can be served: a decode node, and a prefill
-        node unless colocated."""
-        prefill = self.colocated or bool(self.by_role("prefill", model))
+        node unless colocated or conditional."""
+        prefill = self.colocated or self.prefill_optional or bool(self.by_role("prefill", model))
         return prefill and bool(self.by_role("decode", model))
 
     def pick_decode(

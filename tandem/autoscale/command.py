@@ -76,6 +76,8 @@ async def serve(args: argparse.Namespace) -> None:
     setup_logging("autoscale", "autoscaler", args.log_level)
     if problem := slo_problem(args) or scaled_nodes_problem(args):
         raise SystemExit(f"error: {problem}")
+    if args.conditional:  # what the SLO policy's planner simulates the nodes with
+        args.scale_node_options = ["--conditional"]
     stop = stop_on_signals()
     pools = parse_pools(args.pool)
     make: Callable[[dict[str, str] | None], Backend]
@@ -141,6 +143,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_option(
         p, "--drain-timeout", type=float, default=30.0, help="the decode nodes' --drain-timeout"
+    )
+    add_option(
+        p,
+        "--conditional",
+        action="store_true",
+        help="the router runs --conditional: the SLO policy sizes conditional deployments, "
+        "and --prefill-min may be 0",
     )
     add_option(p, "--log-level", default="INFO")
     add_policy_options(p)

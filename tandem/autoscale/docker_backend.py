@@ -106,6 +106,9 @@ class DockerBackend:
         # The node's own drain plus time to flush and exit before Docker kills it.
         self.stop_timeout = math.ceil(drain_timeout) + 10
         self._stopping: set[str] = set()  # container ids asked to stop, not yet removed
+        # per service: the last replica cloned from, kept so a service scaled to none (a
+        # conditional router's prefill pool) can be scaled up again
+        self._templates: dict[str, Container] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -131,6 +134,7 @@ class DockerBackend:
             if container is None:
                 log.warning("no running container of %s for node %s", role, node_id)
                 continue
+            self._templates[self._service(role)] = container  # (a service may reach none)
             with self._lock:
                 self._stopping.add(container.id)
             thread = threading.Thread(
@@ -190,7 +194,10 @@ class DockerBackend:
         running = [c for c in existing if (c.attrs.get("State") or {}).get("Running")]
         candidates = running or existing
         if candidates:
+            self._templates[service] = candidates[0]
             return candidates[0]
+        if service in self._templates:
+            return self._templates[service]
         raise DockerBackendError(
             f"no container of service {service!r} in project {self.project!r} to clone: "
             "start the project with at least one replica (docker compose up)"

@@ -22,8 +22,8 @@ def add_policy_options(p: argparse.ArgumentParser, slo_targets: bool = True) -> 
         "--prefill-min",
         type=int,
         default=1,
-        help="0 (tandem plan simulate --conditional only): the decode nodes prefill while "
-        "no prefill node is up, and the planner weighs running without the pool",
+        help="0 (with a --conditional router only): the decode nodes prefill while no "
+        "prefill node is up, and the SLO policy weighs running without the pool",
     )
     add_option(p, "--prefill-max", type=int, default=4)
     add_option(p, "--scale-interval", type=float, default=1.0, help="seconds between samples")
@@ -151,16 +151,7 @@ def slo_problem(args: argparse.Namespace, need_profile: bool = True) -> str | No
 
 
 def scaled_nodes_problem(args: argparse.Namespace) -> str | None:
-    """What a real stack's bounds cannot do, if anything: no decode node would serve
-    nothing; no prefill node is simulated only (`tandem plan simulate --conditional
-    --prefill-min 0`): a prefill node stops without draining, so jobs queued as the last
-    one leaves would wait for the next one to start."""
+    """What a real stack's bounds cannot do, if anything: no decode node serves nothing."""
     if args.decode_min < 1:
         return "--decode-min must be at least 1"
-    if args.prefill_min < 1:
-        return (
-            "--prefill-min 0 is simulated only (tandem plan simulate --conditional): a "
-            "prefill node stops without draining, so jobs queued as the last one leaves "
-            "would wait for the next"
-        )
     return None

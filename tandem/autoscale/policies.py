@@ -21,7 +21,8 @@ def policy_from_args(
         "decode": RoleBounds(args.decode_min, args.decode_max),
         "prefill": RoleBounds(args.prefill_min, args.prefill_max),
     }
-    if args.prefill_min < 1 and "--conditional" not in (node_options or []):
+    conditional = getattr(args, "conditional", False) or "--conditional" in (node_options or [])
+    if args.prefill_min < 1 and not conditional:
         raise SystemExit(
             "error: --prefill-min 0 needs a conditional router (--conditional), which "
             "prefills on decode nodes while no prefill node is up"

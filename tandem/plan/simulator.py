@@ -96,7 +96,9 @@ class Simulation(ScalingSide):
         self.numbered = {"decode": count, "prefill": topology.prefill}
         self.queue: deque[Job] = deque()
         # The router's own parts: a node table the heartbeats below fill in, no registry.
-        self.nodes = NodeTable(cast(Any, None), colocated=colocated)
+        self.nodes = NodeTable(
+            cast(Any, None), colocated=colocated, prefill_optional=topology.conditional
+        )
         chooser = None
         if topology.conditional and not colocated:
             shape = topology.decode_engine

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import urllib.request
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -188,6 +190,33 @@ async def test_the_slo_policy_adds_a_prefill_node_for_a_ramp_and_removes_it_afte
     print(f"decisions: {[(round(t - started, 1), d.reason) for t, d in controller.decisions]}")
 
 
+async def note(c: openai.AsyncOpenAI, i: int) -> int:
+    """One short request (~10 prompt tokens, 4 output); the tokens it got."""
+    done = await c.completions.create(
+        model=MODEL, prompt=f"Note {i}: the weather is", max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert done.usage is not None
+    return done.usage.completion_tokens
+
+
+async def open_loop(
+    c: openai.AsyncOpenAI,
+    sent: list[asyncio.Task[int]],
+    rate: float,
+    until: Callable[[], bool],
+    limit: float,
+    what: str,
+) -> None:
+    """`note` requests at `rate` a second (open loop) until `until()`, for `limit` s at
+    most (else `what` fails the test); each one's task in `sent`."""
+    deadline = time.monotonic() + limit
+    while not until():
+        assert time.monotonic() < deadline, what
+        sent.append(asyncio.create_task(note(c, len(sent))))
+        await asyncio.sleep(1 / rate)
+
+
 async def ramp(
     small_stack: Stack,
     controller: Controller,
@@ -199,21 +228,8 @@ async def ramp(
     """0.3 req/s for 12 s, 2 req/s until a second prefill node serves, 0.3 req/s until it
     is gone; then the checks."""
 
-    async def one(i: int) -> int:
-        done = await c.completions.create(
-            model=MODEL, prompt=f"Note {i}: the weather is", max_tokens=4, temperature=0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        assert done.usage is not None
-        return done.usage.completion_tokens
-
     async def load(rate: float, until: Callable[[], bool], limit: float, what: str) -> None:
-        """Requests at `rate` a second (open loop) until `until()`, for `limit` s at most."""
-        deadline = time.monotonic() + limit
-        while not until():
-            assert time.monotonic() < deadline, what
-            sent.append(asyncio.create_task(one(len(sent))))
-            await asyncio.sleep(1 / rate)
+        await open_loop(c, sent, rate, until, limit, what)
 
     await load(0.3, lambda: time.monotonic() - started > 12, 30, "")
     assert controller.decisions == deque(), "a move at the low rate"
@@ -239,3 +255,49 @@ async def ramp(
     victim = small_stack.child(controller.decisions[1][1].remove[0])
     assert victim.proc is not None
     assert await asyncio.to_thread(victim.proc.wait, 60) == 0  # drained, then exited
+
+
+async def test_a_conditional_routers_prefill_pool_goes_to_none_at_a_light_load_and_back(
+    tmp_path: Path,
+) -> None:
+    """`--conditional --prefill-min 0`: at a light load the planner finds the decode node
+    alone meets the SLO, the prefill node drains away and the router serves on (every
+    prompt prefilled on the decode node, /readyz still ready); a heavier load brings a
+    prefill node back. No request fails across either move."""
+    profile_path = slow_prefill_profile(tmp_path / "profile.json")
+    env = {"TANDEM_LOCAL_PREFILL_MAX_TOKENS": "0"}  # the costs choose the path, not length
+    argv = [
+        "--conditional", "--profile", profile_path,
+        "--prefill", "1", "--decode", "1",
+        "--port", str(free_port()),
+        "--transport", "tcp",
+        "--kv-cache-mb", "128",
+        "--heartbeat-ttl", "2",
+    ]  # fmt: skip
+    bounds = {"decode": RoleBounds(1, 1), "prefill": RoleBounds(0, 1)}
+    options = ["--conditional", "--local-prefill-max-tokens", "0"]
+    sizer = Sizer(profile_path, Slo(5.0, 0.5, 0.99), bounds, options)
+    config = SloConfig(window=20, min_span=8, horizon=5, headroom=0.2, up_window=1,
+                       down_window=10, down_after_up=10, bounds=bounds)  # fmt: skip
+    sent: list[asyncio.Task[int]] = []
+    with running_stack(argv, tmp_path / "stack.log", env) as stack:
+        async with autoscaled(stack, SloPolicy(sizer, config)) as (controller, backend, c):
+
+            async def load(rate: float, until: Callable[[], bool], limit: float, what: str) -> None:
+                await open_loop(c, sent, rate, until, limit, what)
+
+            await load(0.3, lambda: backend.count("prefill") == 0, 120, "prefill not scaled to 0")
+            victim = stack.child(controller.decisions[0][1].remove[0])
+            assert victim.proc is not None
+            assert await asyncio.to_thread(victim.proc.wait, 60) == 0  # drained, then exited
+            after = len(sent)
+            await load(0.3, lambda: len(sent) >= after + 4, 30, "")  # served without a pool
+            with urllib.request.urlopen(stack.url + "/readyz", timeout=5) as r:
+                ready = json.loads(r.read())
+            assert ready["ready"] and ready["prefill"] == 0, ready
+            await load(1.5, lambda: backend.count("prefill") == 1, 120, "no prefill node back")
+            results = await asyncio.gather(*sent)  # (before the client closes)
+    assert results == [4] * len(results)  # every request whole, across both moves
+    moves = [(d.role, d.delta) for _, d in controller.decisions]
+    assert moves == [("prefill", -1), ("prefill", 1)], moves
+    assert "0P+1D" in controller.decisions[0][1].reason

@@ -73,8 +73,7 @@ def test_the_planner_sizes_prefill_nodes_by_the_load(sizer: Sizer) -> None:
 def test_with_a_conditional_router_no_prefill_node_is_a_size(profile_path: str) -> None:
     """`--conditional --prefill-min 0`: decode nodes prefill while no prefill node is up,
     so the planner weighs running without the pool (colocated) against with it: none at
-    a light load, a pool at a heavy one, where the split router needs a node always.
-    Simulated only: a real stack refuses the bound (a prefill node does not drain)."""
+    a light load, a pool at a heavy one, where the split router needs a node always."""
     bounds = {"prefill": RoleBounds(0, 4), "decode": RoleBounds(1, 2)}
     sizer = Sizer(profile_path, SLO, bounds, ["--conditional"])
     light, heavy = sizer.size(load(0.5)), sizer.size(load(5.0))
@@ -85,8 +84,9 @@ def test_with_a_conditional_router_no_prefill_node_is_a_size(profile_path: str) 
     with pytest.raises(SystemExit, match="conditional"):
         policy_from_args(args)  # a split router has nowhere to prefill without the pool
     assert policy_from_args(args, ["--conditional"]).config.bounds["prefill"].min == 0
-    assert "simulated only" in (scaled_nodes_problem(args) or "")
-    assert scaled_nodes_problem(parse()) is None
+    conditional = argparse.Namespace(**vars(args), conditional=True)  # tandem up's flag
+    assert policy_from_args(conditional).config.bounds["prefill"].min == 0
+    assert scaled_nodes_problem(args) is None
     assert "--decode-min" in (scaled_nodes_problem(parse("--decode-min", "0")) or "")
 
 

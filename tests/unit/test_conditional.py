@@ -87,6 +87,21 @@ def test_short_tails_and_pool_less_clusters_stay_local() -> None:
     assert chooser().choose(4000, 4000, 4000, decode(running=30), Backlog(0, 0, 0)).local
 
 
+def test_a_conditional_router_serves_with_its_prefill_pool_scaled_to_none() -> None:
+    """No prefill node up (`--prefill-min 0` at a light load): the router stays ready and
+    plans every prompt on a decode node; a split router is not ready without one."""
+    table = NodeTable(registry=None, prefill_optional=True)  # type: ignore[arg-type]
+    table.nodes = {"d1": decode(running=8)}
+    assert table.ready()
+    plan = PrefixRouter(table, KVIndex(), 96, chooser=chooser()).plan(list(range(2000)), 70)
+    assert plan.local_node is not None and plan.local_node.node_id == "d1"
+    split = NodeTable(registry=None)  # type: ignore[arg-type]
+    split.nodes = {"d1": decode()}
+    assert not split.ready()
+    table.nodes = {}
+    assert not table.ready()  # a decode node is needed all the same
+
+
 def test_fallback_rule_without_a_profile() -> None:
     c = chooser(costs=False)
     assert not c.choose(1000, 1000, 1000, decode(), Backlog(1000, 1, 0)).local

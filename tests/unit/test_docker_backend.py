@@ -293,6 +293,19 @@ def test_scale_down_stops_in_the_background_then_removes(engine: FakeEngine) -> 
     assert other.stopped_with is None and not other.removed
 
 
+def test_a_service_scaled_to_none_scales_up_again(engine: FakeEngine) -> None:
+    """A conditional router's prefill pool may go to none (`--prefill-min 0`): its last
+    container is removed, and the next scale-up clones what it was."""
+    b = backend(engine)
+    b.scale_down("prefill", ["prefill-p1ffffffffff-000001"])
+    b.wait_stopped(5)
+    assert b.count("prefill") == 0 and not b._containers("prefill", all=True)
+    [name] = b.scale_up("prefill", 1)
+    assert b.count("prefill") == 1
+    clone = b.container_for("prefill", name)
+    assert clone is not None and clone.attrs["Config"]["Cmd"] == ["prefill"]
+
+
 def test_scale_down_of_an_unknown_node_is_skipped(engine: FakeEngine) -> None:
     b = backend(engine)
     b.scale_down("decode", ["decode-gone-000000"])

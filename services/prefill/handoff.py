@@ -50,6 +50,7 @@ class HandOff:
         cancelled: Container[str],
         stopping: asyncio.Event,
         fail: Callable[[ReceivedJob, str], Awaitable[None]],
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.node_id = node_id
         self.engine = engine  # its hash key: which decode nodes may take its KV
@@ -58,8 +59,11 @@ class HandOff:
         self.registry = registry
         self.decode_nodes = CachedNodes(registry)  # one read serves a second's hand-offs
         self.cancelled = cancelled  # request ids the worker heard cancelled
-        self.stopping = stopping  # the node's stop: no more retries
+        self.stopping = stopping  # set once the node's drain is over: no more retries
         self.fail = fail  # tells the router the request failed
+        # the node is draining: a job no decode node takes goes back to the queue at once
+        # (every decode node draining too: the stack is going down)
+        self.draining = draining
 
     async def run(
         self,
@@ -98,7 +102,10 @@ class HandOff:
         # rather than recomputing later, until the request's deadline.
         fresh = False  # the first pass from the last registry read; retries read afresh
         while time.time() < deadline and not self.stopping.is_set():
-            for node in await self._decode_candidates(job.job.decode_node, fresh):
+            candidates = await self._decode_candidates(job.job.decode_node, fresh)
+            if not candidates and self.draining():
+                break
+            for node in candidates:
                 if job.job.attempt_id in self.cancelled:
                     await job.term()
                     return
@@ -116,6 +123,10 @@ class HandOff:
             await job.term()
         else:
             await job.nak(delay=RETRY_DELAY)
+
+    async def has_takers(self) -> bool:
+        """Whether a decode node takes this node's KV now (by a second's view)."""
+        return bool(await self._decode_candidates(""))
 
     async def _decode_candidates(self, preferred: str, fresh: bool = False) -> list[NodeInfo]:
         key = self.engine.hash_key

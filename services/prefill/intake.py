@@ -16,8 +16,10 @@ and the pull also drains any job a timed-out fetch left in the subscription.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from shared.bus.client import Bus
-from shared.bus.registry import NodeRegistry
+from shared.bus.messages import NodeInfo
 from shared.bus.workqueue import JobConsumer, ReceivedJob
 
 OWN_WAIT = 0.02  # seconds a fetch from the node's own queue waits when it is empty
@@ -67,14 +69,14 @@ async def one_per_request(jobs: list[ReceivedJob]) -> list[ReceivedJob]:
     return list(kept.values())
 
 
-async def others_serve(registry: NodeRegistry, node_id: str, model: str) -> bool:
-    """Whether a prefill node of `model` other than `node_id` takes new work (and so the
-    shared queue). The registry unread: no (a draining node then serves it itself)."""
-    nodes = (await registry.nodes()).values()
+def others_serve(nodes: Mapping[str, NodeInfo], node_id: str, model: str) -> bool:
+    """Whether, by the registry's `nodes`, a prefill node of `model` other than `node_id`
+    takes new work (and so the shared queue). None known (the registry unread): no, and a
+    draining node serves the shared queue itself."""
     return any(
         n.role == "prefill"
         and n.node_id != node_id
         and not n.draining
         and (not model or n.model in (model, ""))
-        for n in nodes
+        for n in nodes.values()
     )

@@ -59,10 +59,12 @@ from shared.telemetry.metrics import NodeMetrics
 log = logging.getLogger("tandem.prefill")
 
 KEEP_ALIVE_INTERVAL = 2.0  # in_progress for held jobs: well inside the queue's ack_wait
-# Stopping: fetching goes on this long at least (jobs a router queued before its registry
-# watch showed this node draining), and ends by the second limit (within the 60 s grace
-# Kubernetes gives a prefill pod, and the 40 s Docker gives a clone).
-DRAIN_GRACE = 1.0
+# Stopping: fetching goes on until fetches have found nothing for DRAIN_QUIET (longer than
+# the jobs a router queued before its registry watch showed this node draining take to
+# arrive, and than a nak's RETRY_DELAY), and hand-offs stop retrying DRAIN_TIMEOUT after
+# the stop (within the 60 s grace Kubernetes gives a prefill pod, and the 40 s Docker gives
+# a clone by default).
+DRAIN_QUIET = 1.0
 DRAIN_TIMEOUT = 30.0
 
 
@@ -147,17 +149,20 @@ class PrefillWorker:
             self.cancelled,
             self.leaving,
             self._fail,
+            draining=lambda: self.draining,
         )
         self.prefix.start()
         events = self.pool_events.publisher
         events.cleared()  # a restarted node's pool is empty, whatever it held before
         events.start()
+        said = asyncio.create_task(self._say_draining(stop))
         try:
             while not stop.is_set():
                 await self._serve(await self._fetch(intake), handoff)
             await self._drain(intake, handoff)
         finally:
             self.leaving.set()
+            said.cancel()
             await intake.stop()
             await self.prefix.close()
             await events.close()
@@ -190,20 +195,33 @@ class PrefillWorker:
                 alive.cancel()
                 self.queue_depth = 0
 
-    async def _drain(self, intake: JobIntake, handoff: HandOff) -> None:
-        """Say so, then serve what is queued for this node (module docstring)."""
+    async def _say_draining(self, stop: asyncio.Event) -> None:
+        """Once stopped: the entry says so at once (not after the batch in progress), and
+        hand-offs give up DRAIN_TIMEOUT later."""
+        await stop.wait()
         self.draining = True
         with contextlib.suppress(Exception):  # best effort: the entry expires by TTL anyway
             await asyncio.wait_for(self.registry.heartbeat(self.info()), 1.0)
-        start = time.monotonic()
+        await asyncio.sleep(DRAIN_TIMEOUT)
+        self.leaving.set()
+
+    async def _drain(self, intake: JobIntake, handoff: HandOff) -> None:
+        """Serve what is queued for this node (module docstring), while a decode node
+        takes KV (all draining: the stack is going down, and the jobs wait for it)."""
+        start = quiet = time.monotonic()
         served = 0
-        while time.monotonic() - start < DRAIN_TIMEOUT:
-            others = await others_serve(self.registry, self.node_id, self.engine.served_name)
+        while not self.leaving.is_set():
+            if not await handoff.has_takers():
+                log.info("no decode node takes KV: %d jobs served after the stop", served)
+                return
+            nodes = await handoff.decode_nodes.nodes()  # (a second's view: cached)
+            others = others_serve(nodes, self.node_id, self.engine.served_name)
             jobs = await self._fetch(intake, shared=not others)
+            now = time.monotonic()
             if jobs:
-                served += len(jobs)
+                served, quiet = served + len(jobs), now
                 await self._serve(jobs, handoff)
-            elif time.monotonic() - start >= DRAIN_GRACE:
+            elif now - quiet >= DRAIN_QUIET and now - start >= DRAIN_QUIET:
                 log.info("drained: %d jobs served after the stop", served)
                 return
         log.warning("drain timed out after %.0fs: jobs may still be queued", DRAIN_TIMEOUT)

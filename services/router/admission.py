@@ -178,7 +178,7 @@ async def submit(
             return job, "local", ""
         if answer.invalid:  # the request, not the node: a retry would be refused too
             raise InvalidRequestError(answer.reason)
-    if parts.config.colocated:  # no prefill node to fall back on
+    if parts.nodes.pool_less(plan.model):  # no prefill node to fall back on
         raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
     steered = ""
     if plan.local:  # refused: the usual path, decode node chosen by load

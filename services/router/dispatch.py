@@ -57,7 +57,7 @@ class Dispatch:
         answer = await self.ask_local(node, job)
         if answer.accepted:
             return "local"
-        if answer.invalid or self.config.colocated:  # no prefill queue to fall back on
+        if answer.invalid or self.nodes.pool_less(job.model):  # no prefill queue to fall back on
             raise ResumeRefused(answer.reason or "no decode node took it")
         other = self.nodes.pick_decode(blocks, {node.node_id}, model=job.model)
         if other is not None:  # not the node that refused or timed out (see send_local)
@@ -75,10 +75,10 @@ class Dispatch:
         itself, not the node's state)."""
         assert self.bus.nc is not None
         # The node answers once the request is queued in its engine, after the step running
-        # now. Colocated, that step may be a long prefill and there is no other path: wait.
-        timeout = (
-            self.config.first_token_timeout if self.config.colocated else LOCAL_PREFILL_TIMEOUT
-        )
+        # now. Colocated (or no prefill node up), that step may be a long prefill and there
+        # is no other path: wait.
+        pool_less = self.nodes.pool_less(job.model)
+        timeout = self.config.first_token_timeout if pool_less else LOCAL_PREFILL_TIMEOUT
         # The node admits it only until shortly before we stop waiting: a late "ok" would
         # leave it running there as well as on the path taken instead.
         reply_by = time.time() + timeout - REPLY_MARGIN

@@ -176,6 +176,11 @@ class NodeTable:
         """KV blocks a request can come to fill (what a decode node must have room for)."""
         return -(-(prompt_tokens + max_tokens) // self.block_size(model))
 
+    def pool_less(self, model: str = "") -> bool:
+        """No prefill queue to fall back on for `model`: colocated, or conditional with no
+        prefill node up (a job queued then would wait for a node that may never come)."""
+        return self.colocated or (self.prefill_optional and not self.by_role("prefill", model))
+
     def ready(self, model: str = "") -> bool:
         """Whether a request (for `model`) can be served: a decode node, and a prefill
         node unless colocated or conditional."""

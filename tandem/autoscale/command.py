@@ -142,7 +142,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "pool, the services or Deployments prefill and decode)",
     )
     add_option(
-        p, "--drain-timeout", type=float, default=30.0, help="the decode nodes' --drain-timeout"
+        p,
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="the decode nodes' --drain-timeout (a prefill node drains within 30 s); Docker "
+        "stops a node after this plus 10 s",
     )
     add_option(
         p,

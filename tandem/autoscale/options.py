@@ -151,7 +151,15 @@ def slo_problem(args: argparse.Namespace, need_profile: bool = True) -> str | No
 
 
 def scaled_nodes_problem(args: argparse.Namespace) -> str | None:
-    """What a real stack's bounds cannot do, if anything: no decode node serves nothing."""
+    """What a real stack's bounds cannot do, if anything: no decode node serves nothing,
+    and only a conditional router serves with no prefill node. (Said before the stack
+    starts: the policy refuses it too, but `tandem up` builds it in a thread, where the
+    error went unseen.)"""
     if args.decode_min < 1:
         return "--decode-min must be at least 1"
+    if args.prefill_min < 1 and not getattr(args, "conditional", False):
+        return (
+            "--prefill-min 0 needs a conditional router (--conditional), which prefills on "
+            "decode nodes while no prefill node is up"
+        )
     return None

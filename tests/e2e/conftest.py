@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -45,6 +46,22 @@ def wait_ready(stack: Stack, timeout: float = 60) -> None:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{stack.url} not ready within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def wait_for_prefill(stack: Stack, timeout: float = 120) -> None:
+    """Until the router counts a prefill node: a conditional router is ready with none
+    (it prefills on decode nodes), and a test of the choice between the two needs both."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
+                if json.loads(r.read()).get("prefill", 0) >= 1:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no prefill node counted by {stack.url} in {timeout:.0f}s")
         time.sleep(0.2)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from shared.bus.server import free_port
 from shared.model.loader import LoadedModel
-from tests.e2e.conftest import running_stack
+from tests.e2e.conftest import running_stack, wait_for_prefill
 from tests.e2e.test_api import MODEL, client, reference, text_of
 from tests.e2e.test_prefix_cache import routes
 from tests.unit.test_plan_simulate import profile
@@ -82,6 +82,7 @@ def test_conditional_stack_prefills_on_the_idle_decode_node(
     want = text_of(real_model, reference(real_model, ids, 16))
     log = tmp_path / "stack.log"
     with running_stack(argv, log) as stack:
+        wait_for_prefill(stack)  # the choice is between the two: the pool must be there
         with client(stack) as c:
             resp = c.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0)
         assert resp.choices[0].text == want

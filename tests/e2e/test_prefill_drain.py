@@ -18,12 +18,14 @@ import pytest
 from tandem.launcher import Stack
 from tests.e2e.chaos import Request, Stream, run_streams
 from tests.e2e.conftest import wait_for_every_node
+from tests.e2e.test_failover import router_metric
 
 pytestmark = pytest.mark.e2e
 
 BURST = 32  # 2 nodes fetch 4 jobs a batch: most of the burst is queued at the stop
 MAX_TOKENS = 4
 PREFILL = ("prefill-1", "prefill-2")
+ROUTES = "tandem_router_routes_total"
 
 
 async def test_prefill_nodes_stopped_with_jobs_queued_serve_them_first(
@@ -36,9 +38,13 @@ async def test_prefill_nodes_stopped_with_jobs_queued_serve_them_first(
     log = Path(stack.out.name)
     drained_before = log.read_text().count("drained:")
 
+    want = router_metric(stack, ROUTES, route="remote") + BURST
+
     async def stop() -> None:
-        while max(s.events for s in streams) < 1:  # the first batch is out
-            await asyncio.sleep(0.01)
+        # every request admitted and queued first: a split router with no prefill node
+        # taking work turns new requests away (503), which is not what is tested here
+        while await asyncio.to_thread(router_metric, stack, ROUTES, route="remote") < want:
+            await asyncio.sleep(0.02)
         for name in PREFILL:
             await asyncio.to_thread(stack.terminate, name)
 

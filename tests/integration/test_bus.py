@@ -14,13 +14,13 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.prefill.intake import JobIntake
+from services.prefill.intake import JobIntake, others_serve
 from shared.bus.auth import BusAuth
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_keys import live_keys
-from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta, decode, encode
+from shared.bus.messages import JournalEntry, NodeInfo, PrefillJob, TokenDelta, decode, encode
 from shared.bus.registry import (
     STALE_CHECK,
     CachedNodes,
@@ -184,6 +184,42 @@ async def test_a_busy_node_looks_at_its_own_queue_before_pulling_it(
     finally:  # a failed assertion must not leave a client for a later test to collect
         await intake.stop()
         await bus.close()
+
+
+async def test_a_draining_node_relieved_by_another_takes_only_its_own_jobs(
+    nats_server: NatsServer,
+) -> None:
+    """A stopped prefill node drains what is queued for it: its own queue always, the
+    shared one only when no other prefill node of its model takes new work (`others_serve`
+    by the registry's entries; draining ones and other models' do not count)."""
+    bus = await connect(nats_server, "router")
+    intake = await JobIntake(bus, "p1").start()
+    try:
+        await submit_job(bus, job("shared-1"))
+        await submit_job(bus, job("steered-1"), prefill_node="p1")
+        got = await intake.fetch(4, shared=False)
+        assert [j.job.attempt_id for j in got] == ["steered-1"]
+        await got[0].ack()
+        assert await intake.fetch(4, shared=False) == []  # the shared job is not taken
+        got = await intake.fetch(4)
+        assert [j.job.attempt_id for j in got] == ["shared-1"]
+        await got[0].ack()
+    finally:
+        await intake.stop()
+        await bus.close()
+
+    def prefill(node_id: str, **fields: object) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role="prefill", **fields)  # type: ignore[arg-type]
+
+    me = prefill("p1", draining=True)
+    assert not others_serve({"p1": me}, "p1", "m")  # the last one: it serves the shared queue
+    assert not others_serve({}, "p1", "m")  # the registry unread: it serves it too
+    assert others_serve({"p1": me, "p2": prefill("p2", model="m")}, "p1", "m")
+    assert others_serve({"p2": prefill("p2")}, "p1", "m")  # a node of no model serves any
+    assert not others_serve({"p2": prefill("p2", draining=True)}, "p1", "m")
+    assert not others_serve({"p2": prefill("p2", model="other")}, "p1", "m")
+    decode = NodeInfo(node_id="d1", role="decode", model="m")
+    assert not others_serve({"d1": decode}, "p1", "m")
 
 
 async def test_nak_retries_and_malformed_jobs_are_terminated(nats_server: NatsServer) -> None:

@@ -86,7 +86,9 @@ def test_with_a_conditional_router_no_prefill_node_is_a_size(profile_path: str) 
     assert policy_from_args(args, ["--conditional"]).config.bounds["prefill"].min == 0
     conditional = argparse.Namespace(**vars(args), conditional=True)  # tandem up's flag
     assert policy_from_args(conditional).config.bounds["prefill"].min == 0
-    assert scaled_nodes_problem(args) is None
+    assert "--conditional" in (scaled_nodes_problem(args) or "")  # before a stack starts
+    assert scaled_nodes_problem(conditional) is None
+    assert scaled_nodes_problem(parse()) is None
     assert "--decode-min" in (scaled_nodes_problem(parse("--decode-min", "0")) or "")
 
 

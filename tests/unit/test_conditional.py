@@ -92,12 +92,14 @@ def test_a_conditional_router_serves_with_its_prefill_pool_scaled_to_none() -> N
     plans every prompt on a decode node; a split router is not ready without one."""
     table = NodeTable(registry=None, prefill_optional=True)  # type: ignore[arg-type]
     table.nodes = {"d1": decode(running=8)}
-    assert table.ready()
+    assert table.ready() and table.pool_less()  # a refused local prefill: 503, not queued
     plan = PrefixRouter(table, KVIndex(), 96, chooser=chooser()).plan(list(range(2000)), 70)
     assert plan.local_node is not None and plan.local_node.node_id == "d1"
+    table.nodes = {"d1": decode(), "p1": NodeInfo(node_id="p1", role="prefill")}
+    assert not table.pool_less()  # a pool again: the queue is the fallback
     split = NodeTable(registry=None)  # type: ignore[arg-type]
     split.nodes = {"d1": decode()}
-    assert not split.ready()
+    assert not split.ready() and not split.pool_less()
     table.nodes = {}
     assert not table.ready()  # a decode node is needed all the same
 

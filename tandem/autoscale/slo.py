@@ -159,6 +159,7 @@ class SloPolicy:
             return []
         last = self.size
         size = self.sizer.size(load, last) if load.rate > 0 else self._smallest()
+        size = self._as_deployed(load, size, current)
         # Hysteresis in replica space: fewer nodes only if they would still do at a load
         # DOWN_MARGIN above the one planned for (a load between the two moves nothing).
         wider = load.times(1 + DOWN_MARGIN)
@@ -182,6 +183,22 @@ class SloPolicy:
                 self._since.pop((role, "down"), None)
                 decisions.append(decision)
         return decisions
+
+    def _as_deployed(self, load: Load, size: Size, current: Mapping[str, int]) -> Size:
+        """The deployment as it is when it has as many nodes as `size` and meets the SLO
+        too: splits of one total tie, and the one the search found first flipped with
+        the load (a simulated conditional deployment went 1P+2D -> 0P+3D -> 2P+1D within
+        two minutes, each move a node started or drained)."""
+        p, d = current.get("prefill"), current.get("decode")
+        if p is None or d is None or not size.feasible or load.rate <= 0:
+            return size
+        if p + d != size.prefill + size.decode or (p, d) == (size.prefill, size.decode):
+            return size
+        bp, bd = self.sizer.bounds["prefill"], self.sizer.bounds["decode"]
+        if not (bp.min <= p <= bp.max and bd.min <= d <= bd.max):
+            return size
+        got = self.sizer.attainment(load, p, d)
+        return Size(p, d, got, True) if got >= self.sizer.slo.attainment else size
 
     def _held(self, now: float, current: Mapping[str, int], near: float) -> bool:
         """No role can move this tick, whatever the size: each is pinned by its bounds,

@@ -256,6 +256,30 @@ def test_a_tick_where_no_role_can_move_sizes_nothing() -> None:
     assert asked[0] < asked[1] / 2, asked
 
 
+def test_a_deployed_split_that_ties_with_the_size_is_kept() -> None:
+    """Splits of one total tie when both meet the SLO: the one deployed stays (the search
+    may find the other first, and a deployment flipped between them, a node started and
+    another drained each time); one that misses the SLO does not."""
+    bounds = {"prefill": RoleBounds(0, 4), "decode": RoleBounds(1, 4)}
+    meets = {(0, 3), (2, 1), (1, 3)}
+
+    class Ties(LinearSizer):
+        def size(self, load: Load, last: Size | None = None) -> Size:
+            return Size(2, 1, 1.0, True)
+
+        def attainment(self, load: Load, prefill: int, decode: int) -> float:
+            return 1.0 if (prefill, decode) in meets else 0.5
+
+    def decisions(current: dict[str, int]) -> list[Decision]:
+        policy = SloPolicy(Ties(bounds), ramp_config(0.0, bounds))
+        moves = observe_rates(policy, [0.5] * 200, current)
+        return [d for _, d in moves]
+
+    assert decisions({"prefill": 0, "decode": 3}) == []  # 0P+3D meets it: kept
+    moved = decisions({"prefill": 1, "decode": 2})  # 1P+2D misses it: to 2P+1D
+    assert [(d.role, d.delta) for d in moved] == [("prefill", 1), ("decode", -1)], moved
+
+
 def test_the_search_finds_what_trying_every_split_finds(profile_path: str) -> None:
     """Bisection per role, then a walk up from the two least counts: the deployment that
     trying every split of every total in turn finds (the fewest nodes, then the best

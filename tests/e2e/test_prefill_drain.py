@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from shared.model.loader import LoadedModel
 from tandem.launcher import Stack
-from tests.e2e.chaos import Request, Stream, run_streams
+from tests.e2e.chaos import Request, Stream, reference, run_streams, workload
 from tests.e2e.conftest import wait_for_every_node
 from tests.e2e.test_failover import router_metric
 
@@ -29,21 +30,25 @@ ROUTES = "tandem_router_routes_total"
 
 
 async def test_prefill_nodes_stopped_with_jobs_queued_serve_them_first(
-    stack: Stack, chaos_reference: tuple[list[Request], list[list[str]]]
+    stack: Stack, real_model: LoadedModel
 ) -> None:
-    requests, pieces = chaos_reference
-    requests = [Request(r.prompt_ids, MAX_TOKENS) for r in requests[:BURST]]
-    expected = ["".join(p[:MAX_TOKENS]) for p in pieces[:BURST]]
+    # prompts of this test alone: one a node's pool held from another test would be
+    # prefilled on that decode node, never queued for a prefill node
+    requests = [Request(r.prompt_ids, MAX_TOKENS) for r in workload(real_model, BURST, 0, 41)]
+    expected = ["".join(p) for p in reference(real_model, requests)]
     streams = [Stream() for _ in requests]
     log = Path(stack.out.name)
     drained_before = log.read_text().count("drained:")
 
-    want = router_metric(stack, ROUTES, route="remote") + BURST
+    def routed() -> float:
+        return sum(router_metric(stack, ROUTES, route=r) for r in ("local", "remote"))
+
+    want = routed() + BURST
 
     async def stop() -> None:
-        # every request admitted and queued first: a split router with no prefill node
-        # taking work turns new requests away (503), which is not what is tested here
-        while await asyncio.to_thread(router_metric, stack, ROUTES, route="remote") < want:
+        # every request admitted first: a split router with no prefill node taking work
+        # turns new requests away (503), which is not what is tested here
+        while await asyncio.to_thread(routed) < want:
             await asyncio.sleep(0.02)
         for name in PREFILL:
             await asyncio.to_thread(stack.terminate, name)

@@ -6,8 +6,9 @@ import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,16 @@ def wait_for_every_node(stack: Stack, timeout: float) -> None:
                 time.sleep(0.25)
 
 
-def wait_ready(stack: Stack, timeout: float = 60) -> None:
-    """Until the router answers /readyz with 200 (after a restart of it or of NATS)."""
+def wait_ready(
+    stack: Stack, timeout: float = 60, until: Callable[[dict[str, Any]], bool] = lambda _: True
+) -> None:
+    """Until the router answers /readyz with 200 (after a restart of it or of NATS), and
+    with a body `until` accepts."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
-                if r.status == 200:
+                if r.status == 200 and until(json.loads(r.read())):
                     return
         except OSError:
             pass
@@ -52,17 +56,7 @@ def wait_ready(stack: Stack, timeout: float = 60) -> None:
 def wait_for_prefill(stack: Stack, timeout: float = 120) -> None:
     """Until the router counts a prefill node: a conditional router is ready with none
     (it prefills on decode nodes), and a test of the choice between the two needs both."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(stack.url + "/readyz", timeout=2) as r:
-                if json.loads(r.read()).get("prefill", 0) >= 1:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no prefill node counted by {stack.url} in {timeout:.0f}s")
-        time.sleep(0.2)
+    wait_ready(stack, timeout, lambda body: body.get("prefill", 0) >= 1)
 
 
 @pytest.fixture(scope="package")

@@ -13,7 +13,8 @@ Stopped (SIGTERM: a scale-down), the node drains: its entry says so at once, so 
 steer nothing more to it and, when it was its model's last prefill node, a conditional
 router prefills on decode nodes from then on; it serves what is already queued for it (its
 own queue, and the shared one when no other prefill node of its model is up: nobody else
-would) until a fetch finds nothing, at most DRAIN_TIMEOUT. Without it, jobs steered to a
+would) until fetches have found nothing for DRAIN_QUIET, or no decode node takes KV; its
+hand-offs stop retrying DRAIN_TIMEOUT after the stop. Without it, jobs steered to a
 stopping node, or queued as the last one left, waited for a node that never came.
 """
 

@@ -5,6 +5,7 @@ options import it and the SLO policy imports the planner)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from shared.runtime.options import add_option, target_seconds
 from tandem.autoscale.policy import PolicyConfig
@@ -157,7 +158,14 @@ def scaled_nodes_problem(args: argparse.Namespace) -> str | None:
     error went unseen.)"""
     if args.decode_min < 1:
         return "--decode-min must be at least 1"
-    if args.prefill_min < 1 and not getattr(args, "conditional", False):
+    return prefill_min_problem(args)
+
+
+def prefill_min_problem(args: argparse.Namespace, node_options: Sequence[str] = ()) -> str | None:
+    """`--prefill-min 0` without a conditional router (`args.conditional`, or `--conditional`
+    among the nodes' simulate options), which alone serves with no prefill node."""
+    conditional = getattr(args, "conditional", False) or "--conditional" in node_options
+    if args.prefill_min < 1 and not conditional:
         return (
             "--prefill-min 0 needs a conditional router (--conditional), which prefills on "
             "decode nodes while no prefill node is up"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.autoscale.options import slo_problem
+from tandem.autoscale.options import prefill_min_problem, slo_problem
 from tandem.autoscale.policy import Policy, PolicyConfig
 from tandem.autoscale.sizer import Sizer
 from tandem.autoscale.slo import SloPolicy
@@ -21,12 +21,8 @@ def policy_from_args(
         "decode": RoleBounds(args.decode_min, args.decode_max),
         "prefill": RoleBounds(args.prefill_min, args.prefill_max),
     }
-    conditional = getattr(args, "conditional", False) or "--conditional" in (node_options or [])
-    if args.prefill_min < 1 and not conditional:
-        raise SystemExit(
-            "error: --prefill-min 0 needs a conditional router (--conditional), which "
-            "prefills on decode nodes while no prefill node is up"
-        )
+    if problem := prefill_min_problem(args, node_options or []):
+        raise SystemExit(f"error: {problem}")
     if getattr(args, "policy", "threshold") == "slo":
         problem = slo_problem(args)
         if problem:

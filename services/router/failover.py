@@ -138,6 +138,12 @@ class Failover:
             return False
         exclude = {self.stream.node_id, self.job.decode_node} - {""}
         node = await self._target(exclude)
+        if self.stream.ended:
+            # Its last tokens came while a node was sought (a router that woke from a stall
+            # reads the deltas that waited in NATS after it saw the nodes' entries lapse):
+            # nothing is left to resume, and a resume would be refused (max_tokens reached).
+            log.info("%s: %s, but its stream ended meanwhile", self.job.attempt_id, reason)
+            return True
         if node is None:
             log.warning("%s: %s, and no decode node came within %.0fs", self.job.attempt_id,
                         reason, NODE_WAIT)  # fmt: skip

@@ -64,6 +64,7 @@ class RequestStream:
         self.stale_errors = 0
         self.stale_tokens = 0  # deltas of a superseded handoff, dropped
         self.overflowed = False  # MAX_QUEUED reached: the stream ends with an error
+        self.ended = False  # the finished delta is in order (queued for the client)
 
     async def open(self) -> RequestStream:
         assert self.bus.nc is not None
@@ -112,6 +113,7 @@ class RequestStream:
                 self.itl = gap if self.itl is None else 0.8 * self.itl + 0.2 * gap
             self.node_id = ready.node_id
             self.last_delta_at = now
+            self.ended = self.ended or ready.finished
             self._deliver(ready)
         if not self.pending:
             self.hole_since = None

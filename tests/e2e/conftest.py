@@ -22,17 +22,30 @@ from tests.otlp_receiver import OtlpReceiver
 
 
 def wait_for_every_node(stack: Stack, timeout: float) -> None:
-    """/readyz needs one node per role; tests that read every node's metrics need all."""
+    """/readyz needs one node per role; tests that read every node's metrics need all. A
+    node that does not answer in time fails the test naming it, whether its process lives,
+    and its last lines in the stack's log."""
     deadline = time.monotonic() + timeout
-    for port in stack.metrics_ports.values():
+    for name, port in stack.metrics_ports.items():
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
                     break
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise AssertionError(not_answering(stack, name, exc)) from exc
                 time.sleep(0.25)
+
+
+def not_answering(stack: Stack, name: str, exc: OSError) -> str:
+    proc = stack.child(name).proc
+    state = "not started" if proc is None else f"exit code {proc.poll()}"
+    lines: list[str] = []
+    log = getattr(stack.out, "name", "")
+    if isinstance(log, str) and Path(log).is_file():
+        lines = [ln for ln in Path(log).read_text().splitlines() if ln.startswith(f"[{name}]")]
+    tail = "\n".join(ln[:400] for ln in lines[-15:])
+    return f"{name}'s /metrics did not answer ({exc}); process: {state}; its last lines:\n{tail}"
 
 
 def wait_ready(

@@ -18,7 +18,8 @@ from services.router.failover import Failover
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.streams import RequestStream
-from shared.bus.messages import Message, NodeInfo, Prefetch, PrefillJob
+from shared.bus.messages import Message, NodeInfo, Prefetch, PrefillJob, TokenDelta, encode
+from tests.unit.test_stream_gaps import FakeMsg
 
 
 class Nodes:
@@ -139,6 +140,32 @@ async def test_a_steered_job_fails_over_when_its_prefill_node_is_lost() -> None:
     assert resumed.output_ids == [] and failover.expected_sender() == ""  # not steered again
     failover.node_left("p1")  # its registry entry expires later: no second failover
     assert not failover.lost.is_set()
+
+
+async def test_a_stream_whose_last_delta_comes_while_a_node_is_sought_is_not_resumed() -> None:
+    """A router waking from a stall sees its nodes' entries lapsed (lost) before it reads
+    the deltas that waited in NATS: if the finished one comes in while the failover looks
+    for a node, the stream is complete and nothing is resubmitted (a decode node would
+    refuse it: max_tokens reached), and the stream goes on to that delta."""
+    router = RouterStandIn()  # no decode node yet: the failover waits NODE_WAIT for one
+    failover = failover_of(router)
+    stream = failover.stream
+    stream.next_seq = 2
+
+    async def the_rest_arrives() -> None:
+        await asyncio.sleep(0.2)
+        last = TokenDelta(attempt_id="r1", seq=2, token_ids=[9], finished=True,
+                          finish_reason="length", node_id="d1")  # fmt: skip
+        await stream._on_msg(FakeMsg(encode(last)))  # type: ignore[arg-type]
+        router.nodes.decode = [decoder("d2")]
+
+    arrives = asyncio.create_task(the_rest_arrives())
+    assert await failover.resume("its decode node was lost")
+    await arrives
+    assert router.sent == [] and router.cancels == [] and failover.attempts == 0
+    assert stream.ended and stream.token_ids == [7, 8, 9]
+    delivered = [d async for d in stream.deltas(1.0, 1.0)]
+    assert [d.token_ids for d in delivered] == [[9]] and delivered[0].finished
 
 
 def decode_node(node_id: str, free: int, running: int = 0) -> NodeInfo:

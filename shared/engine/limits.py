@@ -52,10 +52,8 @@ class RequestLimits:
                 request_id=request_id,
                 param="prompt",
             )
-        if -(-(len(prompt_ids) + params.max_tokens) // self.block_size) > self.total_blocks:
-            raise CapacityError(
-                "request needs more KV blocks than this node has in total", request_id=request_id
-            )
+        check_fits(request_id, len(prompt_ids) + params.max_tokens, self.block_size,
+                   self.total_blocks)  # fmt: skip
         if output_ids and len(output_ids) >= params.max_tokens:
             raise InvalidRequestError(
                 "the sequence has already produced max_tokens", request_id=request_id
@@ -106,3 +104,12 @@ def handoff_refusal(free_blocks: int, blocks: int, waiting: int, running: int) -
     if free_blocks < blocks + 1 + running:
         return "not enough free KV blocks"
     return None
+
+
+def check_fits(request_id: str, tokens: int, block_size: int, total_blocks: int) -> None:
+    """CapacityError if a sequence of `tokens` (prompt and max_tokens) needs more blocks
+    than the pool has in all (the planner's engines apply it too)."""
+    if -(-tokens // block_size) > total_blocks:
+        raise CapacityError(
+            "request needs more KV blocks than this node has in total", request_id=request_id
+        )

@@ -13,15 +13,12 @@ attainment 83% with FIFO steps, 86% shortest first; docs/benchmarks-log.md).
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import TYPE_CHECKING
+from collections.abc import Generator, Sequence
+from typing import Protocol, TypeVar
 
 from shared.engine.types import SequenceState, StepOutput
 from shared.errors import CapacityError
 from shared.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from shared.engine.interface import EngineCore
 
 # a request to prefill: its id, its prompt's token ids, its sampling parameters
 PrefillRequest = tuple[str, list[int], SamplingParams]
@@ -29,14 +26,61 @@ PrefillRequest = tuple[str, list[int], SamplingParams]
 Prefilled = tuple[StepOutput, SequenceState | None, memoryview | None]
 
 
+class Produced(Protocol):
+    """What a step gives back for a request that got its first token."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
+Out = TypeVar("Out", bound=Produced, covariant=True)
+State = TypeVar("State", covariant=True)
+Frame = TypeVar("Frame", covariant=True)
+
+
+class BatchEngine(Protocol[Out, State, Frame]):
+    """What a batch's steps need of an engine: a node's (`EngineCore`: step outputs, KV
+    snapshots and frames) or the planner's simulated one (tandem/plan/simprefill.py), which
+    runs this same rule with nothing to compute or ship."""
+
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_ids: list[int] | None = None,
+    ) -> str: ...
+
+    def step(self) -> Sequence[Out]: ...
+
+    def export(self, request_id: str) -> tuple[State, Frame]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def cancel_all(self) -> None: ...
+
+
+R = TypeVar("R", bound=Produced)
+S = TypeVar("S")
+F = TypeVar("F")
+
+
 def prefill_steps(
-    engine: EngineCore,
+    engine: BatchEngine[R, S, F],
     requests: list[PrefillRequest],
     resumed: dict[str, list[int]] | None = None,
-) -> Generator[list[Prefilled], None, None]:
+) -> Generator[list[tuple[R, S | None, F | None]], None, None]:
     """Add the requests, shortest (prompt and resumed output) first, then yield each step's
     prefilled ones (their blocks freed once exported). Run every `next` on the engine
-    thread.
+    thread. On a node each one is a `Prefilled`.
 
     `resumed` maps request ids to output tokens generated before a failover. An error, or
     the generator closed early, cancels what is left, so the next batch starts clean.
@@ -55,7 +99,7 @@ def prefill_steps(
             outs = engine.step()
             if not outs:
                 raise CapacityError("KV blocks exhausted during prefill")
-            results: list[Prefilled] = []
+            results: list[tuple[R, S | None, F | None]] = []
             for out in outs:
                 if out.finished:
                     results.append((out, None, None))
@@ -70,7 +114,7 @@ def prefill_steps(
 
 
 def prefill_and_export(
-    engine: EngineCore,
+    engine: BatchEngine[StepOutput, SequenceState, memoryview],
     requests: list[PrefillRequest],
     resumed: dict[str, list[int]] | None = None,
 ) -> list[Prefilled]:

@@ -4,7 +4,8 @@ one's KV to its decode node, as `services/prefill/` does.
 
 A prefill node takes up to `prefill_max_batch` queued jobs at a time (the shared queue is
 FIFO, as JetStream's pull consumer serves it) and prefills them, shortest first, in
-engine steps of at most its step tokens (`shared/engine/prefill_steps.py`); as each step
+engine steps of at most its step tokens: the node's own rule, `prefill_steps`
+(shared/engine/prefill_steps.py), run on the simulated engine (`SimBatch`); as each step
 ends it publishes that step's first tokens and ships their KV to their decode nodes (over
 one link, a step's transfers after the step before's), while the next step computes; it
 takes its next jobs once every hand-off is done, retrying (with the node's backoff) a
@@ -18,18 +19,76 @@ round trip, instead of pulling it empty).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from services.prefill.handoff_rules import FIRST_DELAY, next_delay, offer_order
 from shared.costs.model import CostModel
+from shared.engine.limits import check_fits
+from shared.engine.prefill_steps import PrefillRequest, prefill_steps
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.errors import CapacityError
+from shared.sampling_params import SamplingParams
 from tandem.bench.metrics import RequestRecord
 from tandem.plan.simengine import SimEngine
 from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
 from tandem.plan.topology import Topology
 
 FINISHED = SequenceStatus.FINISHED
+
+
+class SimBatch:
+    """A prefill node's batch on its simulated engine, as `prefill_steps` drives an engine
+    (its `BatchEngine`): the jobs' sequences are added as they are, a step is planned and
+    timed (`seconds`), and "exporting" a prompt's KV hands back its sequence."""
+
+    def __init__(self, engine: SimEngine, seqs: dict[str, Sequence]) -> None:
+        self.engine = engine
+        self.seqs = seqs
+        self.pending: dict[str, Sequence] = {}  # added, no first token yet
+        self.seconds = 0.0  # the latest step's
+
+    def has_unfinished(self) -> bool:
+        return self.engine.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_ids: list[int] | None = None,
+    ) -> str:
+        assert request_id is not None
+        shape = self.engine.shape  # what the node's engine refuses before anything else
+        check_fits(request_id, len(prompt_ids) + params.max_tokens, shape.block_size,
+                   shape.num_blocks)  # fmt: skip
+        seq = self.seqs[request_id]
+        self.pending[request_id] = seq
+        self.engine.add(seq)
+        return request_id
+
+    def step(self) -> list[Sequence]:
+        plan, self.seconds, _ = self.engine.begin()
+        done = self.engine.end(plan)
+        for seq in done:
+            del self.pending[seq.request_id]
+        return done
+
+    def export(self, request_id: str) -> tuple[Sequence, None]:
+        return self.seqs[request_id], None
+
+    def abort(self, request_id: str) -> bool:
+        self.engine.release(self.seqs[request_id])  # its KV left for a decode node
+        return True
+
+    def cancel_all(self) -> None:
+        for seq in self.pending.values():
+            self.engine.scheduler.remove(seq)
+        self.pending.clear()
 
 
 class PrefillSide:
@@ -72,22 +131,27 @@ class PrefillSide:
         count = min(self.topology.prefill_max_batch, len(self.queue))
         jobs = [self.queue.popleft() for _ in range(count)]
         node.holding = len(jobs)
-        left = {id(job.seq): job for job in jobs}
+        left = {job.seq.request_id: job for job in jobs}
         export, transfer = self.transfer_costs.kv_copy, self.transfer_costs.kv_transfer
         clock = link = self.now
-        order = sorted(jobs, key=lambda job: job.seq.num_tokens)  # shortest first, as the node
-        for seconds, seqs in self._prefill(node.engine, [job.seq for job in order]):
-            step = [left.pop(id(seq)) for seq in seqs]
-            ship = [j for j in step if j.seq.status is not FINISHED]
-            # each one's KV read out into its frame, on the engine thread, before the
-            # step's first tokens go out (`prefill_steps`); the next step follows
-            clock += seconds + sum(export("export", j.seq.num_computed) for j in ship)
-            self.at(clock, self._prefilled, node, step)
-            # a step's hand-offs run together on the one link, after the step before's:
-            # all of them land when the bytes are through
-            link = max(link, clock) + transfer(sum(j.seq.num_computed for j in ship))
-            self.at(link, self._hand_offs, node, ship)
-        if left:  # never admitted: more KV than this node's pool
+        batch = SimBatch(node.engine, {rid: job.seq for rid, job in left.items()})
+        requests: list[PrefillRequest] = [
+            (job.seq.request_id, job.seq.prompt_ids, job.seq.params) for job in jobs
+        ]
+        resumed = {job.seq.request_id: job.seq.output_ids for job in jobs if job.seq.output_ids}
+        try:
+            for outs in prefill_steps(batch, requests, resumed):
+                step = [left.pop(seq.request_id) for seq, _, _ in outs]
+                ship = [j for j in step if j.seq.status is not FINISHED]
+                # each one's KV read out into its frame, on the engine thread, before the
+                # step's first tokens go out (`prefill_steps`); the next step follows
+                clock += batch.seconds + sum(export("export", j.seq.num_computed) for j in ship)
+                self.at(clock, self._prefilled, node, step)
+                # a step's hand-offs run together on the one link, after the step before's:
+                # all of them land when the bytes are through
+                link = max(link, clock) + transfer(sum(j.seq.num_computed for j in ship))
+                self.at(link, self._hand_offs, node, ship)
+        except CapacityError:  # never admitted: more KV than this node's pool
             self.at(clock, self._not_admitted, node, list(left.values()))
 
     def _prefilled(self, node: PrefillNode, jobs: list[Job]) -> None:
@@ -98,29 +162,12 @@ class PrefillSide:
                 self._handed_off(node)
 
     def _not_admitted(self, node: PrefillNode, jobs: list[Job]) -> None:
-        for job in jobs:
-            node.engine.scheduler.remove(job.seq)
+        for job in jobs:  # out of its engine already (`prefill_steps` cancels what is left)
             self._job_failed(node, job, "KV blocks exhausted during prefill")
 
     def _hand_offs(self, node: PrefillNode, jobs: list[Job]) -> None:
         for job in jobs:
             self._hand_off(node, job, FIRST_DELAY)
-
-    @staticmethod
-    def _prefill(engine: SimEngine, seqs: list[Sequence]) -> Iterator[tuple[float, list[Sequence]]]:
-        """`prefill_steps`: step until every prompt has its first token, each one's blocks
-        freed as soon as it has (its KV is exported); per step, (seconds, its prefilled)."""
-        for seq in seqs:
-            engine.add(seq)
-        while engine.scheduler.waiting:
-            plan, step, _ = engine.begin()
-            if not plan.prefills:
-                return
-            done = engine.end(plan)
-            for seq in done:
-                if seq.status is not SequenceStatus.FINISHED:
-                    engine.release(seq)
-            yield step, done
 
     def _job_failed(self, node: PrefillNode, job: Job, error: str) -> None:
         self._fail(job.record, error)

@@ -9,10 +9,15 @@ import random
 
 import pytest
 
+from shared.costs.model import CostModel
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.prefill_steps import prefill_steps
+from shared.engine.prefill_steps import PrefillRequest, prefill_steps
+from shared.errors import CapacityError
 from shared.model.loader import LoadedModel
 from shared.sampling_params import SamplingParams
+from tandem.plan.simengine import EngineShape, SimEngine
+from tandem.plan.simprefill import SimBatch
+from tests.unit import test_plan_simulate as simulate_tests
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +90,36 @@ def test_an_engine_with_other_work_refuses_a_batch(tiny_model: LoadedModel) -> N
     with pytest.raises(RuntimeError, match="no other work"):
         next(prefill_steps(engine, batch()))
     assert engine.has_unfinished()  # its own work untouched
+
+
+def sim_engine(num_blocks: int, cap: int) -> SimEngine:
+    shape = EngineShape(num_blocks=num_blocks, max_num_batched_tokens=cap)
+    return SimEngine(shape, CostModel(simulate_tests.profile()))
+
+
+def sim_steps(engine: SimEngine, requests: list[PrefillRequest]) -> list[list[str]]:
+    seqs = {rid: SimEngine.new_sequence(rid, ids, 6) for rid, ids, _ in requests}
+    batch = SimBatch(engine, seqs)
+    return [[seq.request_id for seq, _, _ in step] for step in prefill_steps(batch, requests)]
+
+
+def test_the_simulator_steps_a_batch_as_the_node_does(tiny_model: LoadedModel) -> None:
+    """The planner's prefill nodes run this same rule on their simulated engine
+    (tandem/plan/simprefill.py): the same engine options give the same steps, the same
+    requests in each, and the same failure when the pool cannot hold a prompt."""
+    for cap in (48, 4096):
+        real = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_batched_tokens=cap))
+        want = [[out.request_id for out, _, _ in step] for step in prefill_steps(real, batch())]
+        sim = sim_engine(64, cap)
+        assert sim_steps(sim, batch()) == want
+        assert not sim.scheduler.has_unfinished() and sim.scheduler.pool.num_used == 0
+    # 5 blocks of 16 tokens: the 90-token prompt (and its max_tokens) never fits, and the
+    # engine refuses it as it is added: the batch fails before any step, and is gone
+    real = Engine(tiny_model, EngineConfig(num_blocks=5, max_num_batched_tokens=48))
+    sim = sim_engine(5, 48)
+    with pytest.raises(CapacityError, match="in total"):
+        next(prefill_steps(real, batch()))
+    with pytest.raises(CapacityError, match="in total"):
+        sim_steps(sim, batch())
+    assert not real.has_unfinished() and real.pool.num_used == 0
+    assert not sim.scheduler.has_unfinished() and sim.scheduler.pool.num_used == 0

@@ -114,6 +114,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad("cache_salt", f"cache_salt must be at most {MAX_CACHE_SALT} characters")
 
 
+def seeded(params: SamplingParams) -> SamplingParams:
+    """`params` with its seed fixed: its own, or a new one. The router fixes it once, as it
+    admits a request, and every attempt carries it in `params` (retries, failovers, either
+    path, a resume by another router); an engine used directly fixes it as it adds one."""
+    if params.seed is not None:
+        return params
+    return msgspec.structs.replace(params, seed=new_seed())
+
+
 def new_seed() -> int:
     """A seed for a request that gave none: fixed once, so its resumption stays reproducible."""
     return secrets.randbelow(SEED_LIMIT)

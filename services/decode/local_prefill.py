@@ -185,7 +185,7 @@ class LocalPrefill:
             if tail is not None and fitted is None:
                 log.info("the stored KV tail of %s does not fit its context", job.attempt_id)
             self.engine.add_request(
-                job.prompt_ids, job.sampling_params(), job.attempt_id, job.output_ids, fitted
+                job.prompt_ids, job.params, job.attempt_id, job.output_ids, fitted
             )
             return None
 

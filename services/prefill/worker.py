@@ -253,7 +253,7 @@ class PrefillWorker:
         # that shares a stepping decode node's core (docs/benchmarks-log.md).
         threads = self.idle_threads if all(j.job.alone for j in jobs) else 0
         requests: list[PrefillRequest] = [
-            (j.job.attempt_id, j.job.prompt_ids, j.job.sampling_params()) for j in jobs
+            (j.job.attempt_id, j.job.prompt_ids, j.job.params) for j in jobs
         ]
         # failovers and resumed streams: the tokens already delivered
         resumed: dict[str, list[int]] = {
@@ -376,7 +376,7 @@ class PrefillWorker:
             return False
         try:
             j = job.job
-            self.engine.validate(j.attempt_id, j.prompt_ids, j.sampling_params(), j.output_ids)
+            self.engine.validate(j.attempt_id, j.prompt_ids, j.params, j.output_ids)
         except TandemError as exc:
             await self._fail(job, exc.message)
             return False

@@ -43,7 +43,7 @@ from shared.errors import (
     RequestTimeoutError,
 )
 from shared.model.tokenizer import TokenizerInfo
-from shared.sampling_params import SamplingParams, new_seed
+from shared.sampling_params import SamplingParams, seeded
 from shared.telemetry.logs import bind
 
 log = logging.getLogger("tandem.router")
@@ -128,13 +128,11 @@ async def admit(
 def new_job(
     parts: RouterParts, parsed: ParsedRequest, rid: RequestId, node: NodeInfo
 ) -> PrefillJob:
-    seed = parsed.params.seed if parsed.params.seed is not None else new_seed()
     attempt = attempt_id(rid)
     return PrefillJob(
         attempt_id=attempt,
         prompt_ids=parsed.prompt_ids,
-        params=parsed.params,
-        seed=seed,
+        params=seeded(parsed.params),
         decode_node=node.node_id,
         token_subject=token_subject(attempt),
         deadline=time.time() + parts.config.first_token_timeout,

@@ -33,8 +33,7 @@ class SequenceSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attempt_id: AttemptId
     prompt_ids: list[int]
     output_ids: list[int]
-    params: SamplingParams
-    seed: int
+    params: SamplingParams  # its seed fixed (sampling_params.seeded)
     num_computed: int  # KV tokens the accompanying export covers
 
 
@@ -49,8 +48,7 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
 
     attempt_id: AttemptId = AttemptId("")
     prompt_ids: list[int] = []
-    params: SamplingParams = SamplingParams()
-    seed: int = 0
+    params: SamplingParams = SamplingParams()  # its seed fixed at admission (seeded)
     decode_node: str = ""
     handoff: int = 0  # 0: the attempt's first; a failover counts one more (ids.py)
     token_subject: str = ""
@@ -60,13 +58,6 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
     # The router served no other request when it sent this: the decode nodes run nothing of
     # its. A prefill node sharing their cores may then take them all (--idle-threads).
     alone: bool = False
-
-    def sampling_params(self) -> SamplingParams:
-        """The request's parameters with the router's seed when it set none, so every
-        attempt (retry, failover, either path) samples alike."""
-        if self.params.seed is not None:
-            return self.params
-        return msgspec.structs.replace(self.params, seed=self.seed)
 
 
 class DecodeAssignment(Message, frozen=True, tag="decode_assignment"):
@@ -214,7 +205,6 @@ class CheckpointRecord(Message, frozen=True, tag="checkpoint"):
     num_tokens: int = 0
     block_hashes: list[bytes] = []
     output_ids: list[int] = []
-    seed: int = 0
     timestamp: float = 0.0
 
 

@@ -81,7 +81,6 @@ class CheckpointWriter:
                 num_tokens=point.num_tokens,
                 block_hashes=[bytes(h) for h in point.block_hashes],
                 output_ids=point.output_ids,
-                seed=point.seed,
             )
             try:
                 await asyncio.wait_for(self.journal.put_checkpoint(record), WRITE_TIMEOUT)

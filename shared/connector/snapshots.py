@@ -15,7 +15,6 @@ def to_wire(state: SequenceState) -> SequenceSnapshot:
         prompt_ids=state.prompt_ids,
         output_ids=state.output_ids,
         params=state.params,
-        seed=state.seed,
         num_computed=state.num_computed,
     )
 
@@ -27,6 +26,5 @@ def from_wire(snapshot: SequenceSnapshot) -> SequenceState:
         prompt_ids=snapshot.prompt_ids,
         output_ids=snapshot.output_ids,
         params=snapshot.params,
-        seed=snapshot.seed,
         num_computed=snapshot.num_computed,
     )

@@ -104,7 +104,7 @@ class BlockExchange:
         covered = (items[-1][0] + 1) * self.layout.block_size
         self._points[seq.request_id] = CheckpointPoint(
             seq.request_id, covered, list(seq.block_hashes[: items[-1][0] + 1]),
-            list(seq.output_ids), seq.seed,
+            list(seq.output_ids),
         )  # fmt: skip
 
     def sequence_ended(self, seq: Sequence, finished: bool) -> None:

@@ -40,7 +40,7 @@ from shared.kv.shared_pool import KVBudget, SharedBlockPool
 from shared.kv.tail import TailBlock
 from shared.model.loader import LoadedModel
 from shared.model.runner import ModelRunner, PackedItem, kv_layout
-from shared.sampling_params import SamplingParams, new_seed
+from shared.sampling_params import SamplingParams, seeded
 
 _DETOK_CONTEXT = 4  # prompt tokens given to the detokenizer for the first word's spacing
 
@@ -209,8 +209,8 @@ class Engine:
                 raise WireFormatError(
                     "the KV tail does not fit this context", request_id=request_id
                 )
-        seed = params.seed if params.seed is not None else new_seed()
-        seq = self._new_sequence(request_id, prompt_ids, params, seed, output_ids)
+        params = seeded(params)
+        seq = self._new_sequence(request_id, prompt_ids, params, params.seed or 0, output_ids)
         seq.tail = tail
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -248,12 +248,9 @@ class Engine:
             )
         block_ids = self.pool.allocate(header.num_blocks)
         self.cache.write_blocks(block_ids, blocks)
+        params = seeded(snapshot.params)  # fixed where it was added: kept
         seq = self._new_sequence(
-            snapshot.request_id,
-            snapshot.prompt_ids,
-            snapshot.params,
-            snapshot.seed,
-            snapshot.output_ids,
+            snapshot.request_id, snapshot.prompt_ids, params, params.seed or 0, snapshot.output_ids
         )
         seq.block_ids = block_ids
         seq.num_computed = snapshot.num_computed

@@ -86,6 +86,5 @@ class Sequence:
             prompt_ids=list(self.prompt_ids),
             output_ids=list(self.output_ids),
             params=self.params,
-            seed=self.seed,
             num_computed=self.num_computed,
         )

@@ -33,8 +33,7 @@ class SequenceState:
     request_id: str
     prompt_ids: list[int]
     output_ids: list[int]
-    params: SamplingParams
-    seed: int
+    params: SamplingParams  # its seed fixed
     num_computed: int
 
 
@@ -45,8 +44,7 @@ class CheckpointPoint:
     request_id: str
     num_tokens: int  # positions covered by its handed-over full blocks
     block_hashes: list[BlockHash]
-    output_ids: list[int]  # generated so far (with the seed: the whole sampler state)
-    seed: int
+    output_ids: list[int]  # generated so far (with params' seed: the sampler's whole state)
 
 
 @dataclass

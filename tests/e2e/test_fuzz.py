@@ -144,7 +144,7 @@ def test_random_http_requests_never_get_a_5xx(
 
 def _samples() -> list[Message]:
     params = SamplingParams(max_tokens=4)
-    snap = SequenceSnapshot("fuzz-1", [1, 2, 3], [], params, 1, 3)
+    snap = SequenceSnapshot("fuzz-1", [1, 2, 3], [], params, 3)
     return [
         PrefillJob(attempt_id="fuzz-1", prompt_ids=[1, 2, 3], params=params, decode_node="x"),
         DecodeAssignment(transfer_id="fuzz-1", snapshot=snap, token_subject="tandem.fuzz"),

@@ -53,7 +53,7 @@ async def a_node_refuses_another_models_work(stack: Stack) -> None:
         tiny = next(n for n in nodes if n.role == "decode" and n.model == TINY)
         assert {n.model for n in nodes if n.role in ("prefill", "decode")} == {MODEL, TINY}
         attempt = AttemptId("cmpl-wrong-model")
-        snap = SequenceSnapshot(attempt, [1, 2, 3], [], SamplingParams(max_tokens=2), 0, 3)
+        snap = SequenceSnapshot(attempt, [1, 2, 3], [], SamplingParams(max_tokens=2, seed=0), 3)
         assign = DecodeAssignment(
             transfer_id="t-wrong-model",
             snapshot=snap,

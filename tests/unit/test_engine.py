@@ -12,7 +12,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.prefill_steps import prefill_and_export
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.model.loader import LoadedModel
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, seeded
 
 pytestmark = pytest.mark.unit
 
@@ -192,6 +192,29 @@ def test_seeded_sampling_resumes_mid_sequence(tiny_model: LoadedModel) -> None:
     second = Engine(tiny_model, EngineConfig(num_blocks=64))
     second.add_snapshot(snapshot, frame)
     assert produced + run_to_end(second)[rid] == reference
+
+
+def test_an_unseeded_request_gets_one_seed_that_travels_in_its_params(
+    tiny_model: LoadedModel,
+) -> None:
+    """A request without a seed has one fixed as it is added (`seeded`, as the router
+    fixes it at admission); it travels in the snapshot's params, the one place it is kept,
+    so the sequence continued elsewhere samples as it would have here."""
+    prompt = prompts(1, seed=10)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    first = Engine(tiny_model, EngineConfig(num_blocks=64))
+    rid = first.add_request(prompt, params)
+    produced: list[int] = []
+    for _ in range(5):
+        produced.extend(first.step()[0].new_token_ids)
+    snapshot, frame = first.export(rid)
+    assert snapshot.params.seed is not None and params.seed is None
+    assert seeded(snapshot.params) is snapshot.params  # fixed once: kept from then on
+    second = Engine(tiny_model, EngineConfig(num_blocks=64))
+    second.add_snapshot(snapshot, frame)
+    reference = alone(tiny_model, prompt, snapshot.params)
+    assert produced + run_to_end(second)[rid] == reference
+    assert len({seeded(params).seed for _ in range(3)}) == 3  # a new one each time
 
 
 def test_stop_strings_and_eos(tiny_model: LoadedModel) -> None:

@@ -126,7 +126,7 @@ async def test_a_real_decode_node_asks_the_rule_with_its_running_streams(
 
     async def offer(blocks: int) -> bytes:
         tokens = blocks * engine.config.block_size
-        snap = SequenceSnapshot(AttemptId("cmpl-x"), [9] * tokens, [], params, 1, tokens)
+        snap = SequenceSnapshot(AttemptId("cmpl-x"), [9] * tokens, [], params, tokens)
         assignment = DecodeAssignment(
             transfer_id="t-x", snapshot=snap, token_subject="tandem.tokens.cmpl-x"
         )

@@ -23,7 +23,7 @@ SAMPLES: list[m.Message] = [
     ),
     m.DecodeAssignment(
         transfer_id="t",
-        snapshot=SequenceSnapshot("r", [1, 2], [3], SamplingParams(), 5, 2),
+        snapshot=SequenceSnapshot("r", [1, 2], [3], SamplingParams(seed=5), 2),
         model="m",
     ),
     m.TokenDelta(attempt_id="r", seq=3, token_ids=[7], text="x", finished=True),

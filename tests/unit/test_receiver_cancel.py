@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 
 def announced(attempt: str) -> Expected:
-    snap = SequenceSnapshot(AttemptId(attempt), [1, 2], [3], SamplingParams(), 5, 2)
+    snap = SequenceSnapshot(AttemptId(attempt), [1, 2], [3], SamplingParams(seed=5), 2)
     return Expected(snap, "tandem.tokens.x", time.time() + 30, 1, "secret")
 
 

@@ -4,16 +4,25 @@ the wire, and the clear 400s."""
 
 from __future__ import annotations
 
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+from services.router.admission import new_job
 from services.router.validation import Limits, ParsedRequest, parse_request
+from shared.bus.ids import RequestId
+from shared.bus.messages import NodeInfo
 from shared.errors import InvalidRequestError
 from shared.model.tokenizer import TokenizerInfo, load_tokenizer
 
 pytestmark = pytest.mark.unit
 MODEL = "smollm2-135m-instruct"
+D1 = NodeInfo(node_id="d1", role="decode")
+# what new_job reads of the router's parts
+PARTS = SimpleNamespace(
+    config=SimpleNamespace(first_token_timeout=60.0), inflight=SimpleNamespace(streaming=set())
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,15 @@ def test_n_and_each_choices_seed(tok: TokenizerInfo) -> None:
     assert seeds == [10, 11, 12, 13] and all(choice_request(parsed, i).n == 1 for i in range(4))
     top = parse(tok, n=2, seed=2**63 - 1)
     assert choice_request(top, 1).params.seed == 0  # wraps within the 63-bit seed range
-    assert choice_request(parse(tok, n=3), 2).params.seed is None  # each job draws its own
+    unseeded = choice_request(parse(tok, n=3, temperature=0.8), 2)
+    assert unseeded.params.seed is None  # each job draws its own, once, at admission:
+    jobs = [new_job(cast(Any, PARTS), unseeded, RequestId("r"), D1) for _ in range(2)]
+    assert all(job.params.seed is not None for job in jobs)  # what every node samples with
+    assert jobs[0].params.seed != jobs[1].params.seed
+    seeded_job = new_job(
+        cast(Any, PARTS), parsed, RequestId("r"), NodeInfo(node_id="d1", role="decode")
+    )
+    assert seeded_job.params.seed == 10  # the client's own, untouched
     refused(tok, "n", n=0)
     refused(tok, "n", n=17)
     refused(tok, "n", n="2")

@@ -162,7 +162,7 @@ async def stream_deltas(
         if delta.first_seq <= served.skip_through < delta.seq:  # the client has part of it
             delta = tail_of(delta, served.skip_through + 1) or delta
         observe(parts, served, span, delta, progress, first)
-        served.journal.delivered(delta, stream.token_ids)
+        served.journal.delivered(stream.token_ids)
         if not failover.standby:
             await failover.warm_standby()
         text, part = shown(served, progress, delta)

@@ -21,7 +21,7 @@ from services.router.streams import RequestStream
 from services.router.validation import ParsedRequest
 from shared.bus.ids import RequestId
 from shared.bus.journal import RequestJournal
-from shared.bus.messages import JournalEntry, PrefillJob, TokenDelta
+from shared.bus.messages import JournalEntry, PrefillJob
 
 log = logging.getLogger("tandem.router")
 
@@ -37,16 +37,12 @@ class JournalWriter:
         self.written = len(entry.output_ids)
         self.task: asyncio.Task[None] | None = None
 
-    def delivered(self, delta: TokenDelta, token_ids: list[int]) -> None:
+    def delivered(self, token_ids: list[int]) -> None:
         if len(token_ids) - self.written < JOURNAL_EVERY or self.task is not None:
             return
         self.written = len(token_ids)
         self.entry = msgspec.structs.replace(
-            self.entry,
-            state="decoding",
-            decode_node=delta.node_id,
-            tokens_delivered=len(token_ids),
-            output_ids=list(token_ids),
+            self.entry, state="decoding", output_ids=list(token_ids)
         )
         self.task = asyncio.create_task(self._write(self.entry))
 

@@ -85,10 +85,7 @@ async def resume_stream(parts: RouterParts, request: web.Request) -> web.StreamR
         # Resume before the client's last token: regenerating it (not sent again) also
         # brings its finish reason if it was the last one.
         output = known[: max(0, min(after, len(known), job.params.max_tokens - 1))]
-        # on a node serving its model (a job journaled before several models names none:
-        # the entry does)
-        model = job.model or entry.model
-        job = msgspec.structs.replace(job, model=model)
+        model = job.model  # on a node serving its model
         blocks = parts.nodes.blocks_needed(len(job.prompt_ids), job.params.max_tokens, model)
         node = parts.nodes.pick_decode(blocks, model=model)
         if node is None:
@@ -139,17 +136,6 @@ async def claim(
 ) -> tuple[JournalEntry, PrefillJob]:
     """Take the entry over under a new attempt (one router wins), and the attempt's job."""
     attempt = attempt_id(entry.request_id, takeover=True)
-    claimed = msgspec.structs.replace(
-        entry,
-        router_id=parts.config.node_id,
-        attempt_id=attempt,
-        state="resumed",
-        decode_node=node.node_id,
-        output_ids=output,
-        tokens_delivered=len(output),
-    )
-    if not await parts.journal.claim(claimed, revision):
-        raise ConflictError("another router resumed this request first")
     job = msgspec.structs.replace(
         job,
         attempt_id=attempt,
@@ -160,6 +146,11 @@ async def claim(
         deadline=time.time() + parts.config.first_token_timeout,
         alone=False,  # said by the router that first sent it
     )
+    claimed = msgspec.structs.replace(
+        entry, router_id=parts.config.node_id, state="resumed", job=job, output_ids=output
+    )
+    if not await parts.journal.claim(claimed, revision):
+        raise ConflictError("another router resumed this request first")
     return claimed, job
 
 
@@ -184,7 +175,7 @@ async def resubmit(
     parts.metrics.resumes.inc()
     parsed = ParsedRequest(
         chat=claimed.chat,
-        model=claimed.model,
+        model=job.model,
         prompt_ids=job.prompt_ids,
         params=job.params,
         stream=True,

@@ -211,28 +211,30 @@ class CheckpointRecord(Message, frozen=True, tag="checkpoint"):
 class JournalEntry(Message, frozen=True, tag="journal"):
     """The request journal's record of one request (outlives any router process).
 
-    It holds what another router needs to resume the request's stream: the job (prompt,
-    parameters, seed), the response's shape, and tokens delivered so far (a prefix of the
-    request's output, written every block; decode nodes' checkpoint records may know more).
+    It holds what another router needs to resume the request's stream: its current
+    attempt's job (prompt, parameters with the seed, model, attempt id: a takeover writes
+    the new attempt's), the response's shape, and the tokens delivered so far (a prefix of
+    the request's output, written every block; decode nodes' checkpoint records may know
+    more). Nothing in it repeats the job.
     """
 
     request_id: RequestId = RequestId("")  # what the client knows (response id, journal key)
     state: JournalState = "queued"
     router_id: str = ""
-    prefill_node: str = ""
-    decode_node: str = ""
-    tokens_delivered: int = 0
     updated_at: float = 0.0
-    attempt_id: AttemptId = AttemptId("")  # the current attempt (a takeover changes it)
     job: PrefillJob | None = None
     chat: bool = False
-    model: str = ""
     include_usage: bool = False
     created: int = 0
     output_ids: list[int] = []
     owner: str = ""  # digest of the API key that created it ("" on an open API): resumes
     echo: bool = False  # the response shows the prompt first (completions' `echo`)
     hide_output: bool = False  # an echo with `max_tokens: 0`: its one token is not shown
+
+    @property
+    def attempt_id(self) -> AttemptId:
+        """The current attempt's id (its job's): its checkpoint record's key."""
+        return self.job.attempt_id if self.job is not None else AttemptId("")
 
 
 class KVPut(Message, frozen=True, tag="kv_put"):

@@ -274,7 +274,6 @@ async def test_a_stream_resumes_only_with_the_key_that_made_it(router: Router) -
     entry = JournalEntry(
         request_id=RequestId(rid),
         router_id="router-gone",
-        attempt_id=job.attempt_id,
         job=job,
         owner=owner_digest(KEY_A),
     )

@@ -25,6 +25,7 @@ from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.connector.prefix_cache import PrefixCache
 from shared.engine.interface import EngineCore
+from shared.engine.limits import local_prefill_refusal
 from shared.engine.types import StepOutput
 from shared.errors import InvalidRequestError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash
@@ -123,9 +124,6 @@ class LocalPrefill:
                 self.bus.count_drop(msg.subject, str(exc))
                 await msg.respond(refused("malformed job"))
                 return
-            if self.node.draining:
-                await msg.respond(refused("draining"))
-                return
             if not self.engine.serves(job.model):
                 await msg.respond(refused(f"this node serves {self.engine.served_name!r}"))
                 return
@@ -137,8 +135,9 @@ class LocalPrefill:
                 return
             context = job.prompt_ids + job.output_ids  # a resumed request: its output too
             prompt_blocks = self.engine.blocks_for(len(context))
-            if self.node.free_blocks() < prompt_blocks + 1:
-                await msg.respond(refused("not enough free KV blocks"))
+            no = local_prefill_refusal(self.node.free_blocks(), prompt_blocks, self.node.draining)
+            if no is not None:
+                await msg.respond(refused(no))
                 return
             self.admitting[job.attempt_id] = False
             self.reserved_blocks += prompt_blocks  # others admitted meanwhile see it taken

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from services.router.auth import request_owner
 from services.router.failover import Failover
 from services.router.parts import RouterParts
-from services.router.placement import Plan, plan, track_backlog
+from services.router.placement import Plan, after_local_refusal, plan, track_backlog
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter
 from services.router.streams import RequestStream
@@ -177,12 +177,7 @@ async def submit(
         raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
     steered = ""
     if plan.local:  # refused: the usual path, decode node chosen by load
-        # Not that node if another has room: a late cancel of its attempt (it timed out)
-        # must not meet the request there again.
-        refused = plan.decode_node
-        parts.nodes.sent(refused.node_id, -1)  # the plan counted it: it runs elsewhere
-        node = parts.nodes.pick_decode(plan.blocks, {refused.node_id}, model=plan.model)
-        node = node or refused
+        node = after_local_refusal(parts.nodes, plan)
         job = msgspec.structs.replace(job, decode_node=node.node_id)
     elif plan.prefix is not None and plan.prefix.prefill_node is not None:
         steered = plan.prefix.prefill_node.node_id  # its pool holds the prefix

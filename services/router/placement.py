@@ -53,6 +53,17 @@ def plan(
     return Plan(blocks, decode_node, local_node is not None, prefix, model)
 
 
+def after_local_refusal(nodes: NodeTable, where: Plan) -> NodeInfo:
+    """The decode node a request goes to, the usual way, when the one `plan` chose to
+    prefill it locally refused: another with room if there is one (a late cancel of the
+    refused attempt, which timed out, must not meet the request there again), else that
+    same node. The plan counted the refused node: the count moves with the request."""
+    refused = where.decode_node
+    nodes.sent(refused.node_id, -1)
+    node = nodes.pick_decode(where.blocks, {refused.node_id}, model=where.model)
+    return node or refused
+
+
 def track_backlog(nodes: NodeTable, rid: RequestId, where: Plan, route: str, prompt: int) -> None:
     """Count its prompt (what will be computed of it) as queued for a prefill where it
     went, until its first token (relay.py) or its end."""

@@ -5,7 +5,10 @@ Time comes from a profile (shared/costs/model.py); every decision is the real co
   `NodeTable` fed by simulated heartbeats (every `heartbeat` seconds per node, staggered,
   counting what was sent since as the router does) and the `PrefixRouter` (with
   conditional disaggregation's chooser, costed by the decode profile, when asked), and
-  counts prefill backlogs as the router does (`placement.track_backlog`);
+  counts prefill backlogs as the router does (`placement.track_backlog`); a decode node
+  asked to prefill a request itself takes or refuses it by the node's rule
+  (`limits.local_prefill_refusal`), and a refused one goes the router's usual way
+  (`placement.after_local_refusal`);
 - each node's engine is the real `Scheduler` (simengine.py), continuous batching and
   chunked prefill included;
 - prefill nodes take, prefill and hand off jobs as `services/prefill/` does
@@ -41,13 +44,14 @@ from typing import Any, cast
 
 from services.router.conditional import PrefillPathChooser
 from services.router.nodes import NodeTable
+from services.router.placement import after_local_refusal, track_backlog
 from services.router.placement import plan as plan_route
-from services.router.placement import track_backlog
 from services.router.routing import PrefixRouter
 from shared.bus.ids import RequestId
 from shared.bus.kv_events import KVIndex
 from shared.bus.messages import NodeInfo, NodeRole
 from shared.costs.model import CostModel
+from shared.engine.limits import local_prefill_refusal
 from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
@@ -241,9 +245,15 @@ class Simulation(ScalingSide):
         decoder = self.decoders[where.decode_node.node_id]
         seq = SimEngine.new_sequence(f"r{n}", prompt, arrival.max_tokens)
         self._open[id(record)] = seq.request_id
-        route = "local" if where.local else "remote"
+        local = where.local and self._takes_local(decoder, len(prompt))
+        if where.local and not local:  # refused: the usual way, as the router sends it
+            if self.nodes.pool_less(where.model):
+                self._fail(record, "no decode node took the request; retry shortly")
+                return
+            decoder = self.decoders[after_local_refusal(self.nodes, where).node_id]
+        route = "local" if local else "remote"
         track_backlog(self.nodes, cast(RequestId, seq.request_id), where, route, len(prompt))
-        if where.local:
+        if local:
             decoder.records[seq.request_id] = record
             self._cut(decoder)
             decoder.engine.add(seq)
@@ -254,6 +264,14 @@ class Simulation(ScalingSide):
             if not self.queue:
                 break  # taken: the other nodes have nothing to look at
             self._take_jobs(node)
+
+    def _takes_local(self, decoder: DecodeNode, prompt_tokens: int) -> bool:
+        """Whether the decode node prefills the request itself (the node's rule)."""
+        self._cut(decoder)
+        sched = decoder.engine.scheduler
+        blocks = sched.blocks_for(prompt_tokens)
+        draining = decoder.node_id in self.draining
+        return local_prefill_refusal(sched.pool.num_free, blocks, draining) is None
 
     def _prompt(self, n: int, tokens: int) -> list[int]:
         """Request `n`'s prompt of `tokens` tokens: distinct first tokens, so that no two

@@ -236,6 +236,24 @@ def test_a_conditional_router_with_no_prefill_node_prefills_on_the_decode_node()
     assert rec.done == pytest.approx(0.5 + 9 * DECODE_STEP)
 
 
+def test_a_decode_node_without_room_refuses_a_local_prefill_as_the_node_does() -> None:
+    """The simulated decode node takes or refuses a local prefill by the node's own rule
+    (room for the prompt and one block more); with no prefill pool to fall back on, the
+    refused request gets the router's 503, as a real conditional router scaled to no
+    prefill node answers, instead of waiting in the node's queue."""
+    topology = Topology(prefill=0, decode=1, decode_engine=EngineShape(num_blocks=40),
+                        conditional=True)  # fmt: skip
+    first, second = Simulation(topology, CostModel(profile())).run(
+        [Arrival(0.0, 500, 100), Arrival(0.01, 200, 10)]
+    )
+    assert first.ok and first.output_tokens == 100  # 32 of the 40 blocks
+    assert not second.ok and "retry shortly" in (second.error or "")  # 13 + 1 > 8 free
+    later = Simulation(topology, CostModel(profile())).run(
+        [Arrival(0.0, 500, 100), Arrival(0.01, 100, 10)]
+    )
+    assert all(r.ok for r in later)  # 7 blocks and one more fit in the 8 left
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     simulate.add_parser(parser.add_subparsers())

@@ -178,7 +178,7 @@ class ScaledRun:
                                     pool.num_free, pool.num_blocks,
                                     node_id in sim.draining))  # fmt: skip
         for node_id, node in sim.prefillers.items():
-            nodes.append(NodeSample(node_id, "prefill", node.holding,
+            nodes.append(NodeSample(node_id, "prefill", node.batch,
                                     draining=node_id in sim.draining))  # fmt: skip
         counts = self._count()
         ttft = self._ttft_p90()  # of what `_count` just saw

@@ -43,3 +43,6 @@ class PrefillNode:
         self.node_id = node_id
         self.engine = engine
         self.holding = 0  # jobs taken and not yet handed off
+        # the batch's size until its last hand-off: what the node reports as its load and
+        # queue depth (services/prefill/worker.py `queue_depth`)
+        self.batch = 0

@@ -130,7 +130,7 @@ class PrefillSide:
             return
         count = min(self.topology.prefill_max_batch, len(self.queue))
         jobs = [self.queue.popleft() for _ in range(count)]
-        node.holding = len(jobs)
+        node.holding = node.batch = len(jobs)
         left = {job.seq.request_id: job for job in jobs}
         export, transfer = self.transfer_costs.kv_copy, self.transfer_costs.kv_transfer
         clock = link = self.now
@@ -198,4 +198,5 @@ class PrefillSide:
     def _handed_off(self, node: PrefillNode) -> None:
         node.holding -= 1
         if not node.holding:
+            node.batch = 0
             self.at(self.now, self._take_jobs, node)  # its next fetch

@@ -211,7 +211,7 @@ class Simulation(ScalingSide):
             load = running + len(sched.waiting)
         else:
             role, node = "prefill", self.prefillers[node_id]
-            sched, running, load = node.engine.scheduler, 0, node.holding
+            sched, running, load = node.engine.scheduler, 0, node.batch
         return NodeInfo(
             node_id=node_id,
             role=role,

@@ -254,6 +254,22 @@ def test_a_decode_node_without_room_refuses_a_local_prefill_as_the_node_does() -
     assert all(r.ok for r in later)  # 7 blocks and one more fit in the 8 left
 
 
+def test_a_prefill_nodes_load_is_its_batch_until_the_last_hand_off() -> None:
+    """A prefill node reports the size of the batch it fetched as its load (the router's
+    entry) and queue depth (the autoscaler's sample) until its last hand-off, as the node
+    does (`queue_depth`), not a count of what is left to hand off."""
+    capped = EngineShape(num_blocks=4096, max_num_batched_tokens=128)  # a step a prompt
+    sim = Simulation(Topology(prefill=1, decode=1, decode_engine=shape(), prefill_engine=capped),
+                     CostModel(profile()))  # fmt: skip
+    node = sim.prefillers["prefill-0"]
+    seen: list[tuple[int, int]] = []
+    for t in (0.2, 0.5, 0.9):  # the first batch (300); the second (100, then 300); none
+        sim.at(t, lambda: seen.append((sim._info("prefill-0").load, node.holding)))
+    records = sim.run([Arrival(0.0, 300, 40), Arrival(0.01, 100, 40), Arrival(0.02, 300, 40)])
+    assert all(r.ok for r in records)
+    assert seen == [(1, 1), (2, 1), (0, 0)]  # at 0.5 the 100-token prompt is handed off
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     simulate.add_parser(parser.add_subparsers())

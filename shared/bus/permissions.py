@@ -21,7 +21,9 @@ node of its own role (entries are keyed `<role>.<node id>`); per-node subjects
 open to every node of the role; and every role except the autoscaler may create the
 streams while they do not exist (each service makes sure of them at start), but not
 change them. Subjects are written with topology.py's helpers, a node id or request id
-given as `*` (ANY), so a subject renamed there is renamed here.
+given as `*` (ANY), so a subject renamed there is renamed here. Nothing more: a stack's
+traced run shows every grant used, or used only on a path that run does not take
+(tests/e2e/test_permissions_used.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from shared.bus.topology import (
     PREFILL_MODEL_SUBJECTS,
     PREFILL_NODE_SUBJECTS,
     PREFILL_STREAM,
-    PREFILL_SUBJECT,
     assign_subject,
     cancel_subject,
     kv_events_subject,
@@ -115,8 +116,7 @@ def permissions(role: str) -> Permissions:
                 local_prefill_subject(ANY),
                 prefetch_subject(ANY),
                 ping_subject(ANY, ANY),
-                PREFILL_SUBJECT,
-                PREFILL_MODEL_SUBJECTS,
+                PREFILL_MODEL_SUBJECTS,  # every job names its model (prefill_subject)
                 PREFILL_NODE_SUBJECTS,
                 f"{API}.STREAM.PURGE.{PREFILL_STREAM}",
                 *_kv_reader(JOURNAL_BUCKET),
@@ -139,7 +139,6 @@ def permissions(role: str) -> Permissions:
                 kvcache_subject(ANY, "warm"),
                 KV_EVENTS,
                 f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.*",
-                f"{API}.CONSUMER.CREATE.{PREFILL_STREAM}.*.>",
                 f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.*",
                 f"{API}.CONSUMER.MSG.NEXT.{PREFILL_STREAM}.*",
                 f"$JS.ACK.{PREFILL_STREAM}.>",

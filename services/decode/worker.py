@@ -31,7 +31,7 @@ from shared.bus.client import Bus
 from shared.bus.journal import RequestJournal
 from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import NodeInfo
-from shared.bus.registry import NodeRegistry, node_info
+from shared.bus.registry import NodeRegistry, decode_entry
 from shared.bus.topology import (
     PING_STALLED,
     assign_subject,
@@ -309,14 +309,13 @@ class DecodeWorker:
         self.streams.end(request_id, tokens, reason, self.steps)
 
     def info(self) -> NodeInfo:
-        return node_info(
+        return decode_entry(
             self.node_id,
-            "decode",
-            data_address=self.planes.address if self.planes is not None else "",
-            load=self.engine.num_running + self.engine.num_waiting,
             running=self.engine.num_running,
-            free_kv_blocks=max(0, self.free_blocks()),
-            total_kv_blocks=self.engine.pool.num_blocks,
+            waiting=self.engine.num_waiting,
+            free_blocks=self.free_blocks(),
+            total_blocks=self.engine.pool.num_blocks,
+            data_address=self.planes.address if self.planes is not None else "",
             hash_key=self.engine.hash_key,
             block_size=self.engine.block_size,
             engine=self.engine.kind,

@@ -37,7 +37,7 @@ from services.prefill.intake import JobIntake, one_per_request, others_serve
 from shared.bus.client import Bus
 from shared.bus.kv_events import KVEventPublisher
 from shared.bus.messages import NodeInfo, TokenDelta
-from shared.bus.registry import NodeRegistry, node_info
+from shared.bus.registry import NodeRegistry, prefill_entry
 from shared.bus.topology import cancel_subject, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.bus.workqueue import ReceivedJob, keep_alive
@@ -123,13 +123,12 @@ class PrefillWorker:
         self.cancelled.add(cancel.attempt_id)
 
     def info(self) -> NodeInfo:
-        return node_info(
+        return prefill_entry(
             self.node_id,
-            "prefill",
-            load=self.queue_depth,
+            batch=self.queue_depth,
+            free_blocks=self.engine.pool.num_free,
+            total_blocks=self.engine.pool.num_blocks,
             data_address=self.planes.address,
-            free_kv_blocks=self.engine.pool.num_free,
-            total_kv_blocks=self.engine.pool.num_blocks,
             hash_key=self.engine.hash_key,
             block_size=self.engine.block_size,
             engine=self.engine.kind,

@@ -72,6 +72,15 @@ class NodeTable:
         self._weighed: dict[str, list[tuple[NodeInfo, str, int, int, int, int]]] = {}
         self._hosts: dict[str, list[NodeInfo]] | None = None  # process -> its nodes (shared)
 
+    def heard(self, info: NodeInfo, at: float) -> None:
+        """A node's entry as its heartbeat wrote it (`at`: monotonic, or a simulation's
+        clock): the table's view of it, and what was sent to it since the last entry
+        starts again from none (this one counts it)."""
+        self.put(info)
+        self.heard_at[info.node_id] = at
+        self.left_at.pop(info.node_id, None)
+        self.inflight[info.node_id] = 0
+
     def put(self, info: NodeInfo) -> None:
         """A node's latest registry entry."""
         old = self._nodes.get(info.node_id)
@@ -82,7 +91,8 @@ class NodeTable:
             self._forget_lists(old.role)
 
     def drop(self, node_id: str) -> NodeInfo | None:
-        """Forget a node; its last entry, if it was known."""
+        """Forget a node, and what was sent to it; its last entry, if it was known."""
+        self.inflight.pop(node_id, None)
         gone = self._nodes.pop(node_id, None)
         if gone is not None:
             self._forget_lists(gone.role)
@@ -130,10 +140,7 @@ class NodeTable:
                     elif ev.info is not None:
                         if ev.kind == "join":
                             log.info("node joined: %s (%s)", ev.node_id, ev.info.role)
-                        self.put(ev.info)
-                        self.heard_at[ev.node_id] = time.monotonic()
-                        self.left_at.pop(ev.node_id, None)
-                        self.inflight[ev.node_id] = 0
+                        self.heard(ev.info, time.monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the connection dropped: watch again once it is back
@@ -310,7 +317,6 @@ class NodeTable:
         """Stop choosing a node declared dead by a probe; its next heartbeat (if it is alive
         after all) brings it back, and its registry expiry is then a no-op."""
         self.drop(node_id)
-        self.inflight.pop(node_id, None)
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)

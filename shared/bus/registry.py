@@ -222,6 +222,49 @@ def entry_key(role: str, node_id: str) -> str:
     return f"{role}.{node_id}"
 
 
-def node_info(node_id: str, role: NodeRole, **fields: float | str) -> NodeInfo:
-    """A NodeInfo stamped with the current time."""
-    return NodeInfo(node_id=node_id, role=role, timestamp=time.time(), **fields)  # type: ignore[arg-type]
+def node_info(
+    node_id: str, role: NodeRole, now: float | None = None, **fields: float | str
+) -> NodeInfo:
+    """A NodeInfo stamped with the current time (`now`: a simulation's clock)."""
+    stamp = time.time() if now is None else now
+    return NodeInfo(node_id=node_id, role=role, timestamp=stamp, **fields)  # type: ignore[arg-type]
+
+
+# What a model node reports of its load, written once: the nodes' `info()` and the planner's
+# simulated nodes (tandem/plan/simulator.py) build their entries with these.
+
+
+def decode_entry(
+    node_id: str,
+    *,
+    running: int,
+    waiting: int,
+    free_blocks: int,
+    total_blocks: int,
+    now: float | None = None,
+    **fields: float | str,
+) -> NodeInfo:
+    """A decode node's entry: its load is what runs (decoding, or prefilling chunk by
+    chunk) and what waits; its free blocks net of those promised to arrivals under way,
+    never below 0 (promises can outrun the pool for a moment)."""
+    return node_info(
+        node_id, "decode", now, load=running + waiting, running=running,
+        free_kv_blocks=max(0, free_blocks), total_kv_blocks=total_blocks, **fields,
+    )  # fmt: skip
+
+
+def prefill_entry(
+    node_id: str,
+    *,
+    batch: int,
+    free_blocks: int,
+    total_blocks: int,
+    now: float | None = None,
+    **fields: float | str,
+) -> NodeInfo:
+    """A prefill node's entry: its load is the batch it fetched, until the batch's last
+    hand-off (its queue is the shared stream's, which the router does not count)."""
+    return node_info(
+        node_id, "prefill", now, load=batch, free_kv_blocks=free_blocks,
+        total_kv_blocks=total_blocks, **fields,
+    )  # fmt: skip

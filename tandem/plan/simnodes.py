@@ -46,3 +46,17 @@ class PrefillNode:
         # the batch's size until its last hand-off: what the node reports as its load and
         # queue depth (services/prefill/worker.py `queue_depth`)
         self.batch = 0
+
+
+def simulated_prompt(n: int, tokens: int, shared: dict[int, list[int]] | None) -> list[int]:
+    """Request `n`'s prompt of `tokens` tokens: distinct first tokens, so that no two
+    simulated prompts share a prefix, as in the bench. Without prefix caching (`shared`
+    given) nothing reads a token's value, only their count: then one list serves every
+    prompt of a length (building and freeing a list of ~1,000 tokens a request was a tenth
+    of a simulated hour's time). Nothing changes a prompt's list."""
+    if shared is None:
+        return [n + 1000] + [11] * (tokens - 1)
+    prompt = shared.get(tokens)
+    if prompt is None:
+        prompt = shared[tokens] = [1000] + [11] * (tokens - 1)
+    return prompt

@@ -90,7 +90,6 @@ class ScalingSide(PrefillSide):
             del self.prefillers[node_id]
         self.draining.discard(node_id)
         self.nodes.drop(node_id)
-        self.nodes.inflight.pop(node_id, None)
 
     def live(self, role: str) -> list[str]:
         """Node ids of `role` in the simulation now (draining ones included)."""

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
+from services.decode.local_rules import local_prefill_refusal
 from services.decode.streams import DecodeNode, Streams
 from shared.bus.client import Bus
 from shared.bus.messages import PrefillJob, accepted, decode, refused
@@ -25,7 +26,6 @@ from shared.bus.topology import REPLY_BY_HEADER, is_token_subject
 from shared.bus.tracing import extract_context
 from shared.connector.prefix_cache import PrefixCache
 from shared.engine.interface import EngineCore
-from shared.engine.limits import local_prefill_refusal
 from shared.engine.types import StepOutput
 from shared.errors import InvalidRequestError, TandemError, WireFormatError
 from shared.kv.block_hash import BlockHash

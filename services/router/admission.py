@@ -27,7 +27,7 @@ from opentelemetry import trace
 from services.router.auth import request_owner
 from services.router.failover import Failover
 from services.router.parts import RouterParts
-from services.router.placement import Plan, after_local_refusal, plan, track_backlog
+from services.router.placement import Plan, after_local_refusal, check_pool, plan, track_backlog
 from services.router.request import JournalWriter, ResponseShape, ServedRequest
 from services.router.routing import PrefixRouter
 from services.router.streams import RequestStream
@@ -173,8 +173,7 @@ async def submit(
             return job, "local", ""
         if answer.invalid:  # the request, not the node: a retry would be refused too
             raise InvalidRequestError(answer.reason)
-    if parts.nodes.pool_less(plan.model):  # no prefill node to fall back on
-        raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
+    check_pool(parts.nodes, plan.model)  # a prefill node to fall back on
     steered = ""
     if plan.local:  # refused: the usual path, decode node chosen by load
         node = after_local_refusal(parts.nodes, plan)

@@ -53,6 +53,14 @@ def plan(
     return Plan(blocks, decode_node, local_node is not None, prefix, model)
 
 
+def check_pool(nodes: NodeTable, model: str) -> None:
+    """A request no decode node prefills itself needs a prefill pool: a colocated router,
+    or a conditional one whose pool is scaled to none, answers 503 instead of queueing a
+    job no node reads."""
+    if nodes.pool_less(model):
+        raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
+
+
 def after_local_refusal(nodes: NodeTable, where: Plan) -> NodeInfo:
     """The decode node a request goes to, the usual way, when the one `plan` chose to
     prefill it locally refused: another with room if there is one (a late cancel of the

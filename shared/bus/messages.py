@@ -54,7 +54,7 @@ class PrefillJob(Message, frozen=True, tag="prefill_job"):
     token_subject: str = ""
     deadline: float = 0.0  # unix seconds; past it the job is dropped, not computed
     output_ids: list[int] = []  # a failover: tokens already delivered; continue after them
-    model: str = ""  # the served name it is for ("": the cluster's one model)
+    model: str = ""  # the served name it is for (the router names it in every job)
     # The router served no other request when it sent this: the decode nodes run nothing of
     # its. A prefill node sharing their cores may then take them all (--idle-threads).
     alone: bool = False

@@ -139,6 +139,7 @@ def permissions(role: str) -> Permissions:
                 kvcache_subject(ANY, "warm"),
                 KV_EVENTS,
                 f"{API}.CONSUMER.DURABLE.CREATE.{PREFILL_STREAM}.*",
+                f"{API}.CONSUMER.CREATE.{PREFILL_STREAM}.*.>",  # (pull_subscribe's own)
                 f"{API}.CONSUMER.INFO.{PREFILL_STREAM}.*",
                 f"{API}.CONSUMER.MSG.NEXT.{PREFILL_STREAM}.*",
                 f"$JS.ACK.{PREFILL_STREAM}.>",

@@ -79,7 +79,8 @@ def model_token(served_name: str) -> str:
 
 def prefill_subject(model: str = "") -> str:
     """The shared queue of one served model's jobs (no model: the queue of a job that names
-    none, from a router of before several models)."""
+    none, from a router of before several models; routers now name one in every job, and
+    no role may publish there, shared/bus/permissions.py)."""
     return f"{PREFILL_SUBJECT}.{model_token(model)}" if model else PREFILL_SUBJECT
 
 

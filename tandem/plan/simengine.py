@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.decode.local_rules import local_prefill_refusal
 from shared.costs.model import CostModel
 from shared.engine.limits import handoff_refusal
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -143,6 +144,12 @@ class SimEngine:
         self.scheduler.name_blocks(seq)
         self.scheduler.add_running(seq)
         return True
+
+    def takes_local(self, prompt_tokens: int, draining: bool) -> bool:
+        """Whether the node prefills a request the router sent it itself (the node's rule,
+        `local_prefill_refusal`); refused, the router sends it the usual way."""
+        blocks = self.scheduler.blocks_for(prompt_tokens)
+        return local_prefill_refusal(self.scheduler.pool.num_free, blocks, draining) is None
 
     def begin(self) -> tuple[StepPlan, float, list[Sequence]]:
         """Plan the next step and say how long it takes. As in `Engine.step`, the decodes'

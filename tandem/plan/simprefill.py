@@ -129,7 +129,11 @@ class PrefillSide:
         if node.holding or not self.queue:
             return
         count = min(self.topology.prefill_max_batch, len(self.queue))
-        jobs = [self.queue.popleft() for _ in range(count)]
+        fetched = [self.queue.popleft() for _ in range(count)]
+        jobs = [job for job in fetched if self._fits(node, job)]
+        if not jobs:  # each failed alone: the next fetch
+            self.at(self.now, self._take_jobs, node)
+            return
         node.holding = node.batch = len(jobs)
         left = {job.seq.request_id: job for job in jobs}
         export, transfer = self.transfer_costs.kv_copy, self.transfer_costs.kv_transfer
@@ -153,6 +157,19 @@ class PrefillSide:
                 self.at(link, self._hand_offs, node, ship)
         except CapacityError:  # never admitted: more KV than this node's pool
             self.at(clock, self._not_admitted, node, list(left.values()))
+
+    def _fits(self, node: PrefillNode, job: Job) -> bool:
+        """Checked alone before its batch, as the node checks each job it fetched (the
+        engine's limits): one its pool cannot hold in all fails by itself, not the batch it
+        would have joined."""
+        shape, seq = node.engine.shape, job.seq
+        tokens = len(seq.prompt_ids) + seq.params.max_tokens
+        try:
+            check_fits(seq.request_id, tokens, shape.block_size, shape.num_blocks)
+        except CapacityError as exc:
+            self._fail(job.record, exc.message)
+            return False
+        return True
 
     def _prefilled(self, node: PrefillNode, jobs: list[Job]) -> None:
         """A step of the batch is done: its first tokens out (one event for the step)."""

@@ -7,7 +7,7 @@ Time comes from a profile (shared/costs/model.py); every decision is the real co
   conditional disaggregation's chooser, costed by the decode profile, when asked), and
   counts prefill backlogs as the router does (`placement.track_backlog`); a decode node
   asked to prefill a request itself takes or refuses it by the node's rule
-  (`limits.local_prefill_refusal`), and a refused one goes the router's usual way
+  (`local_prefill_refusal`), and a refused one goes the router's usual way
   (`placement.after_local_refusal`);
 - each node's engine is the real `Scheduler` (simengine.py), continuous batching and
   chunked prefill included;
@@ -44,21 +44,21 @@ from typing import Any, cast
 
 from services.router.conditional import PrefillPathChooser
 from services.router.nodes import NodeTable
-from services.router.placement import after_local_refusal, track_backlog
+from services.router.placement import after_local_refusal, check_pool, track_backlog
 from services.router.placement import plan as plan_route
 from services.router.routing import PrefixRouter
 from shared.bus.ids import RequestId
 from shared.bus.kv_events import KVIndex
-from shared.bus.messages import NodeInfo, NodeRole
+from shared.bus.messages import NodeInfo
+from shared.bus.registry import decode_entry, prefill_entry
 from shared.costs.model import CostModel
-from shared.engine.limits import local_prefill_refusal
 from shared.engine.scheduler import StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
 from shared.runtime.collector import collector_paused
 from tandem.bench.metrics import RequestRecord, add_gap
 from tandem.plan.simengine import SimEngine, SteadyRun
-from tandem.plan.simnodes import DecodeNode, Job, PrefillNode
+from tandem.plan.simnodes import DecodeNode, Job, PrefillNode, simulated_prompt
 from tandem.plan.simscale import ScalingSide
 from tandem.plan.topology import Arrival, Topology
 
@@ -198,32 +198,27 @@ class Simulation(ScalingSide):
         self.at(self.now + self.topology.heartbeat, self._heartbeat, node_id)
 
     def _set_info(self, node_id: str) -> None:
-        self.nodes.put(self._info(node_id))
-        self.nodes.inflight[node_id] = 0  # as NodeTable._watch does on each entry
+        self.nodes.heard(self._info(node_id), self.now)
 
     def _info(self, node_id: str) -> NodeInfo:
-        """Its registry entry, with the fields the decode and prefill workers fill in."""
-        role: NodeRole
+        """Its registry entry, built as the decode and prefill workers build theirs."""
+        draining = node_id in self.draining
         if node_id in self.decoders:
             self._cut(self.decoders[node_id])
-            role, sched = "decode", self.decoders[node_id].engine.scheduler
-            running = sched.num_running
-            load = running + len(sched.waiting)
-        else:
-            role, node = "prefill", self.prefillers[node_id]
-            sched, running, load = node.engine.scheduler, 0, node.batch
-        return NodeInfo(
-            node_id=node_id,
-            role=role,
-            load=load,
-            running=running,
-            free_kv_blocks=sched.pool.num_free,
-            total_kv_blocks=sched.pool.num_blocks,
-            hash_key="sim",
-            block_size=sched.config.block_size,
-            timestamp=self.now,
-            draining=node_id in self.draining,
-        )
+            sched = self.decoders[node_id].engine.scheduler
+            return decode_entry(
+                node_id, running=sched.num_running, waiting=len(sched.waiting),
+                free_blocks=sched.pool.num_free, total_blocks=sched.pool.num_blocks,
+                now=self.now, hash_key="sim", block_size=sched.config.block_size,
+                draining=draining,
+            )  # fmt: skip
+        node = self.prefillers[node_id]
+        sched = node.engine.scheduler
+        return prefill_entry(
+            node_id, batch=node.batch, free_blocks=sched.pool.num_free,
+            total_blocks=sched.pool.num_blocks, now=self.now, hash_key="sim",
+            block_size=sched.config.block_size, draining=draining,
+        )  # fmt: skip
 
     def _admit(self, arrival: Arrival, sent: float) -> None:
         """The request was sent at `sent`; the router has it now and plans it (after the
@@ -236,7 +231,7 @@ class Simulation(ScalingSide):
             self._expiry_due = True
             self.at(max(self.now, sent + self._timeout), self._expire)
         n = next(self._request_ids)
-        prompt = self._prompt(n, arrival.prompt_tokens)
+        prompt = simulated_prompt(n, arrival.prompt_tokens, self._shared_prompts)
         try:
             where = plan_route(self.nodes, self.routing, prompt, arrival.max_tokens)
         except CapacityError as exc:
@@ -247,8 +242,10 @@ class Simulation(ScalingSide):
         self._open[id(record)] = seq.request_id
         local = where.local and self._takes_local(decoder, len(prompt))
         if where.local and not local:  # refused: the usual way, as the router sends it
-            if self.nodes.pool_less(where.model):
-                self._fail(record, "no decode node took the request; retry shortly")
+            try:
+                check_pool(self.nodes, where.model)
+            except CapacityError as exc:
+                self._fail(record, exc.message)
                 return
             decoder = self.decoders[after_local_refusal(self.nodes, where).node_id]
         route = "local" if local else "remote"
@@ -266,25 +263,8 @@ class Simulation(ScalingSide):
             self._take_jobs(node)
 
     def _takes_local(self, decoder: DecodeNode, prompt_tokens: int) -> bool:
-        """Whether the decode node prefills the request itself (the node's rule)."""
-        self._cut(decoder)
-        sched = decoder.engine.scheduler
-        blocks = sched.blocks_for(prompt_tokens)
-        draining = decoder.node_id in self.draining
-        return local_prefill_refusal(sched.pool.num_free, blocks, draining) is None
-
-    def _prompt(self, n: int, tokens: int) -> list[int]:
-        """Request `n`'s prompt of `tokens` tokens: distinct first tokens, so that no two
-        simulated prompts share a prefix, as in the bench. Without prefix caching nothing
-        reads a token's value, only their count: then one list serves every prompt of a
-        length (building and freeing a list of ~1,000 tokens a request was a tenth of a
-        simulated hour's time). Nothing changes a prompt's list."""
-        if self._shared_prompts is None:
-            return [n + 1000] + [11] * (tokens - 1)
-        prompt = self._shared_prompts.get(tokens)
-        if prompt is None:
-            prompt = self._shared_prompts[tokens] = [1000] + [11] * (tokens - 1)
-        return prompt
+        self._cut(decoder)  # its pool as of now
+        return decoder.engine.takes_local(prompt_tokens, decoder.node_id in self.draining)
 
     def _token(self, record: RequestRecord, seq: Sequence) -> None:
         """One token of `seq` reaches the client (its first: no longer queued for a

@@ -71,6 +71,10 @@ RARE: dict[tuple[str, str, str], str] = {
     ("router", "publish", f"$JS.API.STREAM.PURGE.{PREFILL_STREAM}"): (
         "the own queue of a prefill node the router lost, purged (app.py, purge_steered)"
     ),
+    ("prefill", "publish", f"$JS.API.CONSUMER.CREATE.{PREFILL_STREAM}.*.>"): (
+        "nats-py's pull_subscribe creating its consumer by name, when it vanished between "
+        "ensure_job_consumer and the subscribe (workqueue.JobConsumer.start)"
+    ),
     ("decode", "publish", kvcache_subject(ANY, "get_tail")): (
         "a failed-over request prefilled on a decode node loads the partial last block its "
         "lost node stored (local_prefill._load_tail)"

@@ -270,6 +270,18 @@ def test_a_prefill_nodes_load_is_its_batch_until_the_last_hand_off() -> None:
     assert seen == [(1, 1), (2, 1), (0, 0)]  # at 0.5 the 100-token prompt is handed off
 
 
+def test_a_job_the_prefill_pool_cannot_hold_fails_alone() -> None:
+    """As a prefill node checks each fetched job before its batch: one whose prompt and
+    max_tokens need more blocks than the pool has in all fails by itself, and the jobs
+    fetched with it are prefilled."""
+    small = EngineShape(num_blocks=20)  # 320 tokens
+    sim = Simulation(Topology(prefill=1, decode=1, decode_engine=shape(), prefill_engine=small),
+                     CostModel(profile()))  # fmt: skip
+    short, big, other = sim.run([Arrival(0.0, 100, 4), Arrival(0.0, 400, 4), Arrival(0.0, 100, 4)])
+    assert short.ok and other.ok
+    assert not big.ok and "in total" in (big.error or "")
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     simulate.add_parser(parser.add_subparsers())

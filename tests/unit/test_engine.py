@@ -10,6 +10,7 @@ import torch
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.prefill_steps import prefill_and_export
+from shared.engine.types import SequenceState
 from shared.errors import CapacityError, InvalidRequestError, WireFormatError
 from shared.model.loader import LoadedModel
 from shared.sampling_params import SamplingParams, seeded
@@ -179,19 +180,27 @@ def test_export_import_continues_exactly(tiny_model: LoadedModel) -> None:
         assert [first[f"r{i}"], *rest[f"r{i}"]] == reference[i]
 
 
+def moved_mid_sequence(
+    model: LoadedModel, prompt: list[int], params: SamplingParams, steps: int
+) -> tuple[list[int], SequenceState, list[int]]:
+    """Run a request `steps` steps on one engine, export it, continue it on another: the
+    tokens made before, the snapshot it moved with, and the tokens made after."""
+    first = Engine(model, EngineConfig(num_blocks=64))
+    rid = first.add_request(prompt, params)
+    produced: list[int] = []
+    for _ in range(steps):
+        produced.extend(first.step()[0].new_token_ids)
+    snapshot, frame = first.export(rid)
+    second = Engine(model, EngineConfig(num_blocks=64))
+    second.add_snapshot(snapshot, frame)
+    return produced, snapshot, run_to_end(second)[rid]
+
+
 def test_seeded_sampling_resumes_mid_sequence(tiny_model: LoadedModel) -> None:
     prompt = prompts(1, seed=8)[0]
     params = SamplingParams(max_tokens=30, temperature=1.0, top_k=50, seed=99, ignore_eos=True)
-    reference = alone(tiny_model, prompt, params)
-    first = Engine(tiny_model, EngineConfig(num_blocks=64))
-    rid = first.add_request(prompt, params)
-    produced: list[int] = []
-    for _ in range(11):
-        produced.extend(first.step()[0].new_token_ids)
-    snapshot, frame = first.export(rid)
-    second = Engine(tiny_model, EngineConfig(num_blocks=64))
-    second.add_snapshot(snapshot, frame)
-    assert produced + run_to_end(second)[rid] == reference
+    produced, _, rest = moved_mid_sequence(tiny_model, prompt, params, 11)
+    assert produced + rest == alone(tiny_model, prompt, params)
 
 
 def test_an_unseeded_request_gets_one_seed_that_travels_in_its_params(
@@ -202,18 +211,10 @@ def test_an_unseeded_request_gets_one_seed_that_travels_in_its_params(
     so the sequence continued elsewhere samples as it would have here."""
     prompt = prompts(1, seed=10)[0]
     params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
-    first = Engine(tiny_model, EngineConfig(num_blocks=64))
-    rid = first.add_request(prompt, params)
-    produced: list[int] = []
-    for _ in range(5):
-        produced.extend(first.step()[0].new_token_ids)
-    snapshot, frame = first.export(rid)
+    produced, snapshot, rest = moved_mid_sequence(tiny_model, prompt, params, 5)
     assert snapshot.params.seed is not None and params.seed is None
     assert seeded(snapshot.params) is snapshot.params  # fixed once: kept from then on
-    second = Engine(tiny_model, EngineConfig(num_blocks=64))
-    second.add_snapshot(snapshot, frame)
-    reference = alone(tiny_model, prompt, snapshot.params)
-    assert produced + run_to_end(second)[rid] == reference
+    assert produced + rest == alone(tiny_model, prompt, snapshot.params)
     assert len({seeded(params).seed for _ in range(3)}) == 3  # a new one each time
 
 

@@ -176,7 +176,7 @@ async def submit(
     check_pool(parts.nodes, plan.model)  # a prefill node to fall back on
     steered = ""
     if plan.local:  # refused: the usual path, decode node chosen by load
-        node = after_local_refusal(parts.nodes, plan)
+        node = after_local_refusal(parts.nodes, plan.decode_node, plan.blocks, plan.model)
         job = msgspec.structs.replace(job, decode_node=node.node_id)
     elif plan.prefix is not None and plan.prefix.prefill_node is not None:
         steered = plan.prefix.prefill_node.node_id  # its pool holds the prefix

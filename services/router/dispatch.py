@@ -16,6 +16,7 @@ import msgspec
 
 from services.router.config import RouterConfig
 from services.router.nodes import NodeTable
+from services.router.placement import after_local_refusal
 from shared.bus.client import Bus
 from shared.bus.ids import AttemptId, RequestId
 from shared.bus.journal import RequestJournal
@@ -59,9 +60,8 @@ class Dispatch:
             return "local"
         if answer.invalid or self.nodes.pool_less(job.model):  # no prefill queue to fall back on
             raise ResumeRefused(answer.reason or "no decode node took it")
-        other = self.nodes.pick_decode(blocks, {node.node_id}, model=job.model)
-        if other is not None:  # not the node that refused or timed out (see send_local)
-            job = msgspec.structs.replace(job, decode_node=other.node_id)
+        other = after_local_refusal(self.nodes, node, blocks, job.model)
+        job = msgspec.structs.replace(job, decode_node=other.node_id)
         await self.submit(job)
         return "remote"
 

@@ -61,14 +61,14 @@ def check_pool(nodes: NodeTable, model: str) -> None:
         raise CapacityError("no decode node took the request; retry shortly", retry_after=1)
 
 
-def after_local_refusal(nodes: NodeTable, where: Plan) -> NodeInfo:
-    """The decode node a request goes to, the usual way, when the one `plan` chose to
-    prefill it locally refused: another with room if there is one (a late cancel of the
-    refused attempt, which timed out, must not meet the request there again), else that
-    same node. The plan counted the refused node: the count moves with the request."""
-    refused = where.decode_node
+def after_local_refusal(nodes: NodeTable, refused: NodeInfo, blocks: int, model: str) -> NodeInfo:
+    """The decode node a request goes to, the usual way, when the one chosen to prefill it
+    locally (a plan, or a failover's target) refused: another with room if there is one (a
+    late cancel of the refused attempt, which timed out, must not meet the request there
+    again), else that same node. The refused node was counted when chosen: the count moves
+    with the request."""
     nodes.sent(refused.node_id, -1)
-    node = nodes.pick_decode(where.blocks, {refused.node_id}, model=where.model)
+    node = nodes.pick_decode(blocks, {refused.node_id}, model=model)
     return node or refused
 
 

@@ -247,7 +247,8 @@ class Simulation(ScalingSide):
             except CapacityError as exc:
                 self._fail(record, exc.message)
                 return
-            decoder = self.decoders[after_local_refusal(self.nodes, where).node_id]
+            to = after_local_refusal(self.nodes, where.decode_node, where.blocks, where.model)
+            decoder = self.decoders[to.node_id]
         route = "local" if local else "remote"
         track_backlog(self.nodes, cast(RequestId, seq.request_id), where, route, len(prompt))
         if local:

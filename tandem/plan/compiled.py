@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) ho
 # handling them is compiled too, or pure code that reads them as any object).
 MODULES = (
     "shared.engine.sequence",
+    "shared.engine.prefill_steps",
     "shared.engine.scheduler",
     "shared.kv.block_pool",
     "shared.costs.model",

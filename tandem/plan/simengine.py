@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from services.decode.local_rules import local_prefill_refusal
 from shared.costs.model import CostModel
-from shared.engine.limits import handoff_refusal
+from shared.engine.limits import check_fits, handoff_refusal
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
@@ -144,6 +144,12 @@ class SimEngine:
         self.scheduler.name_blocks(seq)
         self.scheduler.add_running(seq)
         return True
+
+    def check_fits(self, request_id: str, tokens: int) -> None:
+        """The node's engine's refusal of a sequence of `tokens` (prompt and max_tokens)
+        its pool cannot hold in all (`limits.check_fits`): as a prefill node checks a
+        fetched job, and as its engine checks one added."""
+        check_fits(request_id, tokens, self.shape.block_size, self.shape.num_blocks)
 
     def takes_local(self, prompt_tokens: int, draining: bool) -> bool:
         """Whether the node prefills a request the router sent it itself (the node's rule,

@@ -24,7 +24,6 @@ from typing import Any
 
 from services.prefill.handoff_rules import FIRST_DELAY, next_delay, offer_order
 from shared.costs.model import CostModel
-from shared.engine.limits import check_fits
 from shared.engine.prefill_steps import PrefillRequest, prefill_steps
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import CapacityError
@@ -63,9 +62,7 @@ class SimBatch:
         output_ids: list[int] | None = None,
     ) -> str:
         assert request_id is not None
-        shape = self.engine.shape  # what the node's engine refuses before anything else
-        check_fits(request_id, len(prompt_ids) + params.max_tokens, shape.block_size,
-                   shape.num_blocks)  # fmt: skip
+        self.engine.check_fits(request_id, len(prompt_ids) + params.max_tokens)
         seq = self.seqs[request_id]
         self.pending[request_id] = seq
         self.engine.add(seq)
@@ -162,10 +159,9 @@ class PrefillSide:
         """Checked alone before its batch, as the node checks each job it fetched (the
         engine's limits): one its pool cannot hold in all fails by itself, not the batch it
         would have joined."""
-        shape, seq = node.engine.shape, job.seq
-        tokens = len(seq.prompt_ids) + seq.params.max_tokens
+        seq = job.seq
         try:
-            check_fits(seq.request_id, tokens, shape.block_size, shape.num_blocks)
+            node.engine.check_fits(seq.request_id, len(seq.prompt_ids) + seq.params.max_tokens)
         except CapacityError as exc:
             self._fail(job.record, exc.message)
             return False
